@@ -1,0 +1,90 @@
+"""The `kvfleet` command line. Each subcommand is a thin parser over a module that does the work."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from services.engine.tiny_model import make_tiny_model
+    path = make_tiny_model(args.dir, seed=args.seed, layers=args.layers, hidden=args.hidden,
+                           heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
+                           max_positions=args.max_positions)
+    print(path)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.engine.generate_cli import run_generate
+    return run_generate(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from services.engine.demo import run_demo
+    return run_demo(args)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from services.engine.bench import run_bench
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("make-tiny-model", help="write a tiny seeded Llama checkpoint (HF format)")
+    t.add_argument("dir")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--hidden", type=int, default=256)
+    t.add_argument("--heads", type=int, default=8)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--vocab", type=int, default=4096)
+    t.add_argument("--max-positions", type=int, default=40960)
+    t.set_defaults(func=_make_tiny_model)
+
+    g = sub.add_parser("generate", help="run prompts through the in-process engine")
+    g.add_argument("--model", default="tiny", help="local HF checkpoint dir, or 'tiny'")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    src.add_argument("--prompt-file", help="one prompt per line")
+    src.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--logprobs", type=int, default=0, help="top-N alternatives per token")
+    g.add_argument("--echo", action="store_true", help="also return prompt logprobs")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(func=_generate)
+
+    d = sub.add_parser("demo", help="mixed chats + documents through the engine, SLOs per class")
+    d.add_argument("--model", default="tiny")
+    d.add_argument("--chats", type=int, default=48)
+    d.add_argument("--documents", type=int, default=2)
+    d.add_argument("--doc-tokens", type=int, default=8192)
+    d.add_argument("--rate", type=float, default=12.0, help="chat arrivals per second")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_demo)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="target", required=True)
+    be = bsub.add_parser("engine", help="in-process engine throughput and overheads")
+    be.add_argument("--model", default="tiny")
+    be.add_argument("--json", action="store_true")
+    be.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    be.set_defaults(func=_bench_engine)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""`kvfleet bench engine`: in-process engine throughput and overheads on this machine.
+
+Measures: decode tokens/s at batch 1, 32, 128; prefill tokens/s in 512-token chunks; time to
+prefill a 32K-token document; scheduler + input preparation time per iteration at 256 running
+sequences, as a fraction of step time; output tokens/s for 32 concurrent 200-in/64-out requests;
+peak RSS. Numbers are printed, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import time
+
+from services.engine.engine import LLMEngine, engine_config
+from services.engine.model.batch import SeqChunk, prepare_inputs
+from services.engine.sampling_params import SamplingParams
+from services.engine.workload import random_prompt
+
+
+def _engine(model: str, **kw) -> LLMEngine:
+    kw.setdefault("reject_late", False)
+    kw.setdefault("enable_prefix_caching", False)
+    return LLMEngine(engine_config(model, **kw))
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _fill(engine: LLMEngine, batch: int, prompt: int, max_tokens: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    for _ in range(batch):
+        engine.add_request(random_prompt(rng, prompt, vocab), _params(max_tokens))
+
+
+def decode_rate(model: str, batch: int, steps: int) -> dict:
+    """Tokens/s of pure decode iterations with `batch` running sequences."""
+    engine = _engine(model, token_budget=max(512, batch), max_running=max(batch, 1))
+    _fill(engine, batch, 32, steps + 64)
+    while engine.stats().num_decoding < batch:
+        engine.step()
+    times, sched = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        sched.append(engine.stats().last_schedule_s)
+    med = statistics.median(times)
+    prep = _prepare_time(engine)
+    return {"batch": batch, "tokens_per_s": batch / med, "step_ms": 1e3 * med,
+            "schedule_ms": 1e3 * statistics.median(sched), "prepare_inputs_ms": 1e3 * prep,
+            "overhead_fraction": (statistics.median(sched) + prep) / med}
+
+
+def _prepare_time(engine: LLMEngine) -> float:
+    """Median time to build the flattened batch for the currently running sequences."""
+    table = engine.pool.block_table
+    chunks = [SeqChunk(r.token_ids[-1:], r.num_tokens - 1, table(r.request_id), (0,))
+              for r in engine.scheduler.running.values()]
+    samples = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        prepare_inputs(chunks, engine.pool.block_size)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def prefill_rate(model: str, prompt: int, chunk: int = 512) -> dict:
+    engine = _engine(model, token_budget=chunk, chunk_size=chunk)
+    _fill(engine, 1, prompt, 1)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    dt = time.perf_counter() - t0
+    return {"prompt_tokens": prompt, "chunk": chunk, "seconds": dt, "tokens_per_s": prompt / dt}
+
+
+def concurrent_rate(model: str, n: int = 32, prompt: int = 200, output: int = 64) -> dict:
+    """n requests arriving together; output tokens/s from first add to last token."""
+    engine = _engine(model, token_budget=2048, chunk_size=512)
+    engine.generate([[5]], _params(2))  # warm-up
+    rng = random.Random(1)
+    prompts = [random_prompt(rng, prompt, engine.model_config.vocab_size) for _ in range(n)]
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, _params(output))
+    dt = time.perf_counter() - t0
+    toks = sum(len(o.token_ids) for o in outs)
+    return {"requests": n, "prompt": prompt, "output": output, "seconds": dt,
+            "output_tokens_per_s": toks / dt}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    quick = args.quick
+    steps = 5 if quick else 30
+    results: dict = {"model": args.model}
+    results["decode"] = [decode_rate(args.model, b, steps) for b in (1, 32, 128)]
+    results["overhead_at_256"] = decode_rate(args.model, 256, 3 if quick else 10)
+    results["prefill_512"] = prefill_rate(args.model, 1024 if quick else 4096)
+    results["prefill_32k"] = prefill_rate(args.model, 2048 if quick else 32768)
+    results["concurrent_32x200x64"] = concurrent_rate(args.model, 8 if quick else 32)
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        _print(results)
+    return 0
+
+
+def _print(r: dict) -> None:
+    for d in r["decode"]:
+        print(f"decode batch {d['batch']:>3}: {d['tokens_per_s']:8.0f} tok/s  step "
+              f"{d['step_ms']:.2f} ms  sched+prep {100 * d['overhead_fraction']:.1f}% of step")
+    o = r["overhead_at_256"]
+    print(f"256 running: step {o['step_ms']:.2f} ms, schedule {o['schedule_ms']:.2f} ms, "
+          f"prepare {o['prepare_inputs_ms']:.2f} ms = {100 * o['overhead_fraction']:.1f}% of step")
+    p = r["prefill_512"]
+    print(f"prefill {p['prompt_tokens']} tokens in {p['chunk']}-token chunks: "
+          f"{p['tokens_per_s']:.0f} tok/s")
+    p = r["prefill_32k"]
+    print(f"prefill a {p['prompt_tokens']}-token document: {p['seconds']:.2f} s")
+    c = r["concurrent_32x200x64"]
+    print(f"{c['requests']} concurrent {c['prompt']}-in/{c['output']}-out: "
+          f"{c['output_tokens_per_s']:.0f} output tok/s ({c['seconds']:.2f} s)")
+    print(f"peak RSS {r['peak_rss_mib']:.0f} MiB")

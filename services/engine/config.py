@@ -1,0 +1,98 @@
+"""Typed, frozen configuration for the engine: traffic classes, tenants, scheduler, engine.
+
+One frozen dataclass per component (STYLE 9). Defaults follow ../shared/DESIGN.md section 2;
+everything is overridable. Derived values are properties, never written back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+AdmissionPolicy = Literal["reserve", "predict"]
+WorkerRole = Literal["mixed", "prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class TrafficClass:
+    """A traffic class and its service-level targets (DESIGN.md section 2)."""
+
+    name: str
+    priority: int                 # larger is served first
+    ttft_target_s: float          # p99 TTFT target; a queued request predicted past it is rejected
+    itl_target_s: float           # p99 inter-token latency target
+    max_prompt_tokens: int
+    output_cap: int               # reservation bound: min(max_tokens, output_cap)
+    predicted_output_tokens: int  # initial reservation under the `predict` policy
+    aging_s: float                # waiting this long raises effective priority by one level
+    share_while_interactive_waits: float = 1.0  # max fraction of the token budget while interactive work waits
+
+
+INTERACTIVE = TrafficClass("interactive", priority=2, ttft_target_s=1.0, itl_target_s=0.1,
+                           max_prompt_tokens=8192, output_cap=2048, predicted_output_tokens=256,
+                           aging_s=10.0)
+DOCUMENT = TrafficClass("document", priority=1, ttft_target_s=10.0, itl_target_s=0.1,
+                        max_prompt_tokens=131072, output_cap=1024, predicted_output_tokens=256,
+                        aging_s=10.0, share_while_interactive_waits=0.5)
+BATCH = TrafficClass("batch", priority=0, ttft_target_s=600.0, itl_target_s=float("inf"),
+                     max_prompt_tokens=131072, output_cap=4096, predicted_output_tokens=512,
+                     aging_s=30.0, share_while_interactive_waits=0.25)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant: its fair-share weight, the classes it may use, and its KV caps (None = no cap)."""
+
+    name: str
+    weight: float = 1.0
+    classes: tuple[str, ...] = ("interactive", "document", "batch")
+    max_active_seqs: int | None = None
+    max_reserved_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduling contract's knobs (DESIGN.md section 5)."""
+
+    token_budget: int = 512       # tokens per iteration, decode + prefill
+    chunk_size: int = 256         # max prefill tokens of one sequence per iteration
+    max_running: int = 256        # max admitted sequences (the batch)
+    admission: AdmissionPolicy = "reserve"
+    role: WorkerRole = "mixed"
+    drr_quantum: int = 128        # tokens credited per unit of tenant weight per DRR round
+    reject_late: bool = True      # reject queued requests whose predicted start breaks the TTFT target
+    interactive_class: str = "interactive"
+    classes: tuple[TrafficClass, ...] = (INTERACTIVE, DOCUMENT, BATCH)
+    tenants: tuple[Tenant, ...] = (Tenant("default"),)
+    default_tenant: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.token_budget < self.max_running:
+            raise ValueError(f"token_budget ({self.token_budget}) must be >= max_running "
+                             f"({self.max_running}) so every running decode fits in one iteration")
+        if self.chunk_size < 1 or self.max_running < 1:
+            raise ValueError("chunk_size and max_running must be >= 1")
+        if self.admission not in ("reserve", "predict"):
+            raise ValueError(f"unknown admission policy {self.admission!r} (reserve|predict)")
+        if self.role not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"unknown role {self.role!r} (mixed|prefill|decode)")
+
+    def traffic_class(self, name: str) -> TrafficClass | None:
+        return next((c for c in self.classes if c.name == name), None)
+
+    def tenant(self, name: str) -> Tenant | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine process needs. `model` is a local HF checkpoint dir or "tiny"."""
+
+    model: str = "tiny"
+    dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
+    block_size: int = 16
+    num_blocks: int | None = None       # None: derived from kv_cache_mib
+    kv_cache_mib: int = 512
+    max_model_len: int | None = None    # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,100 @@
+"""Streaming token -> text, and stop-string matching on the streamed text.
+
+IncrementalDetokenizer follows vLLM's prefix_offset / read_offset scheme. Over ids = prompt + output:
+
+    ids:   ... p p p [prefix_offset ... read_offset) [read_offset ... len(ids))
+                     '--- already emitted, context --''--- not yet emitted ---'
+
+    new_text = decode(ids[prefix_offset:]);  prefix_text = decode(ids[prefix_offset:read_offset])
+    emit new_text[len(prefix_text):] once it is longer and does not end in U+FFFD, then slide both
+    offsets forward. Decoding a few tokens of context (instead of the new token alone) keeps
+    decoders that drop a leading space on the first token (SentencePiece's "▁") right.
+
+A byte-level BPE token can end mid-character; decode() then ends in U+FFFD (lossy UTF-8), so the
+text is held back until the character completes. Every offset is therefore a character boundary,
+and the emitted pieces concatenate to decode(output_ids) for byte-level tokenizers. Cost per token:
+two decodes of the window (a few tokens), not of the whole output.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import tokenizers
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output token
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        # self._ids holds only the window ids[prefix_offset:], so prefix_offset is 0 within it.
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._read_offset = len(self._ids)
+        if self._decode(0).endswith(_REPLACEMENT):
+            # The prompt ends mid-character: the output cannot borrow it, so start with no context.
+            self._ids, self._read_offset = [], 0
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far (held-back bytes excluded until they complete or flush)."""
+        return self._text
+
+    def push(self, token_id: int) -> str:
+        """Append one generated token; return the text that became final (may be "")."""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At finish: emit whatever is held back (U+FFFD for bytes that never completed)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        prefix_text = self._decode(0, self._read_offset)
+        new_text = self._decode(0)
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._text += delta
+        del self._ids[: self._read_offset]  # prefix_offset = read_offset: drop what left the window
+        self._read_offset = len(self._ids)
+        return delta
+
+    def _decode(self, start: int, stop: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip_special)
+
+
+class StopChecker:
+    """Finds stop strings in streamed text (OpenAI semantics: the output excludes the stop string)."""
+
+    def __init__(self, stop: Sequence[str]):
+        self._stop = tuple(s for s in stop if s)  # "" would match everywhere; ignore it
+        self.max_len = max(map(len, self._stop), default=0)
+
+    def find(self, text: str, num_new_chars: int) -> int | None:
+        """Index to cut `text` at if a stop string involving one of the last `num_new_chars` chars
+        occurs (earliest occurrence wins); else None. Scans only the tail that a new match can touch."""
+        first_new = len(text) - num_new_chars
+        cuts = []
+        for s in self._stop:
+            at = text.find(s, max(0, first_new - len(s) + 1))
+            if at >= 0:
+                cuts.append(at)
+        return min(cuts, default=None)
+
+    def holdback(self, text: str) -> int:
+        """Number of trailing chars that could still be the start of a stop string; a streaming
+        caller withholds them until it knows whether the stop string completes."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,261 @@
+"""LLMEngine: the in-process API (add request, step, stream outputs, cancel, stats).
+
+One `step()` is one model iteration:
+  1. scheduler.schedule()  -> plan: decode tokens first, then prefill chunks (KV reserved)
+  2. runner.execute(plan)  -> logits for sampling rows and prompt-logprob rows
+  3. sampler               -> one token per sequence that reached its last known token
+  4. scheduler.update()    -> counters advance, EOS / length finish and free pages
+  5. output states         -> text deltas, stop strings (finish + free in this same step)
+The engine is single-threaded: callers (a worker's event loop, the CLI) drive `step()`.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from services.engine.block_pool import BlockPool
+from services.engine.config import EngineConfig
+from services.engine.errors import DuplicateRequestError, UnknownRequestError
+from services.engine.model.batch import SeqChunk
+from services.engine.model.config import ModelConfig
+from services.engine.model.kv_cache import KVCache, kv_bytes_per_token
+from services.engine.model.loader import load_model
+from services.engine.model.runner import ModelRunner
+from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
+from services.engine.request import Request, Status
+from services.engine.sampler import Sampler, make_generator, prompt_logprobs
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.tokenizer import Tokenizer
+from services.engine.validation import RequestValidator
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_queued: int
+    num_running: int
+    num_decoding: int
+    num_waiting_for_kv: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_used: int
+    kv_blocks_reserved: int
+    kv_blocks_cached: int
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    last_step_s: float
+    last_schedule_s: float
+
+
+def resolve_model_dir(model: str) -> str:
+    if model == "tiny":
+        from services.engine.tiny_model import ensure_tiny_model
+        return str(ensure_tiny_model())
+    return model
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock=time.monotonic) -> None:
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir) if _has_tokenizer(model_dir) else None
+        model = load_model(model_dir, dtype=config.dtype)
+        dtype = next(model.parameters()).dtype
+        num_blocks = config.num_blocks or max(1, (config.kv_cache_mib << 20) // (
+            kv_bytes_per_token(self.model_config, dtype) * config.block_size))
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.scheduler = Scheduler(config.scheduler, self.pool, max_model_len=self.max_model_len,
+                                   enable_prefix_caching=config.enable_prefix_caching, clock=clock)
+        self.validator = RequestValidator(config.scheduler, self.model_config, self.tokenizer,
+                                          self.pool, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.clock = clock
+        self._states: dict[str, OutputState] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._pending: list[RequestOutput] = []   # outputs of requests ended between steps
+        self._ids = itertools.count()
+        self._counters = dict(steps=0, prefill_tokens=0, decode_tokens=0)
+        self._last = (0.0, 0.0)
+
+    # --------------------------------------------------------------------- API
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    tenant: str | None = None, traffic_class: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request. Raises an InvalidRequestError subclass (with a code and
+        a message naming the limits) for bad input; nothing else is affected."""
+        req = self._make_request(prompt, params, tenant, traffic_class, request_id)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        outputs += [self._delta(r) for r in plan.rejected]
+        if plan.decodes or plan.prefills:
+            outputs += self._execute(plan)
+        elapsed = time.perf_counter() - t0
+        self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
+        self._count(plan, elapsed, t1 - t0)
+        return outputs
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel now: frees every page the request holds before returning. True if it was live."""
+        req = self.scheduler.cancel(request_id)
+        if req is None or request_id not in self._states:
+            return False
+        self._pending.append(self._delta(req))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or bool(self._pending)
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Drive the engine until idle, yielding every delta as it is produced."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 **kwargs) -> list[CompletionOutput]:
+        """Run prompts to completion; results in prompt order."""
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        results: dict[str, CompletionOutput] = {}
+        for prompt, p in zip(prompts, plist):
+            rid = self.add_request(prompt, p, **kwargs)
+            results[rid] = CompletionOutput(rid, list(self.scheduler.requests[rid].prompt_token_ids))
+        for out in self.stream():
+            if out.request_id in results:
+                results[out.request_id].add(out)
+        return list(results.values())
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running.values()
+        return EngineStats(
+            num_queued=self.scheduler.num_queued(), num_running=len(self.scheduler.running),
+            num_decoding=sum(1 for r in running if r.is_decoding),
+            num_waiting_for_kv=sum(1 for r in self.scheduler.requests.values()
+                                   if r.status == Status.WAITING_FOR_KV),
+            kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
+            kv_blocks_used=self.pool.num_used, kv_blocks_reserved=self.pool.num_reserved,
+            kv_blocks_cached=self.pool.num_cached, last_step_s=self._last[0],
+            last_schedule_s=self._last[1], **self._counters)
+
+    # ------------------------------------------------- disaggregated roles' API
+    def reserve_remote(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                       request_id: str, tenant: str | None = None,
+                       traffic_class: str | None = None) -> list[int] | None:
+        """Decode role: reserve KV for a request prefilled elsewhere. Returns the blocks its
+        prompt KV must be written into, or None if this engine cannot back it."""
+        req = self._make_request(list(prompt_token_ids), params, tenant, traffic_class, request_id)
+        blocks = self.scheduler.add_remote(req)
+        if blocks is None:
+            self._forget(req.request_id)
+        return blocks
+
+    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int) -> None:
+        """Decode role: write the prompt's KV ([layers, 2, n, block, kv_heads, head_dim]) into the
+        reserved blocks and start decoding from the prefill worker's first token."""
+        if request_id not in self._states:
+            raise UnknownRequestError(request_id)
+        self.kv_cache.write_blocks(self.pool.block_table(request_id)[:kv.shape[2]], kv)
+        req = self.scheduler.kv_arrived(request_id, first_token)
+        self._states[request_id].seed_first_token(first_token)  # the prefill worker streamed it
+        if req.is_finished:
+            self._pending.append(self._delta(req))
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """Prefill role: the prompt's KV, every layer, K and V, for the decode worker."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status != Status.PREFILLED:
+            raise UnknownRequestError(f"{request_id} holds no prefilled KV")
+        nblocks = -(-req.num_prompt_tokens // self.pool.block_size)
+        return self.kv_cache.read_blocks(self.pool.block_table(request_id)[:nblocks])
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV has been exported; free its pages."""
+        self.scheduler.release(request_id)
+
+    # ---------------------------------------------------------------- internals
+    def _make_request(self, prompt, params, tenant, traffic_class, request_id) -> Request:
+        params = params or SamplingParams()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._states:
+            raise DuplicateRequestError(f"request id {rid!r} is already in use")
+        ids, tenant_cfg, cls = self.validator.validate(prompt, params, tenant, traffic_class)
+        eos = frozenset(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
+        req = Request(rid, tenant_cfg.name, cls, params, ids, self.clock(), eos_token_ids=eos)
+        self._states[rid] = OutputState(req, self.tokenizer)
+        self._generators[rid] = make_generator(params.seed)
+        return req
+
+    def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        chunks = plan.chunks
+        table = self.pool.block_table
+        logits = self.runner.execute([
+            SeqChunk(c.token_ids, c.start_pos, table(c.request.request_id), c.logit_rows)
+            for c in chunks])
+        sample_rows, row = [], 0
+        for c in chunks:
+            if c.num_prompt_logprob_rows:
+                self._record_prompt_logprobs(c, logits[row:row + c.num_prompt_logprob_rows])
+            row += len(c.logit_rows)
+            if c.sample:
+                sample_rows.append(row - 1)
+        sampling = [c.request for c in chunks if c.sample]
+        sampled = self.sampler(logits[sample_rows], [r.params for r in sampling],
+                               [self._generators[r.request_id] for r in sampling])
+        advanced = self.scheduler.update(plan, [s.token_id for s in sampled])
+        for req, s in zip(sampling, sampled):
+            stop = self._states[req.request_id].on_token(s.token_id, s)
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish(req, Status.FINISHED_STOPPED, stop_reason=stop)
+        return [self._delta(r) for r in advanced]
+
+    def _record_prompt_logprobs(self, chunk, logits: torch.Tensor) -> None:
+        req = chunk.request
+        targets = req.token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + len(logits)]
+        lps = prompt_logprobs(logits, targets, req.params.prompt_logprobs)
+        self._states[req.request_id].prompt_logprobs.extend(lps)
+
+    def _delta(self, req: Request) -> RequestOutput:
+        out = self._states[req.request_id].delta()
+        if out.finished:
+            self._forget(req.request_id)
+        return out
+
+    def _forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    def _count(self, plan: SchedulerOutput, step_s: float, sched_s: float) -> None:
+        self._counters["steps"] += 1
+        self._counters["prefill_tokens"] += plan.num_prefill_tokens
+        self._counters["decode_tokens"] += len(plan.decodes)
+        self._last = (step_s, sched_s)
+
+
+def _has_tokenizer(model_dir: str) -> bool:
+    import os
+    return os.path.exists(os.path.join(model_dir, "tokenizer.json"))
+
+
+def engine_config(model: str = "tiny", **overrides) -> EngineConfig:
+    """An EngineConfig with scheduler overrides given flat (token_budget=..., role=...)."""
+    from services.engine.config import SchedulerConfig
+    sched_keys = SchedulerConfig.__dataclass_fields__.keys()
+    sched = {k: overrides.pop(k) for k in list(overrides) if k in sched_keys}
+    cfg = EngineConfig(model=model, **overrides)
+    return replace(cfg, scheduler=replace(cfg.scheduler, **sched)) if sched else cfg

@@ -1,0 +1,81 @@
+"""Who gets the prefill part of the token budget: class priority with aging, then tenants by
+weighted deficit round-robin (DRR) within a class, and the document share cap.
+
+Pure helpers; the scheduler calls them and owns all state changes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from services.engine.config import TrafficClass
+
+
+def effective_priority(cls: TrafficClass, waited_s: float) -> float:
+    """Class priority plus one level per `aging_s` waited: nothing starves."""
+    return cls.priority + max(0.0, waited_s) / cls.aging_s
+
+
+def class_budget(cls: TrafficClass, remaining: int, token_budget: int,
+                 interactive_waits: bool, used_by_class: int = 0) -> int:
+    """Tokens this class may take now. While interactive work waits, a capped class (documents,
+    batch) gets at most `share_while_interactive_waits` of the whole budget B."""
+    if not interactive_waits or cls.share_while_interactive_waits >= 1.0:
+        return remaining
+    cap = int(cls.share_while_interactive_waits * token_budget) - used_by_class
+    return max(0, min(remaining, cap))
+
+
+class DeficitRoundRobin:
+    """Weighted DRR over the tenants of one class, in prefill tokens.
+
+    Tenants sit on a ring. A tenant whose turn begins is credited `quantum * weight` tokens of
+    deficit and may spend them on chunks; its turn ends when the deficit is spent, its schedulable
+    work runs out, or the iteration's budget is gone, in which case the next iteration resumes with
+    the same tenant. A tenant with no queued work loses its leftover deficit (classic DRR), so idle
+    tenants cannot bank credit. Over many iterations tenant shares converge to their weights.
+    """
+
+    def __init__(self, quantum: int) -> None:
+        self.quantum = quantum
+        self.ring: list[str] = []
+        self.cursor = 0
+        self.deficit: dict[str, float] = {}
+
+    def serve(self, tenants: dict[str, float], budget: int,
+              take: Callable[[str, int], int]) -> int:
+        """Spend up to `budget` tokens over `tenants` (name -> weight, those with queued work).
+        `take(tenant, max_tokens)` schedules up to that many tokens of the tenant's work and returns
+        how many it used (0 = blocked by capacity or caps). Returns the tokens used."""
+        self._sync(tenants)
+        done: set[str] = set()
+        used_total = 0
+        while budget > 0 and len(done) < len(tenants):
+            tenant = self.ring[self.cursor]
+            if tenant not in tenants or tenant in done:
+                self._advance()
+                continue
+            if self.deficit[tenant] <= 0:
+                self.deficit[tenant] += max(1.0, self.quantum * tenants[tenant])
+            allowed = min(budget, int(self.deficit[tenant]) or 1)
+            used = take(tenant, allowed)
+            budget -= used
+            used_total += used
+            self.deficit[tenant] -= used
+            if used < allowed:            # ran out of schedulable work for this iteration
+                done.add(tenant)
+                self._advance()
+            elif self.deficit[tenant] <= 0:  # turn over
+                self._advance()
+        return used_total
+
+    def _sync(self, tenants: Iterable[str]) -> None:
+        for t in tenants:
+            if t not in self.deficit:
+                self.ring.append(t)
+                self.deficit[t] = 0.0
+        for t in self.ring:
+            if t not in tenants:
+                self.deficit[t] = 0.0     # no queued work: no banked credit
+
+    def _advance(self) -> None:
+        self.cursor = (self.cursor + 1) % len(self.ring)

@@ -1,0 +1,58 @@
+"""`kvfleet generate`: one JSON object per prompt (token ids, text, logprobs, prompt logprobs)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from services.engine.engine import LLMEngine, engine_config
+from services.engine.errors import InvalidRequestError
+from services.engine.outputs import CompletionOutput
+from services.engine.sampling_params import SamplingParams
+
+
+def _prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    if args.prompt_ids:
+        return [[int(t) for t in s.split(",") if t.strip()] for s in args.prompt_ids]
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    return args.prompt or ["Hello, my name is"]
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def to_json(out: CompletionOutput, top_n: int, echo: bool) -> dict:
+    doc = {"request_id": out.request_id, "prompt_token_ids": out.prompt_token_ids,
+           "token_ids": out.token_ids, "text": out.text,
+           "logprobs": [_num(lp.logprob) for lp in out.logprobs],
+           "finish_reason": out.finish_reason}
+    if top_n:
+        doc["top_logprobs"] = [[{"token_id": t, "logprob": v} for t, v in lp.top]
+                               for lp in out.logprobs]
+    if echo:
+        doc["prompt_logprobs"] = [None if lp is None else lp.logprob
+                                  for lp in (out.prompt_logprobs or [])]
+    return doc
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    engine = LLMEngine(engine_config(args.model, dtype=args.dtype))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=tuple(args.stop), logprobs=args.logprobs,
+                            prompt_logprobs=args.logprobs if args.echo else None)
+    status = 0
+    for prompt in _prompts(args):
+        try:
+            (out,) = engine.generate([prompt], params)
+        except InvalidRequestError as e:
+            print(json.dumps({"error": {"code": e.code, "message": e.message}}), file=sys.stderr)
+            status = 2
+            continue
+        doc = to_json(out, args.logprobs, args.echo)
+        print(json.dumps(doc) if args.json else doc["text"])
+    return status

@@ -1,0 +1,118 @@
+"""What the engine hands back: per-step deltas (streaming) and finished completions, plus the
+per-request output state that turns sampled tokens into text (detokenizer + stop strings)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.engine.request import Request
+from services.engine.sampler import TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request (a stream delta). The last one has finished=True."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None = None     # stop | length | abort | rejected | prefilled
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None              # why it was rejected
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the prompt completes
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, accumulated from its deltas (what `generate` returns)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        self.token_ids += delta.new_token_ids
+        self.text += delta.new_text
+        self.logprobs += delta.new_logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.error = delta.error
+
+
+class OutputState:
+    """Per-request text state: incremental detokenizing, stop strings, and what has been emitted.
+
+    Text that might be the beginning of a stop string is held back until it is known not to be.
+    """
+
+    def __init__(self, req: Request, tokenizer) -> None:
+        self.req = req
+        self.detok = (IncrementalDetokenizer(tokenizer.raw, req.prompt_token_ids)
+                      if tokenizer is not None else None)
+        self.stops = StopChecker(req.params.stop) if req.params.stop else None
+        self.text = ""
+        self.emitted_chars = 0
+        self.emitted_tokens = 0
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if req.params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
+
+    def on_token(self, token: int, logprob: TokenLogprob) -> str | None:
+        """Record one sampled token; returns the stop string if one just completed."""
+        if self.req.params.logprobs is not None:
+            self.pending_logprobs.append(logprob)
+        if self.detok is None:
+            return None
+        new = self.detok.push(token)
+        self.text += new
+        if self.stops is None or not new:
+            return None
+        cut = self.stops.find(self.text, len(new))
+        if cut is None:
+            return None
+        stop = next(s for s in self.req.params.stop if self.text.startswith(s, cut))
+        self.text = self.text[:cut]
+        return stop
+
+    def seed_first_token(self, token: int) -> None:
+        """Decode role: the first token was sampled and streamed by the prefill worker."""
+        if self.detok is not None:
+            self.text += self.detok.push(token)
+        self.emitted_tokens, self.emitted_chars = 1, len(self.text)
+
+    def delta(self) -> RequestOutput:
+        req = self.req
+        finished = req.is_finished
+        if finished and self.detok is not None and req.stop_reason not in req.params.stop:
+            self.text += self.detok.flush()
+        visible = len(self.text)
+        if not finished and self.stops is not None:
+            visible -= self.stops.holdback(self.text)
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=req.output_token_ids[self.emitted_tokens:],
+            new_text=self.text[self.emitted_chars:max(visible, self.emitted_chars)],
+            new_logprobs=self.pending_logprobs, finished=finished,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            error=req.reject_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens)
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and (
+                req.num_output_tokens > 0 or finished):
+            out.prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        self.emitted_tokens = req.num_output_tokens
+        self.emitted_chars = max(visible, self.emitted_chars)
+        self.pending_logprobs = []
+        return out

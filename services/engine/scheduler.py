@@ -1,0 +1,392 @@
+"""The iteration scheduler: DESIGN.md section 5, the scheduling contract.
+
+Each iteration, with token budget B:
+  1. every running decode sequence gets its one token first;
+  2. the rest of B goes to prefill chunks: classes by priority with aging, tenants within a class by
+     weighted deficit round-robin, FCFS within a tenant, each chunk at most `chunk_size`;
+  3. while interactive work waits, capped classes (documents, batch) get at most their share of B;
+  4. admission reserves KV blocks for prompt + bounded output and respects per-tenant caps;
+  5. EOS, stop, limit or cancel frees the pages in the same iteration (`finish`);
+  6. a queued request whose predicted start already breaks its TTFT target is rejected.
+
+Lifecycle (who changes what):
+  add -> queue[class][tenant] (WAITING) -> _admit: pool.reserve, RUNNING -> chunks until the known
+  tokens are computed -> sample -> decoding, one token per iteration -> finish: pool.free.
+  `schedule()` makes admission, allocation and preemption decisions and returns a plain plan;
+  `update()` is the one place token counters move. The block pool owns block tables.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, late_requests,
+                                       tenant_allows)
+from services.engine.block_pool import BlockPool, hash_block_tokens, hash_full_blocks
+from services.engine.config import SchedulerConfig
+from services.engine.fairness import DeficitRoundRobin, class_budget, effective_priority
+from services.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute `num_tokens` tokens of `request` from position `start_pos`."""
+
+    request: Request
+    start_pos: int
+    num_tokens: int
+    sample: bool                 # this chunk reaches the last known token: sample the next one
+    num_prompt_logprob_rows: int  # leading rows whose logits give prompt logprobs (echo)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start_pos:self.start_pos + self.num_tokens]
+
+    @property
+    def logit_rows(self) -> list[int]:
+        rows = list(range(self.num_prompt_logprob_rows))
+        if self.sample and (not rows or rows[-1] != self.num_tokens - 1):
+            rows.append(self.num_tokens - 1)
+        return rows
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills)
+
+    def scheduled(self, req: Request) -> bool:
+        return any(c.request is req for c in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, *, max_model_len: int,
+                 enable_prefix_caching: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_model_len = max_model_len
+        self.prefix_caching = enable_prefix_caching
+        self.clock = clock
+        self.requests: dict[str, Request] = {}          # every request holding or awaiting KV
+        self.running: dict[str, Request] = {}           # admitted, in admission order (the batch)
+        self.queues: dict[str, dict[str, deque[Request]]] = {c.name: {} for c in config.classes}
+        self.holding: dict[str, set[str]] = {}          # tenant -> ids of its requests holding KV
+        self.drr = {c.name: DeficitRoundRobin(config.drr_quantum) for c in config.classes}
+        self.prefill_rate = RateEstimator()
+        self._admit_seq = itertools.count()
+        self._admit_order: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ intake
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._queue(req).append(req)
+
+    def add_remote(self, req: Request) -> list[int] | None:
+        """Decode role: reserve prompt + bounded output for KV that a prefill worker will write.
+        Returns the block ids to write the prompt's KV into, or None when this worker cannot
+        back the reservation (it never over-commits)."""
+        need = blocks_to_reserve(req, self.config, self.block_size, self.max_model_len)
+        if not self._tenant_allows(req, need) or not self.pool.reserve(req.request_id, need):
+            return None
+        self.requests[req.request_id] = req
+        self._hold(req, Status.WAITING_FOR_KV)
+        return self.pool.allocate(req.request_id, cdiv(req.num_prompt_tokens, self.block_size))
+
+    def kv_arrived(self, request_id: str, first_token: int) -> Request:
+        """Decode role: the prompt's KV is in the reserved blocks; start decoding."""
+        req = self.requests[request_id]
+        assert req.status == Status.WAITING_FOR_KV, req.status
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = Status.RUNNING
+        self.running[request_id] = req
+        self._append_token(req, first_token)
+        return req
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput(rejected=self._reject_late(now))
+        self._schedule_decodes(out)
+        self._schedule_prefills(out, self.config.token_budget - len(out.decodes), now)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        """Step 1: every running decode sequence gets its token, before any prefill."""
+        for req in self._decode_order():
+            if req.status == Status.RUNNING and self._ensure_slots(req, req.num_tokens, out):
+                out.decodes.append(ScheduledChunk(req, req.num_computed_tokens, 1, True, 0))
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Steps 2-4: fill the rest of the budget with prefill chunks."""
+        interactive_waits = bool(self._tenants_with_work(self.config.interactive_class))
+        for cls in self._class_order(now):
+            if budget <= 0:
+                return
+            capped = interactive_waits and cls.name != self.config.interactive_class
+            allowed = class_budget(cls, budget, self.config.token_budget, capped)
+            take = lambda tenant, n, c=cls.name: self._take(c, tenant, n, out, now)  # noqa: E731
+            budget -= self.drr[cls.name].serve(self._tenants_with_work(cls.name), allowed, take)
+
+    def _take(self, cls: str, tenant: str, max_tokens: int, out: SchedulerOutput,
+              now: float) -> int:
+        """Schedule up to max_tokens of one tenant's prefill work, FCFS. Returns tokens used."""
+        used = 0
+        for req in list(self.queues[cls].get(tenant, ())):
+            if used >= max_tokens:
+                break
+            if out.scheduled(req):
+                continue
+            if req.status != Status.RUNNING and not self._admit(req, now):
+                break                      # FCFS: the tenant's head waits for capacity or caps
+            n = min(req.num_uncomputed_tokens, self.config.chunk_size, max_tokens - used)
+            if not self._ensure_slots(req, req.num_computed_tokens + n, out):
+                break
+            out.prefills.append(self._prefill_chunk(req, n))
+            used += n
+        return used
+
+    def _prefill_chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        rows = 0
+        if req.params.prompt_logprobs is not None and req.num_preemptions == 0:
+            rows = max(0, min(n, req.num_prompt_tokens - 1 - start))
+        return ScheduledChunk(req, start, n, start + n == req.num_tokens, rows)
+
+    # ----------------------------------------------------------- admission/KV
+    def _admit(self, req: Request, now: float) -> bool:
+        """Reserve prompt + bounded output (minus prefix-cache hits). All or nothing."""
+        if len(self.running) >= self.config.max_running:
+            return False
+        hits = self._prefix_hits(req)
+        need = blocks_to_reserve(req, self.config, self.block_size, self.max_model_len)
+        if not self._tenant_allows(req, need):
+            return False
+        if not self.pool.reserve(req.request_id, need - len(hits), shared=hits):
+            return False
+        req.num_computed_tokens = len(hits) * self.block_size
+        req.num_registered_blocks = len(hits)
+        req.admitted_time = now
+        self.running[req.request_id] = req
+        self._hold(req, Status.RUNNING)
+        return True
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks of this tenant matching the request's leading full blocks. At least one
+        token is always left to compute (its logits are needed)."""
+        if not self.prefix_caching or req.params.prompt_logprobs is not None:
+            return []
+        usable = (req.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(req, usable)
+        return self.pool.lookup_prefix(hashes)
+
+    def _ensure_slots(self, req: Request, upto_tokens: int, out: SchedulerOutput) -> bool:
+        """Give `req` blocks for positions [0, upto_tokens). Under `reserve` the reservation
+        always covers it; under `predict` it grows, preempting others, or preempts `req` itself
+        (returns False)."""
+        missing = cdiv(upto_tokens, self.block_size) - self.pool.held(req.request_id)
+        if missing <= 0:
+            return True
+        short = missing - self.pool.reserved(req.request_id)
+        if short > 0:
+            assert self.config.admission == "predict", "reservation must cover a reserve-policy request"
+            if not self._grow(req, short, out):
+                return False
+        self.pool.allocate(req.request_id, missing)
+        return True
+
+    def _grow(self, req: Request, blocks: int, out: SchedulerOutput) -> bool:
+        while not self.pool.reserve(req.request_id, blocks):
+            victim = self._victim()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _victim(self) -> Request:
+        """The lowest-priority, newest running sequence."""
+        return min(self.running.values(),
+                   key=lambda r: (r.traffic_class.priority, -self._admit_order[r.request_id]))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._release(req)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        out.decodes = [c for c in out.decodes if c.request is not req]
+        out.preempted.append(req)
+        queue = self._queue(req)
+        if req not in queue:
+            queue.appendleft(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+        """Apply one iteration: advance computed tokens, append sampled tokens (one per chunk
+        with `sample`, in `out.chunks` order), finish on EOS / stop token / length. Returns the
+        requests that received a token, in order."""
+        tokens = iter(sampled)
+        advanced: list[Request] = []
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            self._cache_computed_blocks(req)
+            if chunk.sample:
+                self._append_token(req, next(tokens))
+                advanced.append(req)
+        return advanced
+
+    def _append_token(self, req: Request, token: int) -> None:
+        req.token_ids.append(token)
+        if req.num_output_tokens == 1 and req.first_token_time is None:
+            req.first_token_time = self.clock()
+        queue = self.queues[req.traffic_class.name].get(req.tenant)
+        if queue and req in queue:
+            queue.remove(req)
+        status = self._finish_status(req, token)
+        if status is not None:
+            self.finish(req, status, stop_reason=token if status == Status.FINISHED_STOPPED else None)
+
+    def _finish_status(self, req: Request, token: int) -> Status | None:
+        p = req.params
+        if (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return Status.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return Status.FINISHED_LENGTH
+        if self.config.role == "prefill":
+            return Status.PREFILLED
+        return None
+
+    def finish(self, req: Request, status: Status, stop_reason: str | int | None = None) -> None:
+        """End a request now. Its pages go back to the pool in this same iteration, except a
+        prefill-role request's, which stay until `release()` after export."""
+        if req.is_finished:
+            return
+        queue = self.queues[req.traffic_class.name].get(req.tenant)
+        if queue and req in queue:
+            queue.remove(req)
+        req.status = status
+        req.stop_reason = stop_reason
+        self.running.pop(req.request_id, None)
+        if status != Status.PREFILLED:
+            self._release(req)
+            self.requests.pop(req.request_id, None)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Cancel wherever the request is: queued, prefilling, decoding, awaiting KV or held
+        for export. Frees everything it holds now. Unknown or finished ids: None."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status == Status.PREFILLED:
+            self.release(request_id)
+            return req
+        self.finish(req, Status.FINISHED_ABORTED)
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV was exported; free the pages."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self._release(req)
+
+    # ----------------------------------------------------------------- helpers
+    def _hold(self, req: Request, status: Status) -> None:
+        req.status = status
+        self._admit_order[req.request_id] = next(self._admit_seq)
+        self.holding.setdefault(req.tenant, set()).add(req.request_id)
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.request_id)
+        self.running.pop(req.request_id, None)
+        self._admit_order.pop(req.request_id, None)
+        self.holding.get(req.tenant, set()).discard(req.request_id)
+
+    def _tenant_allows(self, req: Request, new_blocks: int) -> bool:
+        tenant = self.config.tenant(req.tenant)
+        assert tenant is not None, f"unknown tenant {req.tenant!r} passed validation"
+        ids = self.holding.get(req.tenant, ())
+        committed = sum(self.pool.held(i) + self.pool.reserved(i) for i in ids)
+        return tenant_allows(tenant, len(ids), committed, new_blocks)
+
+    def _block_hashes(self, req: Request, n: int) -> list[int]:
+        """The first n links of the request's hash chain (salted by tenant), extended lazily."""
+        if len(req.block_hashes) < n:
+            start = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            bs = self.block_size
+            req.block_hashes.extend(hash_full_blocks(req.token_ids[start * bs:n * bs], bs,
+                                                     req.tenant, parent_hash=parent))
+        return req.block_hashes[:n]
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        """Register blocks that just became full and computed in the prefix cache."""
+        if not self.prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_registered_blocks:
+            return
+        hashes = self._block_hashes(req, full)
+        table = self.pool.block_table(req.request_id)
+        for i in range(req.num_registered_blocks, full):
+            self.pool.cache_block(table[i], hashes[i])
+        req.num_registered_blocks = full
+
+    def _queue(self, req: Request) -> deque[Request]:
+        return self.queues[req.traffic_class.name].setdefault(req.tenant, deque())
+
+    def _tenants_with_work(self, cls: str) -> dict[str, float]:
+        return {t: self.config.tenant(t).weight for t, q in self.queues[cls].items() if q}
+
+    def _class_order(self, now: float) -> list:
+        """Classes with queued prefill work, by effective priority of their oldest request."""
+        ranked = []
+        for cls in self.config.classes:
+            heads = [q[0].arrival_time for q in self.queues[cls.name].values() if q]
+            if heads:
+                ranked.append((-effective_priority(cls, now - min(heads)), cls.priority, cls))
+        return [c for *_, c in sorted(ranked, key=lambda x: (x[0], -x[1]))]
+
+    def _decode_order(self) -> Iterator[Request]:
+        decoding = [r for r in self.running.values() if r.is_decoding]
+        if self.config.admission == "predict":   # victims (lowest, newest) come last
+            decoding.sort(key=lambda r: (-r.traffic_class.priority,
+                                         self._admit_order[r.request_id]))
+        return iter(decoding)
+
+    def _reject_late(self, now: float) -> list[Request]:
+        """Step 6: reject queued requests predicted to start past their class TTFT target."""
+        if not self.config.reject_late or not self.prefill_rate.ready:
+            return []
+        queued = [r for qs in self.queues.values() for q in qs.values() for r in q]
+        waiting = [r for r in queued if r.status != Status.RUNNING]
+        if not waiting:
+            return []
+        in_progress = sum(r.num_uncomputed_tokens for r in queued if r.status == Status.RUNNING)
+        late = late_requests(waiting, in_progress, self.prefill_rate.rate, now)
+        for req, reason in late:
+            req.reject_reason = reason
+            self.finish(req, Status.FINISHED_REJECTED)
+        return [r for r, _ in late]
+
+    # ------------------------------------------------------------------- stats
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or any(q for qs in self.queues.values() for q in qs.values())
+
+    def num_queued(self) -> int:
+        return sum(1 for qs in self.queues.values() for q in qs.values() for r in q
+                   if r.status != Status.RUNNING)

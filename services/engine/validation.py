@@ -1,0 +1,110 @@
+"""Request validation: every bad input becomes a typed InvalidRequestError whose message says
+what is wrong and what the limits are. Nothing here touches engine state."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from services.engine import errors
+from services.engine.admission import cdiv
+from services.engine.config import SchedulerConfig, Tenant, TrafficClass
+from services.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class RequestValidator:
+    def __init__(self, config: SchedulerConfig, model_config, tokenizer, pool,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.vocab_size = model_config.vocab_size
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.max_model_len = max_model_len
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams, tenant: str | None,
+                 traffic_class: str | None) -> tuple[list[int], Tenant, TrafficClass]:
+        tenant_cfg = self._tenant(tenant)
+        cls = self._class(traffic_class, tenant_cfg)
+        self._sampling(params)
+        ids = self._token_ids(prompt)
+        self._lengths(ids, params, cls, tenant_cfg)
+        return ids, tenant_cfg, cls
+
+    def _tenant(self, name: str | None) -> Tenant:
+        name = self.config.default_tenant if name is None else name
+        tenant = self.config.tenant(name)
+        if tenant is None:
+            known = ", ".join(t.name for t in self.config.tenants)
+            raise errors.UnknownTenantError(f"unknown tenant {name!r}; known tenants: {known}")
+        return tenant
+
+    def _class(self, name: str | None, tenant: Tenant) -> TrafficClass:
+        name = self.config.interactive_class if name is None else name
+        cls = self.config.traffic_class(name)
+        if cls is None:
+            known = ", ".join(c.name for c in self.config.classes)
+            raise errors.UnknownClassError(f"unknown traffic class {name!r}; known classes: {known}")
+        if name not in tenant.classes:
+            raise errors.UnknownClassError(
+                f"tenant {tenant.name!r} may not use class {name!r}; allowed: "
+                f"{', '.join(tenant.classes)}")
+        return cls
+
+    def _sampling(self, p: SamplingParams) -> None:
+        if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens <= 0:
+            raise errors.InvalidMaxTokensError(
+                f"max_tokens must be a positive integer, got {p.max_tokens!r}")
+        if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature)
+                and p.temperature >= 0):
+            raise errors.InvalidSamplingError(f"temperature must be >= 0, got {p.temperature!r}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise errors.InvalidSamplingError(f"top_p must be in (0, 1], got {p.top_p!r}")
+        if p.top_k < -1:
+            raise errors.InvalidSamplingError(f"top_k must be -1, 0 (off) or positive, got {p.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(p, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise errors.InvalidSamplingError(
+                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {n}")
+        if p.stop and self.tokenizer is None:
+            raise errors.InvalidSamplingError("stop strings need a model with a tokenizer")
+        if any(not isinstance(s, str) or not s for s in p.stop):
+            raise errors.InvalidSamplingError("stop strings must be non-empty strings")
+
+    def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise errors.InvalidRequestError(
+                    "this model has no tokenizer.json: send prompt token ids instead of text")
+            if not prompt:
+                raise errors.EmptyPromptError("prompt is empty; send at least one token")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise errors.EmptyPromptError("prompt is empty; send at least one token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise errors.TokenOutOfVocabError(
+                f"prompt token ids must be integers in [0, {self.vocab_size}); "
+                f"got {bad[:5]!r}{' ...' if len(bad) > 5 else ''}")
+        return ids
+
+    def _lengths(self, ids: list[int], p: SamplingParams, cls: TrafficClass, tenant: Tenant) -> None:
+        n = len(ids)
+        if n > cls.max_prompt_tokens:
+            raise errors.ContextLengthError(
+                f"prompt has {n} tokens; class {cls.name!r} allows at most "
+                f"{cls.max_prompt_tokens} prompt tokens")
+        if n + p.max_tokens > self.max_model_len:
+            raise errors.ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"asks for {n + p.max_tokens} ({n} in the prompt, {p.max_tokens} in the output)")
+        bound = min(p.max_tokens, cls.output_cap) if self.config.role != "prefill" else 0
+        need = cdiv(n + bound, self.pool.block_size)
+        limit = min(self.pool.num_blocks, tenant.max_reserved_blocks or self.pool.num_blocks)
+        if need > limit:
+            raise errors.CapacityError(
+                f"prompt ({n}) + bounded output ({bound}) needs {need} KV blocks of "
+                f"{self.pool.block_size} tokens; at most {limit} can ever be reserved here")

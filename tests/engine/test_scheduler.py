@@ -1,0 +1,221 @@
+"""The scheduling contract (DESIGN.md section 5), one story at a time."""
+from __future__ import annotations
+
+import pytest
+
+from services.engine.config import Tenant
+from services.engine.request import Status
+from tests.engine.scheduler_helpers import EOS, add, make_request, make_scheduler, step
+
+
+def decode_into(sched, req):
+    """Run iterations until `req` is decoding."""
+    while not req.is_decoding:
+        step(sched)
+
+
+def test_admission_reserves_prompt_plus_bounded_output():
+    sched, _ = make_scheduler()
+    # 10 prompt tokens + min(max_tokens=30, interactive cap 2048) = 40 tokens = 10 blocks of 4
+    req = add(sched, 10, max_tokens=30)
+    out = step(sched)
+    assert [c.request for c in out.prefills] == [req]
+    assert sched.pool.held(req.request_id) + sched.pool.reserved(req.request_id) == 10
+    # allocated only as far as computed: 10 prompt tokens -> 3 blocks held, 7 still reserved
+    assert sched.pool.held(req.request_id) == 3
+
+
+def test_output_bound_is_capped_by_the_class():
+    sched, _ = make_scheduler(num_blocks=2000)
+    req = add(sched, 8, cls="document", max_tokens=3000)   # document output cap is 1024
+    step(sched)
+    assert sched.pool.held(req.request_id) + sched.pool.reserved(req.request_id) == (8 + 1024) // 4
+
+
+def test_every_running_decode_goes_first_then_prefill_fills_the_rest():
+    sched, _ = make_scheduler(token_budget=64, chunk_size=64, num_blocks=1000)
+    chats = [add(sched, 8, max_tokens=100) for _ in range(5)]
+    for c in chats:
+        decode_into(sched, c)
+    doc = add(sched, 500, cls="document", tenant="b", max_tokens=10)
+    out = step(sched)
+    assert {c.request for c in out.decodes} == set(chats)
+    assert [c.request for c in out.prefills] == [doc]
+    assert out.prefills[0].num_tokens == 64 - 5          # the budget's remainder
+    assert all(c.num_tokens == 1 for c in out.decodes)
+
+
+def test_a_chat_is_served_before_a_document_that_arrived_first():
+    sched, clock = make_scheduler(token_budget=40, chunk_size=32)
+    doc = add(sched, 400, cls="document", tenant="b")
+    chat = add(sched, 20, tenant="a")
+    out = step(sched)
+    assert out.prefills[0].request is chat and out.prefills[0].num_tokens == 20
+    assert out.prefills[1].request is doc and out.prefills[1].num_tokens == 20
+
+
+def test_document_share_is_capped_while_interactive_work_waits():
+    # documents may take at most half of B while a chat waits (here the chat is blocked by its
+    # tenant's cap, so without the share cap the document would take everything)
+    tenants = (Tenant("a", max_active_seqs=1), Tenant("b"))
+    sched, _ = make_scheduler(tenants=tenants, token_budget=64, chunk_size=64, num_blocks=1000)
+    first = add(sched, 4, tenant="a", max_tokens=50)
+    step(sched)                                   # tenant a now holds its one slot
+    add(sched, 30, tenant="a")                    # waits: tenant a is at its cap
+    doc = add(sched, 1000, cls="document", tenant="b")
+    out = step(sched)
+    doc_tokens = sum(c.num_tokens for c in out.prefills if c.request is doc)
+    assert doc_tokens == 32                        # 0.5 * 64
+    sched.finish(first, Status.FINISHED_STOPPED)   # the waiting chat can now run
+    out = step(sched)
+    assert out.prefills[0].request.tenant == "a"
+
+
+def test_aging_lets_an_old_document_go_ahead_of_new_chats():
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16)
+    doc = add(sched, 100, cls="document", tenant="b", clock=clock)
+    clock.now = 25.0     # document: priority 1 + 25 s / 10 s aging = 3.5 > interactive's 2
+    add(sched, 40, tenant="a", clock=clock)
+    out = step(sched)
+    assert out.prefills[0].request is doc
+
+
+def test_tenants_share_prefill_by_weight_with_deficit_round_robin():
+    tenants = (Tenant("a", weight=3.0), Tenant("b", weight=1.0))
+    sched, _ = make_scheduler(tenants=tenants, token_budget=32, chunk_size=16, drr_quantum=8,
+                              prefix_caching=False,
+                              num_blocks=4000)
+    for _ in range(20):
+        add(sched, 64, tenant="a", max_tokens=1)
+        add(sched, 64, tenant="b", max_tokens=1)
+    served = {"a": 0, "b": 0}
+    for _ in range(30):
+        for c in step(sched).prefills:
+            served[c.request.tenant] += c.num_tokens
+    assert served["a"] + served["b"] == 30 * 32
+    assert served["a"] / served["b"] == pytest.approx(3.0, rel=0.1)
+
+
+def test_tenant_caps_on_active_sequences_and_reserved_blocks():
+    tenants = (Tenant("a", max_active_seqs=2), Tenant("b", max_reserved_blocks=10))
+    sched, _ = make_scheduler(tenants=tenants)
+    a = [add(sched, 4, tenant="a", max_tokens=4) for _ in range(3)]
+    b = [add(sched, 16, tenant="b", max_tokens=4) for _ in range(2)]  # 5 blocks each
+    step(sched)
+    assert [r.status for r in a] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    assert [r.status for r in b] == [Status.RUNNING, Status.RUNNING]
+    c = add(sched, 4, tenant="b", max_tokens=4)                      # would be block 11
+    step(sched)
+    assert c.status == Status.WAITING
+
+
+def test_eos_releases_every_page_in_the_same_iteration():
+    sched, _ = make_scheduler()
+    req = add(sched, 10, max_tokens=50)
+    step(sched)
+    assert sched.pool.num_used > 0 and sched.pool.num_reserved > 0
+    step(sched, eos_for={req.request_id})
+    assert req.status == Status.FINISHED_STOPPED and req.stop_reason == EOS
+    assert sched.pool.num_used == 0 and sched.pool.num_reserved == 0
+    assert not sched.has_work
+
+
+def test_max_tokens_finishes_with_length():
+    sched, _ = make_scheduler()
+    req = add(sched, 5, max_tokens=3)
+    for _ in range(3):
+        step(sched)
+    assert req.status == Status.FINISHED_LENGTH and req.num_output_tokens == 3
+    assert sched.pool.num_used == 0
+
+
+def test_cancel_frees_everything_wherever_the_request_is():
+    sched, _ = make_scheduler(token_budget=16, chunk_size=16, num_blocks=1000)
+    prefilling = add(sched, 1000, tenant="a")
+    step(sched)
+    decoding = add(sched, 4, tenant="b", max_tokens=50)
+    while not decoding.is_decoding:
+        step(sched)
+    assert prefilling.status == Status.RUNNING and not prefilling.is_decoding
+    queued = add(sched, 8, tenant="c")
+    for r in (queued, prefilling, decoding):
+        assert sched.cancel(r.request_id) is r and r.status == Status.FINISHED_ABORTED
+    assert sched.cancel(decoding.request_id) is None        # idempotent
+    assert sched.pool.num_used == 0 and sched.pool.num_reserved == 0 and not sched.has_work
+
+
+def test_a_queued_request_that_would_miss_its_ttft_target_is_rejected_with_a_reason():
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=4000)
+    for _ in range(5):
+        sched.prefill_rate.observe(1000, 1.0)             # measured: 1000 prefill tokens/s
+    big = add(sched, 1500, tenant="b", max_tokens=1)     # 1.5 s of prefill queued
+    late = add(sched, 10, tenant="a")                    # would start after 1.5 s > 1.0 s target
+    out = sched.schedule()
+    assert out.rejected == [late] or late in out.rejected
+    assert late.status == Status.FINISHED_REJECTED
+    assert "exceeds the interactive class target" in late.reject_reason
+    assert big.status == Status.RUNNING
+
+
+def test_predict_policy_grows_and_preempts_the_lowest_priority_newest():
+    # 12 blocks of 4. predict reserves prompt + 4 predicted tokens and grows on demand.
+    from services.engine.config import INTERACTIVE, BATCH
+    from dataclasses import replace
+    classes = (replace(INTERACTIVE, predicted_output_tokens=4),
+               replace(BATCH, predicted_output_tokens=4))
+    sched, _ = make_scheduler(num_blocks=12, admission="predict", classes=classes,
+                              reject_late=False)
+    chat = add(sched, 8, max_tokens=40)                       # 3 blocks
+    batch_old = add(sched, 8, cls="batch", tenant="b", max_tokens=40)
+    batch_new = add(sched, 8, cls="batch", tenant="c", max_tokens=40)
+    step(sched)
+    assert sched.pool.num_available == 12 - 9
+    preempted = []
+    for _ in range(30):
+        preempted += step(sched).preempted
+        sched.pool.check_invariants()
+    assert preempted and preempted[0] is batch_new
+    assert chat.num_preemptions == 0
+    assert chat.num_output_tokens > batch_new.num_output_tokens
+
+
+def test_prefill_role_stops_after_the_first_token_and_keeps_pages_for_export():
+    sched, _ = make_scheduler(role="prefill")
+    req = add(sched, 10, max_tokens=20)
+    step(sched)
+    assert req.status == Status.PREFILLED and req.num_output_tokens == 1
+    assert sched.pool.held(req.request_id) == 3        # the prompt's pages, kept
+    assert sched.pool.reserved(req.request_id) == 0    # the decode side reserves the output
+    assert not sched.has_work
+    sched.release(req.request_id)
+    assert sched.pool.num_used == 0
+
+
+def test_decode_role_reserves_for_remote_kv_and_refuses_what_it_cannot_back():
+    sched, _ = make_scheduler(role="decode", num_blocks=10)
+    req = make_request(sched, 10, max_tokens=10)             # 20 tokens = 5 blocks
+    blocks = sched.add_remote(req)
+    assert len(blocks) == 3 and req.status == Status.WAITING_FOR_KV
+    assert sched.pool.reserved(req.request_id) == 2
+    too_big = make_request(sched, 10, max_tokens=14)         # 6 blocks > 5 left
+    assert sched.add_remote(too_big) is None and sched.pool.held(too_big.request_id) == 0
+    sched.kv_arrived(req.request_id, 42)
+    assert req.is_decoding and req.output_token_ids == [42]
+    out = step(sched)
+    assert [c.request for c in out.decodes] == [req] and out.decodes[0].start_pos == 10
+
+
+def test_prefix_cache_is_shared_within_a_tenant_and_never_across_tenants():
+    sched, _ = make_scheduler()
+    prompt = list(range(100, 121))                            # 21 tokens: 5 full blocks of 4
+    first = add(sched, prompt=prompt, tenant="a", max_tokens=10)
+    step(sched)
+    first_blocks = sched.pool.block_table(first.request_id)[:5]
+    same = add(sched, prompt=prompt, tenant="a", max_tokens=2)
+    other = add(sched, prompt=prompt, tenant="b", max_tokens=2)
+    out = step(sched)
+    starts = {c.request.request_id: c.start_pos for c in out.prefills}
+    assert starts[same.request_id] == 20                      # 5 cached blocks reused
+    assert starts[other.request_id] == 0                      # salted by tenant: no hit
+    assert sched.pool.block_table(same.request_id)[:5] == first_blocks
+    assert sched.pool.block_table(other.request_id)[:5] != first_blocks
