@@ -105,7 +105,9 @@ class LLMEngine:
         if plan.decodes or plan.prefills:
             outputs += self._execute(plan)
         elapsed = time.perf_counter() - t0
-        self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
+        if plan.num_prefill_tokens >= (self.config.scheduler.token_budget - len(plan.decodes)) // 2:
+            # only steps where prefill had work to fill its budget measure its drain rate
+            self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
         self._count(plan, elapsed, t1 - t0)
         return outputs
 
