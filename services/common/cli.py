@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--documents", type=int, default=2)
     d.add_argument("--doc-tokens", type=int, default=8192)
     d.add_argument("--rate", type=float, default=12.0, help="chat arrivals per second")
+    d.add_argument("--budget", type=int, default=256, help="tokens per iteration")
+    d.add_argument("--chunk", type=int, default=128, help="max prefill chunk per sequence")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
 

@@ -30,11 +30,13 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _fill(engine: LLMEngine, batch: int, prompt: int, max_tokens: int, seed: int = 0) -> None:
+def _fill(engine: LLMEngine, batch: int, prompt: int, max_tokens: int, seed: int = 0,
+          traffic_class: str = "interactive") -> None:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     for _ in range(batch):
-        engine.add_request(random_prompt(rng, prompt, vocab), _params(max_tokens))
+        engine.add_request(random_prompt(rng, prompt, vocab), _params(max_tokens),
+                           traffic_class=traffic_class)
 
 
 def decode_rate(model: str, batch: int, steps: int) -> dict:
@@ -59,7 +61,9 @@ def decode_rate(model: str, batch: int, steps: int) -> dict:
 def _prepare_time(engine: LLMEngine) -> float:
     """Median time to build the flattened batch for the currently running sequences."""
     table = engine.pool.block_table
-    chunks = [SeqChunk(r.token_ids[-1:], r.num_tokens - 1, table(r.request_id), (0,))
+    # one decode-shaped chunk per running sequence, at a position its blocks already cover
+    chunks = [SeqChunk(r.token_ids[r.num_computed_tokens - 1:r.num_computed_tokens],
+                       r.num_computed_tokens - 1, table(r.request_id), (0,))
               for r in engine.scheduler.running.values()]
     samples = []
     for _ in range(20):
@@ -71,7 +75,7 @@ def _prepare_time(engine: LLMEngine) -> float:
 
 def prefill_rate(model: str, prompt: int, chunk: int = 512) -> dict:
     engine = _engine(model, token_budget=chunk, chunk_size=chunk)
-    _fill(engine, 1, prompt, 1)
+    _fill(engine, 1, prompt, 1, traffic_class="document")
     t0 = time.perf_counter()
     while engine.has_unfinished():
         engine.step()

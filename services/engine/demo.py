@@ -85,13 +85,14 @@ def summarize(traces: dict[str, Trace]) -> dict[str, dict[str, float]]:
 def run_demo(args: argparse.Namespace) -> int:
     tenants = tuple(Tenant(n) for n in CHAT_TENANTS) + (Tenant("docs", classes=("document",)),)
     engine = LLMEngine(engine_config(args.model, tenants=tenants, default_tenant="acme",
-                                     token_budget=512, chunk_size=256, reject_late=False))
+                                     token_budget=args.budget, chunk_size=args.chunk,
+                                     reject_late=False))
     arrivals = mixed_workload(vocab=engine.model_config.vocab_size, chats=args.chats,
                               documents=args.documents, doc_tokens=args.doc_tokens,
                               rate=args.rate, tenants=CHAT_TENANTS, seed=args.seed)
     print(f"kvfleet demo: {args.chats} chats (~200-token prompts, 64 output tokens, tenants "
           f"{', '.join(CHAT_TENANTS)}) + {args.documents} documents of {args.doc_tokens} tokens; "
-          f"token budget 512, chunk 256, {engine.pool.num_blocks} KV blocks")
+          f"token budget {args.budget}, chunk {args.chunk}, {engine.pool.num_blocks} KV blocks")
     traces, info = drive(engine, arrivals)
     print(f"\n{'class':<12}{'reqs':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
           f"{'ITL p99':>9}{'tok/s':>8}")

@@ -42,7 +42,8 @@ class PrefillSlice:
     rows: tuple[int, int]                  # [start, end) rows of the flat batch
     seq_len: int                           # context length including this chunk
     block_ids: torch.Tensor                # [ceil(seq_len / block_size)] int64
-    mask: torch.Tensor                     # [q_len, seq_len] additive: 0 where key <= query position
+    mask: torch.Tensor | None              # [q_len, seq_len] additive: 0 where key <= query position;
+                                           # None when the chunk is the whole context (plain causal)
     query_blocks: tuple[tuple[int, int], ...]  # [q0, q1) local row ranges, one SDPA call each
 
 
@@ -88,6 +89,8 @@ class TorchAttentionBackend:
         start, end = int(host.query_start_loc[seq]), int(host.query_start_loc[seq + 1])
         seq_len, q_len = int(host.seq_lens[seq]), end - start
         block_ids = torch.from_numpy(host.block_tables[seq, :-(-seq_len // block_size)].astype(np.int64))
+        if seq_len == q_len:  # first chunk: attend to this chunk's own K/V, causally, no gather
+            return PrefillSlice((start, end), seq_len, block_ids.to(device), None, ((0, q_len),))
         # keys j > start_pos + r are hidden from local query row r
         mask = torch.full((q_len, seq_len), float("-inf"), dtype=dtype).triu_(seq_len - q_len + 1)
         step = max(1, self.max_score_elements // (seq_len * self.num_heads))
@@ -102,9 +105,13 @@ class TorchAttentionBackend:
         if meta.decode_rows.numel():
             out.index_copy_(0, meta.decode_rows, self._decode(q[meta.decode_rows], k_cache, v_cache, meta))
         for p in meta.prefills:
-            k_ctx = self._gather("k", k_cache, p.block_ids, q.dtype)[:, :p.seq_len]  # [kv_heads, seq_len, d]
-            v_ctx = self._gather("v", v_cache, p.block_ids, q.dtype)[:, :p.seq_len]
-            out[p.rows[0]:p.rows[1]] = prefill_attention(q[p.rows[0]:p.rows[1]], k_ctx, v_ctx, p)
+            rows = slice(*p.rows)
+            if p.mask is None:  # the chunk is the whole context: its own K/V, [kv_heads, q_len, d]
+                k_ctx, v_ctx = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            else:
+                k_ctx = self._gather("k", k_cache, p.block_ids, q.dtype)[:, :p.seq_len]  # [kv_heads, seq_len, d]
+                v_ctx = self._gather("v", v_cache, p.block_ids, q.dtype)[:, :p.seq_len]
+            out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, p)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
@@ -145,6 +152,9 @@ def decode_attention(q, k, v, mask) -> torch.Tensor:
 def prefill_attention(q, k, v, p: PrefillSlice) -> torch.Tensor:
     """q [q_len, heads, d] of one sequence; k, v [kv_heads, seq_len, d] -> [q_len, heads, d]."""
     qt, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, heads, q_len, d], [1, kv_heads, seq_len, d]
+    if p.mask is None:
+        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)
     if len(p.query_blocks) == 1:
         out = F.scaled_dot_product_attention(qt, k, v, attn_mask=p.mask, enable_gqa=True)
         return out[0].transpose(0, 1)
