@@ -48,6 +48,8 @@ class EngineStats:
     steps: int
     prefill_tokens: int
     decode_tokens: int
+    preemptions: int
+    rejections: int
     last_step_s: float
     last_schedule_s: float
 
@@ -83,7 +85,8 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._pending: list[RequestOutput] = []   # outputs of requests ended between steps
         self._ids = itertools.count()
-        self._counters = dict(steps=0, prefill_tokens=0, decode_tokens=0)
+        self._counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
+                              rejections=0)
         self._last = (0.0, 0.0)
 
     # --------------------------------------------------------------------- API
@@ -246,6 +249,8 @@ class LLMEngine:
         self._counters["steps"] += 1
         self._counters["prefill_tokens"] += plan.num_prefill_tokens
         self._counters["decode_tokens"] += len(plan.decodes)
+        self._counters["preemptions"] += len(plan.preempted)
+        self._counters["rejections"] += len(plan.rejected)
         self._last = (step_s, sched_s)
 
 
