@@ -45,8 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_make_tiny_model)
 
     g = sub.add_parser("generate", help="run prompts through the in-process engine")
-    g.add_argument("--model", default="tiny", help="local HF checkpoint dir, or 'tiny'")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--model", default=None, help="local HF checkpoint dir, or tiny (default)")
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--config", help="engine config YAML (classes, tenants, budgets)")
+    g.add_argument("--tenant", default=None)
+    g.add_argument("--traffic-class", default=None)
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     src.add_argument("--prompt-file", help="one prompt per line")

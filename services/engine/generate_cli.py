@@ -6,7 +6,11 @@ import json
 import math
 import sys
 
-from services.engine.engine import LLMEngine, engine_config
+from dataclasses import replace
+
+from services.engine.config import EngineConfig
+from services.engine.config_file import load_engine_config
+from services.engine.engine import LLMEngine
 from services.engine.errors import InvalidRequestError
 from services.engine.outputs import CompletionOutput
 from services.engine.sampling_params import SamplingParams
@@ -40,7 +44,9 @@ def to_json(out: CompletionOutput, top_n: int, echo: bool) -> dict:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    engine = LLMEngine(engine_config(args.model, dtype=args.dtype))
+    cfg = load_engine_config(args.config) if args.config else EngineConfig()
+    cfg = replace(cfg, model=args.model or cfg.model, dtype=args.dtype or cfg.dtype)
+    engine = LLMEngine(cfg)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop), logprobs=args.logprobs,
@@ -48,7 +54,8 @@ def run_generate(args: argparse.Namespace) -> int:
     status = 0
     for prompt in _prompts(args):
         try:
-            (out,) = engine.generate([prompt], params)
+            (out,) = engine.generate([prompt], params, tenant=args.tenant,
+                                     traffic_class=args.traffic_class)
         except InvalidRequestError as e:
             print(json.dumps({"error": {"code": e.code, "message": e.message}}), file=sys.stderr)
             status = 2

@@ -1,0 +1,60 @@
+"""Load an EngineConfig from YAML (or JSON), strictly: unknown keys are errors that name the
+known ones. Layout (every key optional; omitted ones keep the dataclass defaults):
+
+    model: tiny              # or a local HF checkpoint dir
+    dtype: auto
+    block_size: 16
+    kv_cache_mib: 512
+    scheduler:
+      token_budget: 512
+      chunk_size: 256
+      admission: reserve     # reserve | predict
+      classes:               # replaces the defaults when given; each entry is a TrafficClass
+        - {name: interactive, priority: 2, ttft_target_s: 1.0, itl_target_s: 0.1, ...}
+      tenants:
+        - {name: acme, weight: 2.0, max_active_seqs: 64, max_reserved_blocks: 20000}
+      default_tenant: acme
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.engine.config import EngineConfig, SchedulerConfig, Tenant, TrafficClass
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**data)
+
+
+def scheduler_config_from_dict(data: dict[str, Any]) -> SchedulerConfig:
+    data = dict(data)
+    if "classes" in data:
+        data["classes"] = tuple(_build(TrafficClass, c, f"scheduler.classes[{i}]")
+                                for i, c in enumerate(data["classes"]))
+    if "tenants" in data:
+        data["tenants"] = tuple(_build(Tenant, {**t, "classes": tuple(t["classes"])}
+                                       if "classes" in t else t, f"scheduler.tenants[{i}]")
+                                for i, t in enumerate(data["tenants"]))
+    return _build(SchedulerConfig, data, "scheduler")
+
+
+def engine_config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    data = dict(data or {})
+    if "scheduler" in data:
+        data["scheduler"] = scheduler_config_from_dict(data["scheduler"] or {})
+    return _build(EngineConfig, data, "engine config")
+
+
+def load_engine_config(path: str | Path) -> EngineConfig:
+    with open(path, encoding="utf-8") as f:
+        return engine_config_from_dict(yaml.safe_load(f))
