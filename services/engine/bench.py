@@ -15,7 +15,6 @@ import statistics
 import time
 
 from services.engine.engine import LLMEngine, engine_config
-from services.engine.model.batch import SeqChunk, prepare_inputs
 from services.engine.sampling_params import SamplingParams
 from services.engine.workload import random_prompt
 
@@ -45,32 +44,18 @@ def decode_rate(model: str, batch: int, steps: int) -> dict:
     _fill(engine, batch, 32, steps + 64)
     while engine.stats().num_decoding < batch:
         engine.step()
-    times, sched = [], []
+    times, sched, prep = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-        sched.append(engine.stats().last_schedule_s)
-    med = statistics.median(times)
-    prep = _prepare_time(engine)
+        stats = engine.stats()
+        sched.append(stats.last_schedule_s)
+        prep.append(stats.last_prepare_s)
+    med, s_med, p_med = (statistics.median(x) for x in (times, sched, prep))
     return {"batch": batch, "tokens_per_s": batch / med, "step_ms": 1e3 * med,
-            "schedule_ms": 1e3 * statistics.median(sched), "prepare_inputs_ms": 1e3 * prep,
-            "overhead_fraction": (statistics.median(sched) + prep) / med}
-
-
-def _prepare_time(engine: LLMEngine) -> float:
-    """Median time to build the flattened batch for the currently running sequences."""
-    table = engine.pool.block_table
-    # one decode-shaped chunk per running sequence, at a position its blocks already cover
-    chunks = [SeqChunk(r.token_ids[r.num_computed_tokens - 1:r.num_computed_tokens],
-                       r.num_computed_tokens - 1, table(r.request_id), (0,))
-              for r in engine.scheduler.running.values()]
-    samples = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        prepare_inputs(chunks, engine.pool.block_size)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+            "schedule_ms": 1e3 * s_med, "prepare_inputs_ms": 1e3 * p_med,
+            "overhead_fraction": (s_med + p_med) / med}
 
 
 def prefill_rate(model: str, prompt: int, chunk: int = 512) -> dict:
@@ -83,18 +68,21 @@ def prefill_rate(model: str, prompt: int, chunk: int = 512) -> dict:
     return {"prompt_tokens": prompt, "chunk": chunk, "seconds": dt, "tokens_per_s": prompt / dt}
 
 
-def concurrent_rate(model: str, n: int = 32, prompt: int = 200, output: int = 64) -> dict:
-    """n requests arriving together; output tokens/s from first add to last token."""
-    engine = _engine(model, token_budget=2048, chunk_size=512)
+def concurrent_rate(model: str, n: int = 32, prompt: int = 200, output: int = 64,
+                    dtype: str = "auto", repeats: int = 3) -> dict:
+    """n requests arriving together; output tokens/s from first add to last token (median of
+    `repeats` runs on one warm engine)."""
+    engine = _engine(model, token_budget=2048, chunk_size=512, dtype=dtype)
     engine.generate([[5]], _params(2))  # warm-up
     rng = random.Random(1)
     prompts = [random_prompt(rng, prompt, engine.model_config.vocab_size) for _ in range(n)]
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, _params(output))
-    dt = time.perf_counter() - t0
-    toks = sum(len(o.token_ids) for o in outs)
-    return {"requests": n, "prompt": prompt, "output": output, "seconds": dt,
-            "output_tokens_per_s": toks / dt}
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, _params(output))
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    return {"requests": n, "prompt": prompt, "output": output, "dtype": dtype,
+            "output_tokens_per_s": statistics.median(rates), "runs": rates}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -105,7 +93,8 @@ def run_bench(args: argparse.Namespace) -> int:
     results["overhead_at_256"] = decode_rate(args.model, 256, 3 if quick else 10)
     results["prefill_512"] = prefill_rate(args.model, 1024 if quick else 4096)
     results["prefill_32k"] = prefill_rate(args.model, 2048 if quick else 32768)
-    results["concurrent_32x200x64"] = concurrent_rate(args.model, 8 if quick else 32)
+    results["concurrent_32x200x64"] = [concurrent_rate(args.model, 8 if quick else 32, dtype=d)
+                                       for d in ("float32", "bfloat16")]
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=2))
@@ -126,7 +115,8 @@ def _print(r: dict) -> None:
           f"{p['tokens_per_s']:.0f} tok/s")
     p = r["prefill_32k"]
     print(f"prefill a {p['prompt_tokens']}-token document: {p['seconds']:.2f} s")
-    c = r["concurrent_32x200x64"]
-    print(f"{c['requests']} concurrent {c['prompt']}-in/{c['output']}-out: "
-          f"{c['output_tokens_per_s']:.0f} output tok/s ({c['seconds']:.2f} s)")
+    for c in r["concurrent_32x200x64"]:
+        print(f"{c['requests']} concurrent {c['prompt']}-in/{c['output']}-out, {c['dtype']}: "
+              f"{c['output_tokens_per_s']:.0f} output tok/s (median of "
+              f"{', '.join(f'{x:.0f}' for x in c['runs'])})")
     print(f"peak RSS {r['peak_rss_mib']:.0f} MiB")

@@ -51,7 +51,8 @@ class EngineStats:
     preemptions: int
     rejections: int
     last_step_s: float
-    last_schedule_s: float
+    last_schedule_s: float       # schedule() alone
+    last_prepare_s: float        # building the chunks, the flat batch and attention metadata
 
 
 def resolve_model_dir(model: str) -> str:
@@ -87,7 +88,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
                               rejections=0)
-        self._last = (0.0, 0.0)
+        self._last = (0.0, 0.0, 0.0)
+        self._chunk_build_s = 0.0
 
     # --------------------------------------------------------------------- API
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -154,7 +156,7 @@ class LLMEngine:
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             kv_blocks_used=self.pool.num_used, kv_blocks_reserved=self.pool.num_reserved,
             kv_blocks_cached=self.pool.num_cached, last_step_s=self._last[0],
-            last_schedule_s=self._last[1], **self._counters)
+            last_schedule_s=self._last[1], last_prepare_s=self._last[2], **self._counters)
 
     # ------------------------------------------------- disaggregated roles' API
     def reserve_remote(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -207,11 +209,13 @@ class LLMEngine:
         return req
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         chunks = plan.chunks
         table = self.pool.block_table
-        logits = self.runner.execute([
-            SeqChunk(c.token_ids, c.start_pos, table(c.request.request_id), c.logit_rows)
-            for c in chunks])
+        seq_chunks = [SeqChunk(c.token_ids, c.start_pos, table(c.request.request_id), c.logit_rows)
+                      for c in chunks]
+        self._chunk_build_s = time.perf_counter() - t0
+        logits = self.runner.execute(seq_chunks)
         sample_rows, row = [], 0
         for c in chunks:
             if c.num_prompt_logprob_rows:
@@ -251,7 +255,8 @@ class LLMEngine:
         self._counters["decode_tokens"] += len(plan.decodes)
         self._counters["preemptions"] += len(plan.preempted)
         self._counters["rejections"] += len(plan.rejected)
-        self._last = (step_s, sched_s)
+        prep = self._chunk_build_s + self.runner.last_prepare_s if plan.chunks else 0.0
+        self._last = (step_s, sched_s, prep)
 
 
 def _has_tokenizer(model_dir: str) -> bool:

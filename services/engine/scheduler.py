@@ -228,6 +228,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         out.decodes = [c for c in out.decodes if c.request is not req]
+        out.prefills = [c for c in out.prefills if c.request is not req]
         out.preempted.append(req)
         queue = self._queue(req)
         if req not in queue:

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -25,16 +26,19 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend or TorchAttentionBackend(config.num_heads)
+        self.last_prepare_s = 0.0  # steps 1-2 of the last execute (host-side input preparation)
 
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """-> float32 logits [sum(len(c.logit_rows)), vocab]: chunk order, then logit_rows order."""
         if not chunks:
             return torch.empty(0, self.model.config.vocab_size, device=self.model.device)
         with torch.inference_mode():
+            t0 = time.perf_counter()
             batch = prepare_inputs(chunks, self.kv_cache.block_size)
             self._check_ranges(batch)
             batch = batch.to(self.model.device)
             meta = self.backend.build_metadata(batch, self.kv_cache.block_size, self.model.dtype)
+            self.last_prepare_s = time.perf_counter() - t0
             return self.model(batch, self.kv_cache, self.backend, meta)
 
     def _check_ranges(self, batch: BatchInputs) -> None:
