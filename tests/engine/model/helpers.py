@@ -56,7 +56,7 @@ def random_tokens(n: int, seed: int, vocab: int = 4096) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class BlockPool:
+class ShuffledBlockIds:
     """Hands out distinct block ids in shuffled order, so block tables are never contiguous."""
 
     def __init__(self, num_blocks: int, seed: int = 0):
@@ -74,7 +74,7 @@ class Seq:
     """One sequence as the scheduler would track it: tokens, computed count, block table."""
 
     tokens: list[int]
-    pool: BlockPool
+    pool: ShuffledBlockIds
     block_size: int
     computed: int = 0
     table: list[int] = field(default_factory=list)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.engine.model import KVCache, ModelRunner, SeqChunk, TorchAttentionBackend, load_model
-from tests.engine.model.helpers import (CONFIG_A, BlockPool, Seq, load_reference, make_checkpoint,
+from tests.engine.model.helpers import (CONFIG_A, ShuffledBlockIds, Seq, load_reference, make_checkpoint,
                                         random_tokens, reference_logprobs)
 
 BLOCK = 16
@@ -39,7 +39,7 @@ def test_prompt_logprobs_match_transformers_for_any_chunk_size(request, which, c
     model, hf = request.getfixturevalue(f"model_{which}"), request.getfixturevalue(f"hf_{which}")
     tokens = random_tokens(150, seed=3)
     runner = new_runner(model)
-    seq = Seq(tokens, BlockPool(256, seed=chunk_size), BLOCK)
+    seq = Seq(tokens, ShuffledBlockIds(256, seed=chunk_size), BLOCK)
 
     logits = []
     while seq.computed < len(tokens):
@@ -51,7 +51,7 @@ def test_prompt_logprobs_match_transformers_for_any_chunk_size(request, which, c
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_one_step_mixing_decodes_and_prefills_at_different_stages(request, which):
     model, hf = request.getfixturevalue(f"model_{which}"), request.getfixturevalue(f"hf_{which}")
-    runner, pool = new_runner(model), BlockPool(256, seed=7)
+    runner, pool = new_runner(model), ShuffledBlockIds(256, seed=7)
     prompts = [random_tokens(n, seed=10 + i) for i, n in enumerate((60, 45, 33, 5, 1, 90))]
     seqs = [Seq(p, pool, BLOCK) for p in prompts]
 
@@ -75,7 +75,7 @@ def test_one_step_mixing_decodes_and_prefills_at_different_stages(request, which
 def test_greedy_decoding_matches_transformers_generate(model_a, hf_a):
     new_tokens = 24
     prompts = [random_tokens(n, seed=20 + i) for i, n in enumerate((12, 30, 7))]
-    runner, pool = new_runner(model_a), BlockPool(256, seed=3)
+    runner, pool = new_runner(model_a), ShuffledBlockIds(256, seed=3)
     seqs = [Seq(list(p), pool, BLOCK) for p in prompts]
 
     logits = runner.execute([s.chunk(len(s.tokens), "last") for s in seqs])
@@ -103,7 +103,7 @@ def test_long_prefills_split_into_query_blocks_give_the_same_logprobs(model_a, h
     runner = ModelRunner(model_a, KVCache(model_a.config, 64, BLOCK, torch.float32),
                          TorchAttentionBackend(model_a.config.num_heads, max_score_elements=8 * 8 * 100))
     tokens = random_tokens(100, seed=8)
-    seq = Seq(tokens, BlockPool(64, seed=8), BLOCK)
+    seq = Seq(tokens, ShuffledBlockIds(64, seed=8), BLOCK)
     logits = torch.cat([runner.execute([seq.chunk(n)]) for n in (40, 60)])
     assert max_diff(logits, reference_logprobs(hf_a, tokens)) <= TOLERANCE
 
@@ -136,7 +136,7 @@ def test_positions_past_the_original_context_use_llama3_scaling(long_context_dir
     model, hf = load_model(long_context_dir), load_reference(long_context_dir)
     tokens = random_tokens(8705, seed=5)
     runner = new_runner(model, num_blocks=8705 // BLOCK + 8)
-    seq = Seq(tokens, BlockPool(8705 // BLOCK + 8, seed=5), BLOCK)
+    seq = Seq(tokens, ShuffledBlockIds(8705 // BLOCK + 8, seed=5), BLOCK)
 
     logits = []
     while seq.computed < 8704:  # logits for the two chunks either side of 8192 only
