@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=int, default=256, help="tokens per iteration")
     d.add_argument("--chunk", type=int, default=128, help="max prefill chunk per sequence")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-compare", dest="compare", action="store_false",
+                   help="skip the baseline run whose prefills are not chunked")
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -82,25 +82,41 @@ def summarize(traces: dict[str, Trace]) -> dict[str, dict[str, float]]:
     return table
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_once(args: argparse.Namespace, budget: int, chunk: int) -> tuple[dict, dict, LLMEngine]:
     tenants = tuple(Tenant(n) for n in CHAT_TENANTS) + (Tenant("docs", classes=("document",)),)
     engine = LLMEngine(engine_config(args.model, tenants=tenants, default_tenant="acme",
-                                     token_budget=args.budget, chunk_size=args.chunk,
-                                     reject_late=False))
+                                     token_budget=budget, chunk_size=chunk, reject_late=False))
     arrivals = mixed_workload(vocab=engine.model_config.vocab_size, chats=args.chats,
                               documents=args.documents, doc_tokens=args.doc_tokens,
                               rate=args.rate, tenants=CHAT_TENANTS, seed=args.seed)
-    print(f"kvfleet demo: {args.chats} chats (~200-token prompts, 64 output tokens, tenants "
-          f"{', '.join(CHAT_TENANTS)}) + {args.documents} documents of {args.doc_tokens} tokens; "
-          f"token budget {args.budget}, chunk {args.chunk}, {engine.pool.num_blocks} KV blocks")
     traces, info = drive(engine, arrivals)
-    print(f"\n{'class':<12}{'reqs':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+    return summarize(traces), info, engine
+
+
+def print_table(title: str, table: dict) -> None:
+    print(f"\n{title}\n{'class':<12}{'reqs':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
           f"{'ITL p99':>9}{'tok/s':>8}")
-    for cls, row in summarize(traces).items():
+    for cls, row in table.items():
         print(f"{cls:<12}{row['requests']:>5}{row['ttft_p50_ms']:>8.0f}ms{row['ttft_p99_ms']:>8.0f}ms"
               f"{row['itl_p50_ms']:>7.1f}ms{row['itl_p99_ms']:>7.1f}ms{row['tokens_per_s']:>8.0f}")
-    print(f"\nwhile documents were prefilling: {info['doc_prefill_iterations']} iterations, "
-          f"running chats that missed a decode token: {info['missed_decode_slots']}")
-    print(f"wall time {info['wall_s']:.1f}s; KV blocks free at the end "
-          f"{engine.pool.num_free}/{engine.pool.num_blocks}, reserved {engine.pool.num_reserved}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    print(f"kvfleet demo: {args.chats} chats (~200-token prompts, 64 output tokens, Poisson "
+          f"{args.rate}/s, tenants {', '.join(CHAT_TENANTS)}) + {args.documents} documents of "
+          f"{args.doc_tokens} tokens, through the in-process engine on the tiny model")
+    table, info, engine = run_once(args, args.budget, args.chunk)
+    print_table(f"chunked prefill (token budget {args.budget}, chunk {args.chunk}):", table)
+    print(f"while documents were prefilling: {info['doc_prefill_iterations']} iterations; running "
+          f"chats that missed a decode iteration: {info['missed_decode_slots']}")
+    print(f"KV blocks at the end: {engine.pool.num_free}/{engine.pool.num_blocks} free, "
+          f"{engine.pool.num_reserved} reserved; wall time {info['wall_s']:.1f}s")
+    if args.compare:
+        whole = args.doc_tokens + args.budget
+        base, _, _ = run_once(args, whole, whole)
+        print_table(f"baseline, prefills go whole (token budget {whole}):", base)
+        chat, ref = table.get("interactive"), base.get("interactive")
+        if chat and ref:
+            print(f"\nchat ITL p99: {chat['itl_p99_ms']:.0f} ms chunked vs {ref['itl_p99_ms']:.0f} ms "
+                  f"whole ({ref['itl_p99_ms'] / chat['itl_p99_ms']:.1f}x)")
     return 0 if info["missed_decode_slots"] == 0 else 1
