@@ -32,9 +32,13 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
 
-def test_greedy_generation_matches_transformers_in_a_mixed_batch(engine, reference):
-    """Several prompts of different lengths at once (chunks of 7, decodes mixed with prefills):
-    every generated token and its logprob match the reference model."""
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_greedy_generation_matches_transformers_in_a_mixed_batch(tiny_model_dir, reference, chunk):
+    """Several prompts of different lengths at once (prefill chunks of 1, 7 or 64 tokens, decodes
+    mixed with prefills): every generated token and its logprob, and every prompt logprob, match
+    the reference model."""
+    engine = LLMEngine(engine_config(str(tiny_model_dir), token_budget=max(chunk, 32),
+                                     chunk_size=chunk, max_running=32, kv_cache_mib=16))
     tok = engine.tokenizer
     prompts = ["The quick brown fox", "Once upon a time, in a land far away, there lived",
                "def main():\n    return 42\n" * 3, "Zebra"]
