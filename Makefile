@@ -4,9 +4,9 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup system-deps test demo bench protos clean
 
-setup: $(STAMP)
+setup: $(STAMP) system-deps
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -14,7 +14,15 @@ $(STAMP): pyproject.toml
 	# Pin the CPU torch first: an unpinned torch pulls a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet torch==2.13.0
 	$(VPY) -m pip install --quiet -e '.[dev]'
+	# NIXL (UCX KV transfer): its packages require plain torch, so install them without deps.
+	$(VPY) -m pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	touch $(STAMP)
+
+# Tests run a real redis-server on 127.0.0.1; install it when missing (Debian, root).
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 test: setup
 	$(VPY) -m pytest -q
@@ -24,6 +32,9 @@ demo: setup
 
 bench: setup
 	$(VPY) -m services.common.cli bench engine
+
+protos: setup
+	$(VPY) -m services.common.protogen
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,38 @@
+"""Generate the Python code for protos/ (checked in under services/common/pb/).
+
+`python -m services.common.protogen` regenerates; tests/common/test_protos.py proves the checked-in
+code matches protos/. protoc's virtual include path maps protos/ to services/common/pb, so the
+generated imports come out package-qualified (`from services.common.pb.kvfleet.v1 import ...`).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTOS = ROOT / "protos"
+VIRTUAL = "services/common/pb"
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every .proto under protos/ into out_dir."""
+    from grpc_tools import protoc
+    import grpc_tools
+
+    protos = sorted(PROTOS.rglob("*.proto"))
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    args = ["protoc", f"-I{VIRTUAL}={PROTOS}", f"-I{include}", f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *map(str, protos)]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    return sorted(p for p in (out_dir / VIRTUAL).rglob("*") if p.is_file())
+
+
+def main() -> int:
+    for path in generate(ROOT):
+        print(path.relative_to(ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
