@@ -16,3 +16,52 @@ def tiny_model_dir(tmp_path_factory):
     from services.engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+# --- Redis -----------------------------------------------------------------------------------
+# `redis_url`: one real redis-server for the session. `embedded_redis_url`: one EmbeddedRedis for the
+# session. `any_redis_url`: both, as a parameter, for tests the single-host path must pass too.
+# `redis_ns`: a fresh key namespace per test, whose keys are deleted afterwards on the server the test
+# used (`any_redis_url` if the test asks for it, else `redis_url`).
+
+@pytest.fixture(scope="session")
+def redis_url():
+    from services.common.redis_server import RedisNotInstalledError, RedisServerProcess
+    server = RedisServerProcess()
+    try:
+        server.start()
+    except RedisNotInstalledError as e:
+        pytest.fail(f"tests need a real redis-server (make test installs it): {e}")
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_redis_url():
+    from services.common.redis_server import EmbeddedRedis
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(params=["redis-server", "embedded"])
+def any_redis_url(request):
+    return request.getfixturevalue("redis_url" if request.param == "redis-server" else "embedded_redis_url")
+
+
+@pytest.fixture
+def redis_ns(request):
+    import uuid
+
+    import redis
+    ns = f"kvfleet-test-{uuid.uuid4().hex}:"
+    url = request.getfixturevalue("any_redis_url" if "any_redis_url" in request.fixturenames else "redis_url")
+    yield ns
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{ns}*", count=500))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

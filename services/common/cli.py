@@ -29,6 +29,12 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    from services.common.serve import serve
+    return asyncio.run(serve(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -77,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-compare", dest="compare", action="store_false",
                    help="skip the baseline run whose prefills are not chunked")
     d.set_defaults(func=_demo)
+
+    from services.common.serve import add_worker_args
+    w = sub.add_parser("serve", help="run one worker process (prefill | decode | mixed)")
+    add_worker_args(w)
+    w.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="target", required=True)

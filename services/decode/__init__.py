@@ -1,5 +1,4 @@
-"""decode worker: the engine in the `decode` role (services.engine, role="decode").
+"""decode worker: the engine in the decode role, served over gRPC (services/common/worker.py).
 
-Not built yet as a process: issue [F1]. The engine side exists: LLMEngine.reserve_remote /
-import_kv.
+`python -m services.decode [--port P] [--redis-url URL] [--kv-backend nixl|tcp|local]`.
 """

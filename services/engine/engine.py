@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from services.engine.admission import RateEstimator
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig
 from services.engine.errors import DuplicateRequestError, UnknownRequestError
@@ -50,6 +51,9 @@ class EngineStats:
     decode_tokens: int
     preemptions: int
     rejections: int
+    queued_prefill_tokens: int   # prompt tokens not yet computed, queued or mid-prefill
+    prefill_tokens_per_s: float  # measured (EMA), 0 until known
+    decode_tokens_per_s: float
     last_step_s: float
     last_schedule_s: float       # schedule() alone
     last_prepare_s: float        # building the chunks, the flat batch and attention metadata
@@ -89,6 +93,7 @@ class LLMEngine:
         self._counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
                               rejections=0)
         self._last = (0.0, 0.0, 0.0)
+        self._decode_rate = RateEstimator()
         self._chunk_build_s = 0.0
 
     # --------------------------------------------------------------------- API
@@ -113,6 +118,7 @@ class LLMEngine:
         if plan.num_prefill_tokens >= (self.config.scheduler.token_budget - len(plan.decodes)) // 2:
             # only steps where prefill had work to fill its budget measure its drain rate
             self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
+        self._decode_rate.observe(len(plan.decodes), elapsed)
         self._count(plan, elapsed, t1 - t0)
         return outputs
 
@@ -155,7 +161,10 @@ class LLMEngine:
                                    if r.status == Status.WAITING_FOR_KV),
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             kv_blocks_used=self.pool.num_used, kv_blocks_reserved=self.pool.num_reserved,
-            kv_blocks_cached=self.pool.num_cached, last_step_s=self._last[0],
+            kv_blocks_cached=self.pool.num_cached,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            prefill_tokens_per_s=self.scheduler.prefill_rate.rate or 0.0,
+            decode_tokens_per_s=self._decode_rate.rate or 0.0, last_step_s=self._last[0],
             last_schedule_s=self._last[1], last_prepare_s=self._last[2], **self._counters)
 
     # ------------------------------------------------- disaggregated roles' API
@@ -176,6 +185,13 @@ class LLMEngine:
         if request_id not in self._states:
             raise UnknownRequestError(request_id)
         self.kv_cache.write_blocks(self.pool.block_table(request_id)[:kv.shape[2]], kv)
+        self.start_decode(request_id, first_token)
+
+    def start_decode(self, request_id: str, first_token: int) -> None:
+        """Decode role: the prompt's KV already sits in the reserved blocks (a KV transport wrote
+        it); start decoding from the prefill worker's first token."""
+        if request_id not in self._states:
+            raise UnknownRequestError(request_id)
         req = self.scheduler.kv_arrived(request_id, first_token)
         self._states[request_id].seed_first_token(first_token)  # the prefill worker streamed it
         if req.is_finished:

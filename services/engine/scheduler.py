@@ -27,6 +27,7 @@ from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, l
                                        tenant_allows)
 from services.engine.block_pool import BlockPool, hash_block_tokens, hash_full_blocks
 from services.engine.config import SchedulerConfig
+from services.engine.errors import UnknownRequestError
 from services.engine.fairness import DeficitRoundRobin, class_budget, effective_priority
 from services.engine.request import Request, Status
 
@@ -101,6 +102,9 @@ class Scheduler:
         Returns the block ids to write the prompt's KV into, or None when this worker cannot
         back the reservation (it never over-commits)."""
         need = blocks_to_reserve(req, self.config, self.block_size, self.max_model_len)
+        awaiting = sum(1 for r in self.requests.values() if r.status == Status.WAITING_FOR_KV)
+        if len(self.running) + awaiting >= self.config.max_running:
+            return None
         if not self._tenant_allows(req, need) or not self.pool.reserve(req.request_id, need):
             return None
         self.requests[req.request_id] = req
@@ -109,8 +113,9 @@ class Scheduler:
 
     def kv_arrived(self, request_id: str, first_token: int) -> Request:
         """Decode role: the prompt's KV is in the reserved blocks; start decoding."""
-        req = self.requests[request_id]
-        assert req.status == Status.WAITING_FOR_KV, req.status
+        req = self.requests.get(request_id)
+        if req is None or req.status != Status.WAITING_FOR_KV:
+            raise UnknownRequestError(f"{request_id} has no reservation awaiting KV")
         req.num_computed_tokens = req.num_prompt_tokens
         req.status = Status.RUNNING
         self.running[request_id] = req
@@ -387,6 +392,10 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.running) or any(q for qs in self.queues.values() for q in qs.values())
+
+    def queued_prefill_tokens(self) -> int:
+        return sum(r.num_uncomputed_tokens for qs in self.queues.values() for q in qs.values()
+                   for r in q)
 
     def num_queued(self) -> int:
         return sum(1 for qs in self.queues.values() for q in qs.values() for r in q

@@ -1,4 +1,4 @@
-"""prefill worker: the engine in the `prefill` role (services.engine, role="prefill").
+"""prefill worker: the engine in the prefill role, served over gRPC (services/common/worker.py).
 
-Not built yet as a process: issue [F1]. The engine side exists: LLMEngine.export_kv / release.
+`python -m services.prefill [--port P] [--redis-url URL] [--kv-backend nixl|tcp|local]`.
 """

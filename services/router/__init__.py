@@ -1,4 +1,5 @@
-"""router: admission by KV pages and predicted TTFT, placement, overload stages.
+"""router: placement by KV capacity and queue state, Reserve -> Prefill -> Decode orchestration.
 
-Not built yet: issue [F1] fills this package. DESIGN.md section 3, step 2.
+`python -m services.router --redis-url URL [--mode disagg|colocated]`. Admission by predicted TTFT
+and the overload stages of DESIGN.md section 6 are not built yet.
 """

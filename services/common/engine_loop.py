@@ -1,0 +1,157 @@
+"""Run an LLMEngine on its own thread and talk to it from asyncio.
+
+Threading contract: only the engine thread touches the engine. asyncio code
+  - `await loop.call(fn, *args)`   runs fn(*args) on the engine thread between iterations;
+  - `loop.submit(fn, *args)`       the same, fire-and-forget (safe in `finally` of a cancelled task);
+  - `loop.stream(request_id)`      an OutputStream receiving that request's deltas; open it BEFORE
+                                   adding the request so no output can be missed.
+The engine thread iterates while the engine has work and sleeps on the command queue otherwise.
+
+Backpressure: the engine never waits for a client. Deltas queue per stream and a slow consumer
+receives them coalesced (tokens, text and logprobs concatenated) the next time it reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from services.engine.engine import LLMEngine
+from services.engine.outputs import RequestOutput
+
+
+class OutputStream:
+    """One request's deltas, delivered on the asyncio loop; iteration ends after `finished`."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio
+        self._pending: list[RequestOutput] = []
+        self._event = asyncio.Event()
+
+    def push(self, out: RequestOutput) -> None:          # engine thread
+        self._aio.call_soon_threadsafe(self._deliver, out)
+
+    def _deliver(self, out: RequestOutput) -> None:      # asyncio thread
+        self._pending.append(out)
+        self._event.set()
+
+    async def next(self) -> RequestOutput:
+        """The deltas that arrived since the last read, merged into one."""
+        while not self._pending:
+            self._event.clear()
+            await self._event.wait()
+        outs, self._pending = self._pending, []
+        return merge(outs)
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            out = await self.next()
+            yield out
+            if out.finished:
+                return
+
+
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    first = outs[0]
+    if len(outs) == 1:
+        return first
+    last = outs[-1]
+    return RequestOutput(
+        request_id=first.request_id,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        new_logprobs=[lp for o in outs for lp in o.new_logprobs],
+        finished=last.finished, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+        error=last.error,
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
+        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, aio: asyncio.AbstractEventLoop,
+                 idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._aio = aio
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, OutputStream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        fut: asyncio.Future = self._aio.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._aio.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                self._aio.call_soon_threadsafe(_settle, fut, result, None)
+
+        self._commands.put(run)
+        return await fut
+
+    def submit(self, fn: Callable[..., Any], *args, **kwargs) -> None:
+        self._commands.put(lambda: fn(*args, **kwargs))
+
+    def stream(self, request_id: str) -> OutputStream:
+        stream = OutputStream(self._aio)
+        with self._lock:
+            self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._route(self.engine.step())
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._idle_wait_s) if block else \
+                self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            cmd()
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                stream = (self._streams.pop(out.request_id, None) if out.finished
+                          else self._streams.get(out.request_id))
+                if stream is not None:
+                    stream.push(out)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

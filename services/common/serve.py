@@ -1,0 +1,120 @@
+"""Start one worker process: the engine in a role, served over gRPC on 127.0.0.1, heartbeating its
+capacity into Redis. `python -m services.prefill|services.decode` and `kvfleet serve ROLE` land here.
+
+Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
+for it). SIGTERM / SIGINT: stop accepting, drop the Redis record, stop the engine thread, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+
+from services.common.engine_loop import EngineLoop
+from services.common.fleet_state import FleetState, WorkerRecord
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.common.worker import WorkerConfig, WorkerServicer
+from services.engine.config import EngineConfig
+from services.engine.config_file import load_engine_config
+from services.engine.engine import LLMEngine
+from dataclasses import replace
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None:
+    if role is None:
+        p.add_argument("role", choices=["prefill", "decode", "mixed"])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--config", help="engine config YAML (classes, tenants, budgets)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
+    p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
+    p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--heartbeat-s", type=float, default=0.5)
+    p.add_argument("--reserve-timeout-s", type=float, default=30.0)
+    if role is not None:
+        p.set_defaults(role=role)
+
+
+def engine_config_for(args: argparse.Namespace) -> EngineConfig:
+    cfg = load_engine_config(args.config) if args.config else EngineConfig()
+    cfg = replace(cfg, model=args.model, scheduler=replace(cfg.scheduler, role=args.role))
+    if args.kv_cache_mib:
+        cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
+    return cfg
+
+
+async def heartbeat_forever(state: FleetState, loop: EngineLoop, config: WorkerConfig,
+                            address: str, ttl_s: float, every_s: float) -> None:
+    engine = loop.engine
+    while True:
+        s = await loop.call(engine.stats)
+        await state.heartbeat(WorkerRecord(
+            worker_id=config.worker_id, role=config.role, grpc_address=address,
+            kv_backend=config.kv_backend, block_size=engine.pool.block_size,
+            kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
+            kv_blocks_reserved=s.kv_blocks_reserved, kv_blocks_used=s.kv_blocks_used,
+            running=s.num_running, queued=s.num_queued,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
+            decode_tokens_per_s=s.decode_tokens_per_s, model=engine.config.model,
+            max_model_len=engine.max_model_len, updated_at=time.time()), ttl_s)
+        await asyncio.sleep(every_s)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    if args.host not in LOOPBACK:
+        raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
+    worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
+    config = WorkerConfig(worker_id, args.role, args.kv_backend,
+                          reserve_timeout_s=args.reserve_timeout_s)
+    engine = LLMEngine(engine_config_for(args))
+    transport = None
+    if args.role != "mixed":          # a co-located worker moves no KV
+        from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
+        transport = make_transport(args.kv_backend, worker_id)
+        transport.register(engine.kv_cache)
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    loop.start()
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(config, loop, transport), server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    address = f"{args.host}:{port}"
+    state = FleetState(args.redis_url) if args.redis_url else None
+    beat = (asyncio.create_task(heartbeat_forever(state, loop, config, address,
+                                                  ttl_s=3 * args.heartbeat_s,
+                                                  every_s=args.heartbeat_s))
+            if state else None)
+    print(f"READY {worker_id} {address}", flush=True)
+    await _wait_for_signal()
+    if beat:
+        beat.cancel()
+        await state.remove_worker(worker_id)
+        await state.close()
+    await server.stop(grace=1.0)
+    loop.stop()
+    if transport is not None:
+        transport.close()
+    return 0
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def main(role: str | None = None, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"kvfleet serve {role or ''}".strip())
+    add_worker_args(parser, role)
+    return asyncio.run(serve(parser.parse_args(argv)))

@@ -1,0 +1,46 @@
+"""`python -m services.router --redis-url URL [--mode disagg|colocated] [--port P]`.
+
+Prints `READY router <host:port>` once serving; SIGTERM / SIGINT stop it."""
+import argparse
+import asyncio
+import signal
+import sys
+
+import grpc
+
+from services.common.fleet_state import FleetState
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.router.service import RouterServicer
+
+
+async def serve(args: argparse.Namespace) -> int:
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit(f"the router binds to loopback only in this build; got --host {args.host}")
+    state = FleetState(args.redis_url)
+    servicer = RouterServicer(state, args.mode)
+    server = grpc.aio.server()
+    pb_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    print(f"READY router {args.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1.0)
+    await servicer.close()
+    await state.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kvfleet router")
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    return asyncio.run(serve(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The Router gRPC service: place, reserve, prefill, relay (DESIGN.md section 3, step 2).
+
+Disaggregated request, in order:
+  1. Reserve on the best decode replica that accepts (its reservations are authoritative);
+  2. Prefill on the best prefill replica, naming the decode target; the first token is relayed to
+     the client at once, before the KV transfer finishes; a prefill that fails before any token
+     reached the client is retried once on another replica;
+  3. Decode on the reserving replica; its token stream is relayed until finished.
+Co-located: the whole request goes to the best `mixed` worker.
+Any early end (client gone, failure) cancels the request on every worker it touched.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.fleet_state import FleetState, WorkerRecord
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.router.placement import rank_decode, rank_prefill
+
+PREFILL_ATTEMPTS = 2   # the first try and one retry elsewhere
+
+
+class NoCapacity(Exception):
+    pass
+
+
+@dataclass
+class Touched:
+    """Workers a live request has touched, so a cancel reaches all of them."""
+
+    addresses: set[str] = field(default_factory=set)
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, state: FleetState, mode: str = "disagg") -> None:
+        self.state = state
+        self.mode = mode
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._live: dict[str, Touched] = {}
+
+    async def Generate(self, request: pb.RouteRequest, context):
+        rid = request.request_id
+        touched = self._live.setdefault(rid, Touched())
+        done = False
+        try:
+            workers = await self.state.live_workers()
+            relay = (self._colocated(request, workers, touched) if self.mode == "colocated"
+                     else self._disaggregated(request, workers, touched, context))
+            async for chunk in relay:
+                yield chunk
+                done = chunk.finished
+        except NoCapacity as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except grpc.aio.AioRpcError as e:
+            await context.abort(_relayable(e.code()), e.details() or str(e.code()))
+        finally:
+            self._live.pop(rid, None)
+            if not done:
+                self._cancel_everywhere(rid, touched)
+
+    async def _colocated(self, request, workers, touched: Touched):
+        candidates = rank_decode(workers, role="mixed")
+        if not candidates:
+            raise NoCapacity("no healthy mixed worker")
+        target = candidates[0]
+        touched.addresses.add(target.grpc_address)
+        async for chunk in self._stub(target.grpc_address).Generate(request):
+            yield chunk
+
+    async def _disaggregated(self, request, workers, touched: Touched, context):
+        decode, target = await self._reserve(request, workers, touched)
+        first = None
+        async for chunk in self._prefill(request, workers, decode, target, touched):
+            if chunk.finish_reason == "prefilled":
+                break
+            first = chunk if chunk.token_ids else first
+            yield chunk
+            if chunk.finished:          # ended at the prefill worker (EOS, length, rejected)
+                return
+        token = first.token_ids[0]
+        logprob = first.logprobs[0].logprob if first.logprobs else 0.0
+        async for chunk in self._stub(decode.grpc_address).Decode(
+                pb.DecodeRequest(request_id=request.request_id, first_token=token,
+                                 first_logprob=logprob)):
+            yield chunk
+
+    async def _reserve(self, request, workers, touched: Touched):
+        reasons = []
+        for w in rank_decode(workers):
+            touched.addresses.add(w.grpc_address)
+            resp = await self._stub(w.grpc_address).Reserve(pb.ReserveRequest(
+                request_id=request.request_id, tenant=request.tenant,
+                traffic_class=request.traffic_class,
+                prompt_token_ids=request.prompt_token_ids, params=request.params))
+            if resp.accepted:
+                return w, resp.target
+            reasons.append(f"{w.worker_id}: {resp.reason}")
+        raise NoCapacity("no decode replica can reserve KV for this request"
+                         + (f" ({'; '.join(reasons)})" if reasons else ": none is healthy"))
+
+    async def _prefill(self, request, workers, decode: WorkerRecord, target, touched: Touched):
+        """Prefill stream, retried once on another replica if it fails before any token."""
+        candidates = rank_prefill(workers, len(request.prompt_token_ids))
+        if not candidates:
+            raise NoCapacity("no healthy prefill worker")
+        for attempt, w in enumerate(candidates[:PREFILL_ATTEMPTS]):
+            touched.addresses.add(w.grpc_address)
+            sent = False
+            try:
+                async for chunk in self._stub(w.grpc_address).Prefill(pb.PrefillRequest(
+                        request_id=request.request_id, tenant=request.tenant,
+                        traffic_class=request.traffic_class,
+                        prompt_token_ids=request.prompt_token_ids, params=request.params,
+                        target=target, decode_worker=decode.grpc_address)):
+                    sent = sent or bool(chunk.token_ids)
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                         grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+                if sent or not retryable or attempt + 1 >= min(PREFILL_ATTEMPTS, len(candidates)):
+                    raise
+
+    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        touched = self._live.pop(request.request_id, None)
+        if touched is None:
+            return pb.CancelResponse(cancelled=False)
+        await self._cancel_all(request.request_id, touched)
+        return pb.CancelResponse(cancelled=True)
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        workers = await self.state.live_workers()
+        roles = {w.role for w in workers}
+        needed = {"mixed"} if self.mode == "colocated" else {"prefill", "decode"}
+        ok = needed <= roles
+        return pb.HealthResponse(
+            status=pb.HealthResponse.SERVING if ok else pb.HealthResponse.NOT_SERVING,
+            detail=f"{len(workers)} live workers: " + ", ".join(sorted(w.worker_id for w in workers)))
+
+    # ----------------------------------------------------------------- helpers
+    def _stub(self, address: str) -> pb_grpc.WorkerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return pb_grpc.WorkerStub(channel)
+
+    def _cancel_everywhere(self, rid: str, touched: Touched) -> None:
+        asyncio.get_running_loop().create_task(self._cancel_all(rid, touched))
+
+    async def _cancel_all(self, rid: str, touched: Touched) -> None:
+        async def one(address: str) -> None:
+            try:
+                await self._stub(address).Cancel(pb.CancelRequest(request_id=rid), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                pass   # a dead worker holds nothing any more
+        await asyncio.gather(*(one(a) for a in touched.addresses))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels.values()))
+
+
+def _relayable(code: grpc.StatusCode) -> grpc.StatusCode:
+    """Worker failures reach the client as UNAVAILABLE; request errors keep their code."""
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+        return code
+    return grpc.StatusCode.UNAVAILABLE

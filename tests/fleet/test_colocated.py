@@ -1,0 +1,51 @@
+"""A co-located fleet (router + mixed worker processes, real Redis) serves the same greedy tokens
+as the in-process engine, and a cancelled stream frees everything on the worker."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from services.common.launcher import wait_until
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.engine.engine import LLMEngine, engine_config
+from services.engine.sampling_params import SamplingParams
+from tests.fleet.fleet_helpers import route_request, running_fleet
+
+PROMPT = [4080, 39, 72, 311, 464, 68, 500, 501, 502, 503]
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url, tiny_model_dir):
+    with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=1) as f:
+        assert wait_until(lambda: f.router_stub().Health(pb.HealthRequest()).status ==
+                          pb.HealthResponse.SERVING, 10)
+        yield f
+
+
+def test_greedy_tokens_equal_the_in_process_engine(fleet, tiny_model_dir):
+    chunks = list(fleet.router_stub().Generate(route_request("c1", PROMPT, 12, ignore_eos=True)))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    engine = LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=8))
+    (ref,) = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True))
+    assert tokens == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+
+
+def test_bad_request_gets_invalid_argument_with_the_limits(fleet):
+    with pytest.raises(grpc.RpcError) as info:
+        list(fleet.router_stub().Generate(route_request("c2", PROMPT, 0)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in info.value.details()
+
+
+def test_client_cancel_frees_every_block_on_the_worker(fleet):
+    call = fleet.router_stub().Generate(route_request("c3", PROMPT, 2000, ignore_eos=True))
+    next(iter(call))                                   # streaming has begun
+    assert fleet.stats("mixed-0").kv_blocks_reserved > 0
+    call.cancel()
+    assert wait_until(lambda: (lambda s: s.kv_blocks_used == 0 and s.kv_blocks_reserved == 0)(
+        fleet.stats("mixed-0")), 1.0)
