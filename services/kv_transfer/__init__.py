@@ -1,4 +1,39 @@
-"""kv_transfer: KVTransport interface with nixl, tcp and local backends.
+"""kv_transfer: copy a request's KV blocks from a prefill worker's pool into a decode worker's reserved blocks.
 
-Not built yet: issue [F1]. The engine's KVCache.read_blocks / write_blocks are its endpoints.
+One small interface (base.KVTransport), one file per backend: `nixl` (UCX: cma / shared memory / tcp / RDMA),
+`tcp` (plain sockets on 127.0.0.1) and `local` (same process). The sequence, target = decode worker,
+source = prefill worker:
+
+    1. target.register(kv_cache); source.register(kv_cache)          once per process, the whole pool
+    2. desc = target.descriptor(reserved_blocks)                      a kvfleet.v1.KVDescriptor
+    3. desc travels to the source inside the workers' gRPC (Reserve reply -> PrefillRequest.target)
+    4. t = target.expect(request_id, reserved_blocks, timeout_s)      the target starts waiting (and polling)
+       s = source.write(request_id, prompt_blocks, desc, timeout_s)   returns at once
+    5. s.wait(...) on the source, t.wait(...) on the target: both return, or both raise KVTransferError
+
+expect() may come before or after the bytes arrive. The source must not free or overwrite its blocks until s
+is done; the target must not read its blocks until t is done (a failed transfer may leave them half
+written). Both pools must have the same KVLayout (layers, block size, kv heads, head dim, dtype); their
+num_blocks may differ. Byte order and checksums: base.py. See docs/kv_transfer.md.
 """
+from __future__ import annotations
+
+from services.kv_transfer.base import KVLayout, KVTransferError, KVTransport, TransferHandle
+
+BACKENDS = ("nixl", "tcp", "local")
+
+__all__ = ["BACKENDS", "KVLayout", "KVTransferError", "KVTransport", "TransferHandle", "make_transport"]
+
+
+def make_transport(backend: str, worker_id: str) -> KVTransport:
+    """A transport for this worker; nixl is imported only when asked for (it loads UCX)."""
+    if backend == "local":
+        from services.kv_transfer.local import LocalTransport
+        return LocalTransport(worker_id)
+    if backend == "tcp":
+        from services.kv_transfer.tcp import TcpTransport
+        return TcpTransport(worker_id)
+    if backend == "nixl":
+        from services.kv_transfer.nixl import NixlTransport
+        return NixlTransport(worker_id)
+    raise ValueError(f"unknown kv_transfer backend {backend!r}; expected one of {', '.join(BACKENDS)}")
