@@ -1,0 +1,245 @@
+"""The KVTransport interface, the pool layout both sides must share, and the pieces every backend uses.
+
+Wire order (every backend, and the checksum): for layer in range(num_layers), for kv in (K, V), for i, block
+in enumerate(block_ids): the region data[layer, kv, block], i.e. block_size * kv_heads * head_dim * itemsize
+contiguous bytes of KVCache.data [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]. The source's
+i-th block lands in the target's i-th block, every layer, K and V; no other target block is touched.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.engine.model.config import resolve_dtype
+
+EARLY_TTL_S = 60.0  # how long an outcome that came before its expect() is kept
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed: timeout, peer gone, layout mismatch, checksum mismatch; the message says which."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one pool's blocks look like. num_blocks is not part of it: pools of any size may exchange blocks."""
+    num_layers: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @classmethod
+    def of(cls, kv_cache) -> KVLayout:
+        layers, _, _, block_size, kv_heads, head_dim = kv_cache.data.shape
+        return cls(layers, block_size, kv_heads, head_dim, str(kv_cache.data.dtype).removeprefix("torch."))
+
+    def encode(self) -> str:
+        return (f"layers={self.num_layers},kv=2,block={self.block_size},kv_heads={self.kv_heads},"
+                f"head_dim={self.head_dim},dtype={self.dtype}")
+
+    @classmethod
+    def decode(cls, text: str) -> KVLayout:
+        try:
+            fields = dict(item.split("=", 1) for item in text.split(","))
+            if sorted(fields) != ["block", "dtype", "head_dim", "kv", "kv_heads", "layers"] or fields["kv"] != "2":
+                raise ValueError(text)
+            layout = cls(int(fields["layers"]), int(fields["block"]), int(fields["kv_heads"]),
+                         int(fields["head_dim"]), fields["dtype"])
+            resolve_dtype(layout.dtype)
+            return layout
+        except ValueError:
+            raise ValueError(f"bad KV layout string {text!r}") from None
+
+    @property
+    def itemsize(self) -> int:
+        return resolve_dtype(self.dtype).itemsize
+
+    @property
+    def region_bytes(self) -> int:
+        """One (layer, K or V, block) region: contiguous in KVCache.data."""
+        return self.block_size * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """All layers, K and V."""
+        return self.num_layers * 2 * self.region_bytes
+
+
+class TransferHandle(Protocol):
+    def done(self) -> bool: ...
+    def wait(self, timeout_s: float) -> None: ...
+
+
+class KVTransport(Protocol):
+    name: str
+    def register(self, kv_cache) -> None: ...
+    def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor: ...
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> TransferHandle: ...
+    def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
+              timeout_s: float, checksum: bool = False) -> TransferHandle: ...
+    def close(self) -> None: ...
+
+
+class Completion:
+    """A TransferHandle: finished once, by whoever sees the outcome first (a poller, a socket thread, a timeout).
+
+    Its deadline is the transfer's (timeout_s from write/expect); wait(t) gives up after t without failing it.
+    """
+
+    def __init__(self, what: str, timeout_s: float):
+        self.what = what
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.error: str | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+
+    def finish(self, error: str | None = None) -> bool:
+        """Record the outcome (None = success) unless one was recorded already; -> whether this call did."""
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self.error = error
+            self._event.set()
+            return True
+
+    def done(self) -> bool:
+        """True once finished, successfully or not (a passed deadline counts as finished: failed)."""
+        if not self._event.is_set() and time.monotonic() >= self.deadline:
+            self.finish(f"{self.what}: timed out after {self.timeout_s:g}s")
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> None:
+        """Return when it succeeded; raise KVTransferError when it failed, or is still running after timeout_s."""
+        limit = min(timeout_s, self.deadline - time.monotonic())
+        if not self._event.wait(max(0.0, limit)) and not self.done():
+            raise KVTransferError(f"{self.what}: still running after wait({timeout_s:g}s)")
+        if self.error is not None:
+            raise KVTransferError(self.error)
+
+
+class Inbox:
+    """Target-side bookkeeping shared by the backends: the transfers this worker expects, by id.
+
+    A backend reports an outcome with finish(id, error, checksum). An outcome for an id not expected yet is
+    kept for EARLY_TTL_S and settles the expect() that follows. claim() hands an expected id to exactly one
+    incoming connection (tcp), waiting for the expect() if the source was quicker than the target.
+    """
+
+    def __init__(self, worker_id: str, checksum_of: Callable[[Sequence[int]], int]):
+        self.worker_id = worker_id
+        self._checksum_of = checksum_of  # the target's blocks, in wire order
+        self._cv = threading.Condition()
+        self._expected: dict[str, tuple[list[int], Completion]] = {}
+        self._claimed: set[str] = set()
+        self._early: dict[str, tuple[float, str | None, int | None]] = {}
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
+        handle = Completion(f"transfer {transfer_id!r} into {self.worker_id}", timeout_s)
+        with self._cv:
+            self._prune()
+            if transfer_id in self._expected:
+                raise KVTransferError(f"transfer {transfer_id!r} is already expected")
+            self._expected[transfer_id] = (list(block_ids), handle)
+            early = self._early.pop(transfer_id, None)
+            self._cv.notify_all()
+        if early is not None:
+            self.finish(transfer_id, early[1], early[2])
+        return handle
+
+    def claim(self, transfer_id: str, timeout_s: float) -> list[int] | None:
+        """-> the expected block ids (once per id), or None when no expect() came within timeout_s."""
+        with self._cv:
+            ready = self._cv.wait_for(lambda: transfer_id in self._expected, max(0.0, timeout_s))
+            if not ready or transfer_id in self._claimed:
+                return None
+            self._claimed.add(transfer_id)
+            return list(self._expected[transfer_id][0])
+
+    def finish(self, transfer_id: str, error: str | None = None, checksum: int | None = None) -> None:
+        with self._cv:
+            entry = self._expected.pop(transfer_id, None)
+            if entry is None and transfer_id not in self._claimed:  # (a claimed one timed out: drop it)
+                self._early[transfer_id] = (time.monotonic(), error, checksum)
+            self._claimed.discard(transfer_id)
+            if entry is None:
+                return
+        block_ids, handle = entry
+        if error is None and checksum is not None and self._checksum_of(block_ids) != checksum:
+            error = "checksum mismatch: the received blocks differ from the source's"
+        handle.finish(error if error is None else f"{handle.what}: {error}")
+
+    def has_pending(self) -> bool:
+        with self._cv:
+            self._prune()
+            return bool(self._expected)
+
+    def close(self) -> None:
+        with self._cv:
+            entries, self._expected = list(self._expected.values()), {}
+        for _, handle in entries:
+            handle.finish(f"{handle.what}: transport closed")
+
+    def _prune(self) -> None:
+        """Drop expects that timed out and early outcomes nobody asked for."""
+        for tid in [t for t, (_, h) in self._expected.items() if h.done()]:
+            del self._expected[tid]  # stays in _claimed until its connection finishes
+        now = time.monotonic()
+        for tid in [t for t, (at, _, _) in self._early.items() if now - at > EARLY_TTL_S]:
+            del self._early[tid]
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, who: str) -> list[int]:
+    ids = [int(b) for b in block_ids]
+    if any(b < 0 or b >= num_blocks for b in ids):
+        raise KVTransferError(f"{who} block ids must lie in [0, {num_blocks}): {ids}")
+    if len(set(ids)) != len(ids):
+        raise KVTransferError(f"{who} block ids must be distinct: {ids}")
+    return ids
+
+
+def check_write(backend: str, layout: KVLayout, num_blocks: int, transfer_id: str,
+                src_block_ids: Sequence[int], target: pb.KVDescriptor) -> list[int]:
+    """Source-side checks before anything moves; -> the source ids as ints."""
+    if not transfer_id or "\n" in transfer_id:
+        raise KVTransferError(f"transfer id {transfer_id!r} must be non-empty, one line")
+    if not src_block_ids:
+        raise KVTransferError("no blocks to transfer")
+    if target.backend != backend:
+        raise KVTransferError(f"descriptor is for backend {target.backend!r}, this transport is {backend!r}")
+    if target.layout != layout.encode():
+        raise KVTransferError(f"layout mismatch: source {layout.encode()!r}, target {target.layout!r}")
+    if len(src_block_ids) != len(target.block_ids):
+        raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(target.block_ids)} target blocks")
+    return check_block_ids(src_block_ids, num_blocks, "source")
+
+
+def make_descriptor(worker_id: str, backend: str, layout: KVLayout, block_ids: Sequence[int],
+                    address: str = "", agent_metadata: bytes = b"") -> pb.KVDescriptor:
+    return pb.KVDescriptor(worker_id=worker_id, backend=backend, agent_metadata=agent_metadata, address=address,
+                           block_ids=list(block_ids), bytes_per_block=layout.bytes_per_block,
+                           layout=layout.encode())
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A flat writable byte view sharing memory with a contiguous CPU tensor (any dtype, bf16 included)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def blocks_checksum(data: torch.Tensor, block_ids: Sequence[int]) -> int:
+    """crc32 of the blocks' bytes in wire order, region by region (no gathered copy of a CPU pool)."""
+    crc = 0
+    for layer in range(data.shape[0]):
+        for kv in (0, 1):
+            plane = data[layer, kv]  # [num_blocks, block_size, kv_heads, head_dim], contiguous
+            for block in block_ids:
+                crc = zlib.crc32(byte_view(plane[block].cpu()), crc)
+    return crc

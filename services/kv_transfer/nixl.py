@@ -1,0 +1,247 @@
+"""nixl backend: one-sided RDMA-style WRITEs through NIXL's UCX backend (cma / shared memory / tcp / RDMA).
+
+One agent per process (the name is worker_id plus a random suffix, so a restarted worker is a new peer), its
+progress thread OFF (it busy-spins a core) and its listener OFF (it binds 0.0.0.0): metadata travels in the
+descriptor instead, over the workers' own gRPC. The pool is registered once and prepared as a list of
+regions, indexed like KVCache.data itself:
+
+    region r = (layer * 2 + kv) * num_blocks + block     at  base + r * region_bytes,  region_bytes long
+
+so a transfer is one make_prepped_xfer(WRITE) from local regions to the same-position remote regions, in wire
+order (base.py), with the notification "<transfer id>\\n<crc32 or empty>". The target's pool geometry is
+in descriptor.address: "agent=<name>,base=0x..,num_blocks=N,mem=DRAM|VRAM,dev=D".
+
+Without a progress thread both sides must keep calling into their agent while a transfer runs (the source
+stalls until the target polls). A poller thread owned by the transport does that: every POLL_BUSY_S while a
+write or an expect is pending, every POLL_IDLE_S otherwise (so a write that beats its expect() still lands).
+It is the only reader of notifications (get_new_notifs drains them). The agent is not thread-safe in this
+mode (sync NONE), so every agent call holds self._cv's lock.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # else UCX also advertises the external interface
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO logs go to stdout
+
+import threading  # noqa: E402
+import uuid  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+from nixl import _bindings  # noqa: E402
+from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
+from services.kv_transfer.base import (Completion, Inbox, KVLayout, KVTransferError, blocks_checksum,  # noqa: E402
+                                       check_block_ids, check_write, make_descriptor)
+
+POLL_BUSY_S = 0.0002
+POLL_IDLE_S = 0.02
+NIXL_ERRORS = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error"))
+
+
+@dataclass
+class _Peer:
+    name: str
+    num_blocks: int
+    dlist: object  # nixl_prepped_dlist_handle of the peer's whole pool
+
+
+@dataclass
+class _Sending:
+    xfer: object  # nixl_xfer_handle
+    handle: Completion
+    peer: str
+
+
+class NixlTransport:
+    name = "nixl"
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self._agent_name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
+        self._kv = None
+        self._layout: KVLayout | None = None
+        self._inbox = Inbox(worker_id, lambda ids: blocks_checksum(self._kv.data, ids))
+        self._cv = threading.Condition()  # its lock guards the agent and everything below
+        self._agent = None
+        self._peers: dict[str, _Peer] = {}
+        self._sending: list[_Sending] = []
+        self._closed = False
+        self._poller: threading.Thread | None = None
+
+    def register(self, kv_cache) -> None:
+        if self._kv is not None:
+            raise ValueError(f"worker {self.worker_id!r} already registered a pool")
+        data = kv_cache.data
+        self._kv, self._layout = kv_cache, KVLayout.of(kv_cache)
+        self._mem, self._dev = ("DRAM", 0) if data.device.type == "cpu" else ("VRAM", data.get_device())
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        self._agent = nixl_agent(self._agent_name, config)
+        self._registered = self._agent.register_memory(data)
+        table = _region_table(data.data_ptr(), self._layout, kv_cache.num_blocks, self._dev)
+        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self._mem)
+        self._metadata = self._agent.get_agent_metadata()
+        self._poller = threading.Thread(target=self._poll_loop, name=f"kv-nixl-{self.worker_id}", daemon=True)
+        self._poller.start()
+
+    def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
+        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
+        address = (f"agent={self._agent_name},base={self._kv.data.data_ptr():#x},"
+                   f"num_blocks={self._kv.num_blocks},mem={self._mem},dev={self._dev}")
+        return make_descriptor(self.worker_id, self.name, self._layout, ids, address, self._metadata)
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
+        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
+        handle = self._inbox.expect(transfer_id, ids, timeout_s)
+        with self._cv:
+            self._cv.notify()  # poll fast from now on
+        return handle
+
+    def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
+              timeout_s: float, checksum: bool = False) -> Completion:
+        src = check_write(self.name, self._layout, self._pool().num_blocks, transfer_id,
+                          src_block_ids, target)
+        handle = Completion(f"nixl write {transfer_id!r} to {target.worker_id}", timeout_s)
+        crc = blocks_checksum(self._kv.data, src) if checksum else None
+        notif = f"{transfer_id}\n{'' if crc is None else crc}".encode()
+        with self._cv:
+            peer = xfer = None
+            try:
+                peer = self._peer(target)
+                local = _indices(self._layout, self._kv.num_blocks, src)
+                remote = _indices(self._layout, peer.num_blocks, list(target.block_ids))
+                xfer = self._agent.make_prepped_xfer("WRITE", self._local, local, peer.dlist, remote, notif)
+                if self._agent.transfer(xfer) == "ERR":
+                    raise KVTransferError("NIXL refused to post the transfer")
+                self._sending.append(_Sending(xfer, handle, peer.name))
+            except (KVTransferError, ValueError, *NIXL_ERRORS) as e:
+                gone = peer.name if peer and isinstance(e, _bindings.nixlRemoteDisconnectError) else None
+                self._settle(xfer, handle, f"{handle.what}: {_describe(e)}", gone)
+            self._cv.notify()
+        return handle
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._poller:
+            self._poller.join(timeout=5.0)
+        with self._cv:
+            for sending in self._sending:
+                self._settle(sending.xfer, sending.handle, f"{sending.handle.what}: transport closed")
+            self._sending = []
+            if self._agent is not None:
+                for peer in list(self._peers.values()):
+                    self._forget(peer)
+                _quietly(self._local.release)
+                _quietly(self._agent.deregister_memory, self._registered)
+            self._agent = None  # the agent goes with its last reference
+        self._inbox.close()
+
+    # ---- inside the lock ---------------------------------------------------------------------------------
+
+    def _peer(self, target: pb.KVDescriptor) -> _Peer:
+        """The target's agent and prepared region list, loaded once per peer."""
+        info = _parse_address(target.address)
+        if info["agent"] in self._peers:
+            return self._peers[info["agent"]]
+        try:
+            name = self._agent.add_remote_agent(target.agent_metadata)
+        except NIXL_ERRORS as e:  # UCX connects here: a dead or unreachable peer fails now
+            raise KVTransferError(f"cannot reach agent {info['agent']!r} ({_describe(e)})") from None
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != info["agent"]:
+            raise KVTransferError(f"descriptor names agent {info['agent']!r} but its metadata is {name!r}")
+        table = _region_table(info["base"], self._layout, info["num_blocks"], info["dev"])
+        peer = _Peer(name, info["num_blocks"], self._agent.prep_xfer_dlist(name, table, info["mem"]))
+        self._peers[name] = peer
+        return peer
+
+    def _poll_loop(self) -> None:
+        with self._cv:
+            while not self._closed:
+                busy = self._poll_once()
+                self._cv.wait(POLL_BUSY_S if busy else POLL_IDLE_S)
+
+    def _poll_once(self) -> bool:
+        """Advance every write, take in the notifications; -> whether anything is still pending."""
+        for sending in list(self._sending):
+            try:
+                state = self._agent.check_xfer_state(sending.xfer)
+                error = "NIXL reported a failed transfer" if state == "ERR" else None
+            except NIXL_ERRORS as e:
+                state, error = "ERR", _describe(e)
+            if state == "PROC" and not sending.handle.done():
+                continue
+            self._sending.remove(sending)
+            self._settle(sending.xfer, sending.handle, error and f"{sending.handle.what}: {error}",
+                         sending.peer if error else None)
+        try:
+            notifs = self._agent.get_new_notifs()
+        except NIXL_ERRORS:
+            notifs = {}
+        for messages in notifs.values():
+            for message in messages:
+                transfer_id, _, crc = message.decode(errors="replace").partition("\n")
+                self._inbox.finish(transfer_id, checksum=int(crc) if crc else None)
+        return bool(self._sending) or self._inbox.has_pending()
+
+    def _settle(self, xfer, handle: Completion, error: str | None, failed_peer: str | None = None) -> None:
+        """Finish a write's handle and free its NIXL request; a peer that failed (it may be gone) is dropped
+        once no other write to it is in flight, so a restarted or recovered peer is loaded afresh."""
+        handle.finish(error)
+        if xfer is not None:
+            _quietly(xfer.release)  # cancels a request still in flight (timeout)
+        if failed_peer in self._peers and not any(s.peer == failed_peer for s in self._sending):
+            self._forget(self._peers[failed_peer])
+
+    def _forget(self, peer: _Peer) -> None:
+        self._peers.pop(peer.name, None)
+        _quietly(peer.dlist.release)
+        _quietly(self._agent.remove_remote_agent, peer.name)
+
+    def _pool(self):
+        if self._kv is None:
+            raise KVTransferError(f"worker {self.worker_id!r}: register(kv_cache) first")
+        return self._kv
+
+
+def _parse_address(address: str) -> dict:
+    """"agent=<name>,base=0x..,num_blocks=N,mem=DRAM|VRAM,dev=D" -> its fields, numbers as ints."""
+    try:
+        info = dict(item.split("=", 1) for item in address.split(","))
+        return {"agent": info["agent"], "base": int(info["base"], 16), "num_blocks": int(info["num_blocks"]),
+                "mem": info["mem"], "dev": int(info["dev"])}
+    except (KeyError, ValueError):
+        raise KVTransferError(f"bad nixl descriptor address {address!r}") from None
+
+
+def _region_table(base: int, layout: KVLayout, num_blocks: int, dev: int) -> np.ndarray:
+    """[(addr, len, dev)] for every (layer, kv, block) region of a pool, in memory order."""
+    count = layout.num_layers * 2 * num_blocks
+    table = np.empty((count, 3), dtype=np.uint64)
+    table[:, 0] = base + np.arange(count, dtype=np.uint64) * np.uint64(layout.region_bytes)
+    table[:, 1], table[:, 2] = layout.region_bytes, dev
+    return table
+
+
+def _indices(layout: KVLayout, num_blocks: int, block_ids: list[int]) -> np.ndarray:
+    """Region indices of the blocks in wire order: layer, then K/V, then the blocks as listed."""
+    rows = np.arange(layout.num_layers * 2, dtype=np.int64)[:, None] * num_blocks
+    return (rows + np.asarray(block_ids, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, _bindings.nixlRemoteDisconnectError):
+        return f"peer gone (NIXL: {e})"
+    return f"{type(e).__name__}: {e}"
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except (*NIXL_ERRORS, ValueError, RuntimeError):
+        pass

@@ -1,0 +1,310 @@
+"""tcp backend: plain sockets on 127.0.0.1, the payload streamed from pool memory into pool memory.
+
+The target listens on 127.0.0.1:<chosen port> (descriptor.address); one connection = one transfer, served on
+its own thread. The source sends from its own thread, so write() returns at once.
+
+    source -> target  HEADER {id, layout, blocks, nbytes, checksum, timeout_s}
+                      target claims its expect(id) (waiting for it if need be), checks layout, ids, size
+    source <- target  REPLY {error: null | why refused}
+    source -> target  PAYLOAD in wire order (base.py), recvmsg_into the destination regions
+    source <- target  REPLY {error: null | "checksum mismatch ..."}
+
+Frames are a 4-byte big-endian length + UTF-8 JSON. A CPU pool is sent and received in place: each run of
+consecutive block ids is one contiguous region per (layer, K/V), gathered by sendmsg, scattered by
+recvmsg_into; a device pool is staged through one CPU copy. Every socket op is bounded by what is left of the
+transfer's timeout; a closed or reset peer fails the transfer on both sides at once. The target writes only
+into the blocks of its own expect() for that id, once; a failed transfer may leave those half written.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+import zlib
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.kv_transfer.base import (Completion, Inbox, KVLayout, KVTransferError, blocks_checksum, byte_view,
+                                       check_block_ids, check_write, make_descriptor)
+
+HOST = "127.0.0.1"
+HEADER_TIMEOUT_S = 5.0   # a new connection must send its header within this
+MAX_FRAME = 64 << 20
+IOV_BATCH = 256          # buffers per sendmsg / recvmsg_into call (Linux IOV_MAX is 1024)
+SOCK_BUF = 4 << 20
+CLAIM_SHARE = 0.8        # wait for the expect() this share of the source's time, so a refusal still reaches it
+
+
+class TcpTransport:
+    name = "tcp"
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self._kv = None
+        self._layout: KVLayout | None = None
+        self._flat: memoryview | None = None  # the whole CPU pool as bytes; None for a device pool
+        self._inbox = Inbox(worker_id, lambda ids: blocks_checksum(self._kv.data, ids))
+        self._listener: socket.socket | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # guards the two sets below
+        self._threads: set[threading.Thread] = set()
+        self._socks: set[socket.socket] = set()
+
+    def register(self, kv_cache) -> None:
+        if self._kv is not None:
+            raise ValueError(f"worker {self.worker_id!r} already registered a pool")
+        self._kv, self._layout = kv_cache, KVLayout.of(kv_cache)
+        if kv_cache.data.device.type == "cpu":
+            self._flat = byte_view(kv_cache.data)
+        self._listener = socket.create_server((HOST, 0))
+        self._spawn(self._accept_loop, "kv-tcp-accept")
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
+        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
+        return make_descriptor(self.worker_id, self.name, self._layout, ids, address=self.address)
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
+        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
+        return self._inbox.expect(transfer_id, ids, timeout_s)
+
+    def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
+              timeout_s: float, checksum: bool = False) -> Completion:
+        src = check_write(self.name, self._layout, self._pool().num_blocks, transfer_id,
+                          src_block_ids, target)
+        handle = Completion(f"tcp write {transfer_id!r} to {target.worker_id}", timeout_s)
+        self._spawn(self._send, "kv-tcp-send", transfer_id, src, target, checksum, handle)
+        return handle
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            socks, threads = list(self._socks), list(self._threads)
+        for sock in socks + ([self._listener] if self._listener else []):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
+            except OSError:
+                pass
+        for thread in threads:
+            thread.join(timeout=2.0)
+        if self._listener:
+            self._listener.close()
+        self._inbox.close()
+
+    # ---- source side -------------------------------------------------------------------------------------
+
+    def _send(self, transfer_id: str, src: list[int], target: pb.KVDescriptor, checksum: bool,
+              handle: Completion) -> None:
+        deadline = handle.deadline
+        try:
+            host, port = target.address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock, self._tracked(sock):
+                _tune(sock)
+                views = self._source_views(src)
+                header = {"id": transfer_id, "layout": self._layout.encode(), "blocks": list(target.block_ids),
+                          "nbytes": len(src) * self._layout.bytes_per_block,
+                          "checksum": _crc(views) if checksum else None, "timeout_s": _left(deadline)}
+                _send_frame(sock, header, deadline)
+                _check_reply(_recv_frame(sock, deadline), "refused the transfer")
+                _send_views(sock, views, deadline)
+                _check_reply(_recv_frame(sock, deadline), "failed the transfer")
+            handle.finish()
+        except Exception as e:  # a thread's last word: everything becomes the handle's error
+            handle.finish(f"{handle.what}: {self._describe(e)}")
+
+    def _source_views(self, ids: list[int]) -> list[memoryview]:
+        if self._flat is not None:
+            return self._pool_views(ids)
+        return [byte_view(self._kv.read_blocks(ids).cpu().contiguous())]  # device pool: one staged copy
+
+    def _pool_views(self, ids: list[int]) -> list[memoryview]:
+        """Wire-order views into a CPU pool; consecutive ids merge into one region per (layer, K/V)."""
+        runs: list[list[int]] = []  # [first block, count]
+        for b in ids:
+            if runs and runs[-1][0] + runs[-1][1] == b:
+                runs[-1][1] += 1
+            else:
+                runs.append([b, 1])
+        size, nb = self._layout.region_bytes, self._kv.num_blocks  # plane = layer * 2 + kv: nb regions each
+        return [self._flat[(plane * nb + first) * size:(plane * nb + first + count) * size]
+                for plane in range(self._layout.num_layers * 2) for first, count in runs]
+
+    # ---- target side -------------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # shut down by close()
+            self._spawn(self._serve, "kv-tcp-recv", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        transfer_id, ids = None, None
+        with conn, self._tracked(conn):
+            try:
+                _tune(conn)
+                header = _recv_frame(conn, time.monotonic() + HEADER_TIMEOUT_S)
+                transfer_id, deadline = str(header["id"]), time.monotonic() + float(header["timeout_s"])
+                ids = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
+                refusal = self._refusal(header, ids)
+                _send_frame(conn, {"error": refusal}, deadline)
+                if refusal:
+                    if ids is not None:
+                        self._inbox.finish(transfer_id, refusal)
+                    return
+                views, commit = self._dest_views(ids)
+                _recv_views(conn, views, deadline)
+                if commit:
+                    commit()
+                error = None
+                if header["checksum"] is not None and _crc(views) != header["checksum"]:
+                    error = "checksum mismatch: the received bytes differ from the source's"
+                _send_frame(conn, {"error": error}, deadline)
+                self._inbox.finish(transfer_id, error)
+            except Exception as e:  # a thread's last word: a claimed expect always hears it
+                if ids is not None:
+                    self._inbox.finish(transfer_id, f"receive failed: {self._describe(e)}")
+
+    def _refusal(self, header: dict, ids: list[int] | None) -> str | None:
+        if ids is None:
+            return f"{self.worker_id} expects no transfer {header['id']!r} (no expect() in time, or already taken)"
+        if header["layout"] != self._layout.encode():
+            return f"layout mismatch: source {header['layout']!r}, target {self._layout.encode()!r}"
+        if header["blocks"] != ids:
+            return f"blocks {header['blocks']} are not the ones expected for {header['id']!r}: {ids}"
+        if header["nbytes"] != len(ids) * self._layout.bytes_per_block:
+            return f"payload of {header['nbytes']} bytes does not fill {len(ids)} blocks"
+        return None
+
+    def _dest_views(self, ids: list[int]):
+        """-> (views to receive into, in wire order; a commit() to run after, or None)."""
+        if self._flat is not None:
+            return self._pool_views(ids), None
+        data = self._kv.data  # device pool: receive into a CPU staging copy, then one write_blocks
+        staged = torch.empty((*data.shape[:2], len(ids), *data.shape[3:]), dtype=data.dtype)
+        return [byte_view(staged)], lambda: self._kv.write_blocks(ids, staged)
+
+    # ---- plumbing ----------------------------------------------------------------------------------------
+
+    def _spawn(self, fn, name: str, *args) -> None:
+        def run():
+            try:
+                fn(*args)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+        thread = threading.Thread(target=run, name=f"{name}-{self.worker_id}", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    @contextmanager
+    def _tracked(self, sock: socket.socket):
+        with self._lock:
+            self._socks.add(sock)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._socks.discard(sock)
+
+    def _describe(self, e: Exception) -> str:
+        if self._closed.is_set():
+            return "transport closed"
+        if isinstance(e, TimeoutError):
+            return "timed out"
+        if isinstance(e, ConnectionError):
+            return f"peer gone ({type(e).__name__}: {e})"
+        if isinstance(e, (OSError, KVTransferError)):
+            return str(e) or type(e).__name__
+        return f"{type(e).__name__}: {e}"
+
+    def _pool(self):
+        if self._kv is None:
+            raise KVTransferError(f"worker {self.worker_id!r}: register(kv_cache) first")
+        return self._kv
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+def _crc(views: list[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc
+
+
+def _check_reply(reply: dict, verb: str) -> None:
+    if reply.get("error"):
+        raise KVTransferError(f"target {verb}: {reply['error']}")
+
+
+def _send_frame(sock: socket.socket, obj: dict, deadline: float) -> None:
+    body = json.dumps(obj).encode()
+    sock.settimeout(_left(deadline))
+    sock.sendall(struct.pack(">I", len(body)) + body)
+
+
+def _recv_frame(sock: socket.socket, deadline: float) -> dict:
+    (size,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if size > MAX_FRAME:
+        raise KVTransferError(f"frame of {size} bytes is over the {MAX_FRAME} limit")
+    return json.loads(_recv_exact(sock, size, deadline))
+
+
+def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
+    buf = bytearray(size)
+    _recv_views(sock, [memoryview(buf)], deadline)
+    return bytes(buf)
+
+
+def _send_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+    for start in range(0, len(views), IOV_BATCH):
+        batch = views[start:start + IOV_BATCH]
+        while batch:
+            sock.settimeout(_left(deadline))
+            batch = _advance(batch, sock.sendmsg(batch))
+
+
+def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+    for start in range(0, len(views), IOV_BATCH):
+        batch = views[start:start + IOV_BATCH]
+        while batch:
+            sock.settimeout(_left(deadline))
+            got = sock.recvmsg_into(batch)[0]
+            if got == 0:
+                raise KVTransferError("peer closed the connection mid-transfer")
+            batch = _advance(batch, got)
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """Drop the first n bytes of a buffer list."""
+    i = 0
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest

@@ -1,0 +1,122 @@
+"""Every backend, source and target in this process: bytes arrive exactly where the descriptor says.
+
+The nixl pair here is two agents in one process talking over UCX, the tcp pair talks over 127.0.0.1; the
+two-process versions are in test_two_processes.py.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.kv_transfer import KVLayout, KVTransferError
+from tests.kv_transfer.helpers import DST, LAYOUT, SRC, Pair, expected_target, new_id
+
+BACKENDS = ["local", "tcp", "nixl"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request):
+    pair = Pair(request.param)
+    yield pair
+    pair.close()
+
+
+def test_shuffled_blocks_arrive_bit_exact_and_no_other_block_changes(pair):
+    before = pair.refill(seed=1)
+    tid = new_id()
+    target = pair.target.expect(tid, DST, timeout_s=10.0)
+    source = pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=10.0, checksum=True)
+    source.wait(10.0)
+    target.wait(10.0)
+    assert source.done() and target.done()
+    assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_bf16_blocks_arrive_bit_exact(backend):
+    pair = Pair(backend, KVLayout(2, 4, 2, 8, "bfloat16"))
+    try:
+        before = pair.refill(seed=3)
+        tid = new_id()
+        target = pair.target.expect(tid, DST, timeout_s=10.0)
+        pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=10.0, checksum=True).wait(10.0)
+        target.wait(10.0)
+        assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
+    finally:
+        pair.close()
+
+
+def test_the_write_may_come_before_the_targets_expect(pair):
+    before = pair.refill(seed=5)
+    tid = new_id()
+    source = pair.source.write(tid, SRC[:2], pair.target.descriptor(DST[:2]), timeout_s=10.0)
+    time.sleep(0.05)
+    target = pair.target.expect(tid, DST[:2], timeout_s=10.0)
+    source.wait(10.0)
+    target.wait(10.0)
+    assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC[:2], DST[:2]))
+
+
+def test_a_transfer_that_never_comes_fails_the_target_at_its_deadline(pair):
+    target = pair.target.expect(new_id("never"), [1, 2], timeout_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="timed out after 0.2s"):
+        target.wait(10.0)
+    assert time.monotonic() - start < 1.5
+
+
+def test_a_short_wait_raises_but_the_transfer_still_completes(pair):
+    pair.refill(seed=7)
+    tid = new_id()
+    target = pair.target.expect(tid, [5], timeout_s=10.0)
+    with pytest.raises(KVTransferError, match="still running"):
+        target.wait(0.05)
+    pair.source.write(tid, [6], pair.target.descriptor([5]), timeout_s=10.0).wait(10.0)
+    target.wait(10.0)
+    assert torch.equal(pair.target_kv.data[:, :, 5], pair.source_kv.data[:, :, 6])
+
+
+def test_a_pool_of_another_layout_is_refused_with_both_layouts_named(pair):
+    other = Pair(pair.backend, KVLayout(3, 4, 2, 16, "float32"))
+    try:
+        with pytest.raises(KVTransferError, match="layout mismatch: source .*head_dim=16.*target .*head_dim=8"):
+            other.source.write(new_id(), [1], pair.target.descriptor([1]), timeout_s=5.0)
+    finally:
+        other.close()
+
+
+def test_block_lists_that_do_not_fit_are_refused(pair):
+    descriptor = pair.target.descriptor([1, 2])
+    with pytest.raises(KVTransferError, match="3 source blocks for 2 target blocks"):
+        pair.source.write(new_id(), [1, 2, 3], descriptor, timeout_s=5.0)
+    with pytest.raises(KVTransferError, match=r"source block ids must lie in \[0, 16\)"):
+        pair.source.write(new_id(), [1, 16], descriptor, timeout_s=5.0)
+    with pytest.raises(KVTransferError, match=r"target block ids must lie in \[0, 24\)"):
+        pair.target.descriptor([24])
+    with pytest.raises(KVTransferError, match="distinct"):
+        pair.target.expect(new_id(), [3, 3], timeout_s=5.0)
+    with pytest.raises(KVTransferError, match="no blocks"):
+        pair.source.write(new_id(), [], pair.target.descriptor([]), timeout_s=5.0)
+    with pytest.raises(KVTransferError, match="one line"):
+        pair.source.write("a\nb", [1, 2], descriptor, timeout_s=5.0)
+
+
+def test_a_descriptor_of_another_backend_is_refused(pair):
+    descriptor = pair.target.descriptor([1])
+    descriptor.backend = "tcp" if pair.backend != "tcp" else "nixl"
+    with pytest.raises(KVTransferError, match="descriptor is for backend"):
+        pair.source.write(new_id(), [1], descriptor, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_fails_what_is_pending_and_leaves_no_thread_behind(backend):
+    pair = Pair(backend)
+    target = pair.target.expect(new_id(), [1], timeout_s=30.0)
+    pair.close()
+    with pytest.raises(KVTransferError, match="transport closed"):
+        target.wait(1.0)
+    ours = (pair.source.worker_id, pair.target.worker_id)
+    assert not [t.name for t in threading.enumerate() if any(w in t.name for w in ours)]

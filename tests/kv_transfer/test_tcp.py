@@ -1,0 +1,100 @@
+"""tcp backend: what the receiver checks, and how a broken connection ends (in-process, real sockets)."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from services.kv_transfer import KVLayout, KVTransferError, tcp
+from tests.kv_transfer.helpers import DST, SRC, Pair, expected_target, new_id
+
+
+@pytest.fixture
+def pair():
+    pair = Pair("tcp")
+    yield pair
+    pair.close()
+
+
+def test_the_staged_path_for_device_pools_moves_the_same_bytes(pair):
+    """A GPU pool is sent from one read_blocks copy and received into one staging copy; there is no GPU here,
+    so take that path with CPU pools by dropping the in-place byte views on both sides."""
+    pair.source._flat = pair.target._flat = None
+    before = pair.refill(seed=19)
+    tid = new_id()
+    target = pair.target.expect(tid, DST, timeout_s=5.0)
+    pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=5.0, checksum=True).wait(5.0)
+    target.wait(5.0)
+    assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
+
+
+def test_the_receiver_refuses_a_layout_it_does_not_have(pair):
+    other = Pair("tcp", KVLayout(3, 4, 2, 16, "float32"))
+    try:
+        tid = new_id()
+        target = pair.target.expect(tid, [1], timeout_s=5.0)
+        descriptor = pair.target.descriptor([1])
+        descriptor.layout = KVLayout.of(other.source_kv).encode()  # lies to get past the source's own check
+        with pytest.raises(KVTransferError, match="target refused the transfer: layout mismatch"):
+            other.source.write(tid, [1], descriptor, timeout_s=5.0).wait(5.0)
+        with pytest.raises(KVTransferError, match="layout mismatch"):
+            target.wait(5.0)
+    finally:
+        other.close()
+
+
+def test_a_payload_corrupted_in_flight_is_caught_by_the_checksum(pair, monkeypatch):
+    pair.refill(seed=11)
+    send_views = tcp._send_views
+
+    def corrupting(sock, views, deadline):
+        first = bytearray(views[0])
+        first[0] ^= 0x01  # one flipped bit on the wire; the source's pool is untouched
+        send_views(sock, [memoryview(first), *views[1:]], deadline)
+
+    monkeypatch.setattr(tcp, "_send_views", corrupting)
+    tid = new_id()
+    target = pair.target.expect(tid, DST, timeout_s=5.0)
+    with pytest.raises(KVTransferError, match="target failed the transfer: checksum mismatch"):
+        pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=5.0, checksum=True).wait(5.0)
+    with pytest.raises(KVTransferError, match="checksum mismatch"):
+        target.wait(5.0)
+
+
+def test_the_receiver_writes_only_into_the_blocks_it_expects(pair):
+    before = pair.refill(seed=13)
+    tid = new_id()
+    target = pair.target.expect(tid, [1, 2], timeout_s=5.0)
+    with pytest.raises(KVTransferError, match="not the ones expected"):
+        pair.source.write(tid, [1, 2], pair.target.descriptor([3, 4]), timeout_s=5.0).wait(5.0)
+    with pytest.raises(KVTransferError, match="not the ones expected"):
+        target.wait(5.0)
+    assert torch.equal(pair.target_kv.data, before)
+
+
+def test_a_transfer_nobody_expects_is_refused_and_writes_nothing(pair):
+    before = pair.refill(seed=17)
+    with pytest.raises(KVTransferError, match="expects no transfer"):
+        pair.source.write(new_id(), [1], pair.target.descriptor([2]), timeout_s=0.5).wait(5.0)
+    assert torch.equal(pair.target_kv.data, before)
+
+
+def test_a_source_that_dies_mid_payload_fails_the_target_at_once(pair):
+    tid = new_id()
+    target = pair.target.expect(tid, [1, 2], timeout_s=30.0)
+    layout = pair.target.descriptor([1, 2]).layout
+    nbytes = 2 * KVLayout.decode(layout).bytes_per_block
+    deadline = time.monotonic() + 5.0
+    host, port = pair.target.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+        header = {"id": tid, "layout": layout, "blocks": [1, 2], "nbytes": nbytes, "checksum": None,
+                  "timeout_s": 30.0}
+        tcp._send_frame(sock, header, deadline)
+        assert tcp._recv_frame(sock, deadline) == {"error": None}
+        sock.sendall(bytes(nbytes // 2))
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="peer closed the connection mid-transfer"):
+        target.wait(10.0)
+    assert time.monotonic() - start < 1.0
