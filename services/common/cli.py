@@ -35,6 +35,11 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(args))
 
 
+def _up(args: argparse.Namespace) -> int:
+    from services.common.up import run_up
+    return run_up(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -88,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("serve", help="run one worker process (prefill | decode | mixed)")
     add_worker_args(w)
     w.set_defaults(func=_serve)
+
+    from services.common.up import add_up_args
+    u = sub.add_parser("up", help="start the whole fleet on this host (Ctrl-C stops it)")
+    add_up_args(u)
+    u.set_defaults(func=_up)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="target", required=True)

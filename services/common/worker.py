@@ -27,6 +27,9 @@ from services.engine.engine import LLMEngine
 from services.engine.errors import InvalidRequestError, UnknownRequestError
 
 
+DEADLINE_MARGIN_S = 1.0   # a KV write ends this long before the reservation it targets expires
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     worker_id: str
@@ -64,7 +67,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         timer = asyncio.get_running_loop().call_later(
             self.config.reserve_timeout_s, self._expire_reservation, rid)
         self._awaiting_kv[rid] = (handle, timer)
-        return pb.ReserveResponse(accepted=True, target=self.transport.descriptor(blocks))
+        return pb.ReserveResponse(accepted=True, target=self.transport.descriptor(blocks),
+                                  expires_at_unix_s=time.time() + self.config.reserve_timeout_s)
 
     async def Decode(self, request: pb.DecodeRequest, context):
         await self._require(context, "decode")
@@ -104,16 +108,23 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 yield chunk_from_output(out, self.config.worker_id)       # ended here (EOS, error)
                 if out.finished:
                     return
-            await self._transfer(rid, request.target)
+            await self._transfer(rid, request.target, request.kv_deadline_unix_s)
             yield pb.TokenChunk(request_id=rid, finished=True, finish_reason="prefilled",
                                 served_by=self.config.worker_id)
         finally:
             self._end(rid)
 
-    async def _transfer(self, rid: str, target: pb.KVDescriptor) -> None:
+    async def _transfer(self, rid: str, target: pb.KVDescriptor, deadline: float) -> None:
+        """Write the prompt's KV into the decode reservation. The write must be over before the
+        reservation can expire, or it could land in blocks already given to someone else."""
+        timeout = self.config.transfer_timeout_s
+        if deadline:
+            timeout = min(timeout, deadline - time.time() - DEADLINE_MARGIN_S)
+        if timeout <= 0:
+            raise TimeoutError(f"the decode reservation for {rid} expires before KV could move")
         blocks = await self.loop.call(self._prompt_blocks, rid, len(target.block_ids))
-        handle = self.transport.write(rid, blocks, target, self.config.transfer_timeout_s)
-        await asyncio.to_thread(handle.wait, self.config.transfer_timeout_s)
+        handle = self.transport.write(rid, blocks, target, timeout)
+        await asyncio.to_thread(handle.wait, timeout)
 
     def _prompt_blocks(self, rid: str, n: int) -> list[int]:
         return list(self.engine.pool.block_table(rid)[:n])

@@ -1,4 +1,7 @@
-"""gateway: OpenAI-compatible REST and gRPC front door (auth, quotas, traffic class, validation).
+"""gateway: the fleet's front door (DESIGN.md section 3, step 1). `python -m services.gateway`.
 
-Not built yet: issue [F1] fills this package. DESIGN.md section 3, step 1.
+OpenAI-compatible REST (`app.py`) and the kvfleet.v1 Gateway gRPC API (`grpc_api.py`) over one core
+(`core.py`): API key -> tenant and class (`auth.py`, `config.py`), strict validation and
+tokenization with the model's tokenizer (`openai_schema.py`, `validation.py`), tenant quotas in
+Redis (`quota.py`), one stream to a Router per request, cancelled when the client goes away.
 """

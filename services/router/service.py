@@ -73,15 +73,17 @@ class RouterServicer(pb_grpc.RouterServicer):
             yield chunk
 
     async def _disaggregated(self, request, workers, touched: Touched, context):
-        decode, target = await self._reserve(request, workers, touched)
+        decode, reservation = await self._reserve(request, workers, touched)
         first = None
-        async for chunk in self._prefill(request, workers, decode, target, touched):
+        async for chunk in self._prefill(request, workers, decode, reservation, touched):
             if chunk.finish_reason == "prefilled":
                 break
             first = chunk if chunk.token_ids else first
-            yield chunk
-            if chunk.finished:          # ended at the prefill worker (EOS, length, rejected)
+            if chunk.finished:          # ended at the prefill worker (EOS, length, rejected):
+                await self._cancel_all(request.request_id, Touched({decode.grpc_address}))
+                yield chunk             # the decode reservation is freed before the client hears
                 return
+            yield chunk
         token = first.token_ids[0]
         logprob = first.logprobs[0].logprob if first.logprobs else 0.0
         async for chunk in self._stub(decode.grpc_address).Decode(
@@ -98,12 +100,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                 traffic_class=request.traffic_class,
                 prompt_token_ids=request.prompt_token_ids, params=request.params))
             if resp.accepted:
-                return w, resp.target
+                return w, resp
             reasons.append(f"{w.worker_id}: {resp.reason}")
         raise NoCapacity("no decode replica can reserve KV for this request"
                          + (f" ({'; '.join(reasons)})" if reasons else ": none is healthy"))
 
-    async def _prefill(self, request, workers, decode: WorkerRecord, target, touched: Touched):
+    async def _prefill(self, request, workers, decode: WorkerRecord, reservation,
+                       touched: Touched):
         """Prefill stream, retried once on another replica if it fails before any token."""
         candidates = rank_prefill(workers, len(request.prompt_token_ids))
         if not candidates:
@@ -116,7 +119,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                         request_id=request.request_id, tenant=request.tenant,
                         traffic_class=request.traffic_class,
                         prompt_token_ids=request.prompt_token_ids, params=request.params,
-                        target=target, decode_worker=decode.grpc_address)):
+                        target=reservation.target, decode_worker=decode.grpc_address,
+                        kv_deadline_unix_s=reservation.expires_at_unix_s)):
                     sent = sent or bool(chunk.token_ids)
                     yield chunk
                 return

@@ -200,17 +200,19 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "target")
+    __slots__ = ("accepted", "reason", "target", "expires_at_unix_s")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     target: KVDescriptor
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ...) -> None: ...
+    expires_at_unix_s: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., expires_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params", "target", "decode_worker")
+    __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params", "target", "decode_worker", "kv_deadline_unix_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +220,7 @@ class PrefillRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    KV_DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     traffic_class: str
@@ -225,7 +228,8 @@ class PrefillRequest(_message.Message):
     params: SamplingParams
     target: KVDescriptor
     decode_worker: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    kv_deadline_unix_s: float
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., decode_worker: _Optional[str] = ..., kv_deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token", "first_logprob")

@@ -1,0 +1,92 @@
+"""`kvfleet up`: the whole fleet on one host, as processes (DESIGN.md section 9, local).
+
+  Redis      an embedded Redis-protocol server in this process, unless --redis-url names one
+  workers    --prefill N prefill + --decode M decode workers (disagg), or M mixed (colocated)
+  router     one, reading worker capacity from Redis
+  gateway    OpenAI REST on --http-port and gRPC on --grpc-port
+
+Prints the endpoints, then waits. Ctrl-C or SIGTERM stops every child it started (SIGTERM, then
+SIGKILL after a grace period) and the embedded Redis: no orphan process, no port left open.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from services.common.launcher import Launcher
+from services.common.redis_server import EmbeddedRedis
+from services.engine.engine import resolve_model_dir
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--api-keys", default=None)
+    p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
+    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--insecure", action="store_true")
+
+
+def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str) -> dict[str, str]:
+    model = resolve_model_dir(args.model)
+    common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib)]
+    roles = ([("mixed", args.decode)] if args.mode == "colocated"
+             else [("prefill", args.prefill), ("decode", args.decode)])
+    endpoints = {}
+    for role, count in roles:
+        for i in range(count):
+            name = f"{role}-{i}"
+            endpoints[name] = launcher.start(name, [
+                "services.common.cli", "serve", role, "--worker-id", name,
+                "--kv-backend", args.kv_backend, *common])
+    endpoints["router"] = launcher.start("router", ["services.router", "--redis-url", redis_url,
+                                                    "--mode", args.mode])
+    gateway = ["services.gateway", "--model", model, "--router", endpoints["router"],
+               "--redis-url", redis_url, "--host", args.host,
+               "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port)]
+    if args.api_keys:
+        gateway += ["--api-keys", args.api_keys]
+    if args.insecure:
+        gateway.append("--insecure")
+    endpoints["gateway"] = launcher.start("gateway", gateway)
+    endpoints["gateway-grpc"] = next((line.split()[-1] for line in
+                                      launcher.children["gateway"].lines
+                                      if line.startswith("GRPC ")), "")
+    return endpoints
+
+
+def run_up(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    redis = None if args.redis_url else EmbeddedRedis().start()
+    launcher = Launcher()
+    try:
+        endpoints = start_fleet(args, launcher, args.redis_url or redis.url)
+        print(f"kvfleet up ({args.mode}); logs in {launcher.log_dir}")
+        print(f"  OpenAI REST  http://{endpoints['gateway']}/v1")
+        print(f"  gRPC         {endpoints['gateway-grpc']}")
+        print(f"  redis        {args.redis_url or redis.url}")
+        for name, addr in endpoints.items():
+            if name not in ("gateway", "gateway-grpc"):
+                print(f"  {name:<12} {addr}")
+        print("READY up " + endpoints["gateway"], flush=True)
+        while not stop.wait(0.5):
+            dead = [n for n, c in launcher.children.items() if c.proc.poll() is not None]
+            if dead:
+                print(f"child exited: {', '.join(dead)}; stopping", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        launcher.stop_all()
+        if redis is not None:
+            redis.stop()
+        print("kvfleet up: stopped", flush=True)

@@ -1,0 +1,75 @@
+"""`python -m services.gateway --model DIR|tiny --router HOST:PORT --redis-url URL [options]`.
+
+Prints `GRPC <host:port>` then `READY gateway <host:port>` (HTTP) once both servers listen;
+SIGTERM / SIGINT stop it. Without --api-keys it serves unauthenticated, which it only does on a
+loopback address unless --insecure is given: that check runs before anything is loaded or bound.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from services.gateway.config import DEFAULT_MAX_BODY_BYTES, exposure_refusal
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfleet gateway", description=__doc__)
+    p.add_argument("--model", required=True, help="local HF checkpoint dir, or `tiny`")
+    p.add_argument("--router", required=True, help="host:port of a kvfleet Router")
+    p.add_argument("--redis-url", required=True, help="the fleet's Redis (tenant quotas)")
+    p.add_argument("--api-keys", help="YAML list of keys (see services/gateway/config.py)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--grpc-port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow unauthenticated access on a non-loopback address")
+    p.add_argument("--served-model-name", help="default: the model dir's name (`tiny` for tiny)")
+    p.add_argument("--config", help="engine config YAML, as the workers use: traffic classes and "
+                                    "max_model_len come from it")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--quality-version", help="default: the checkpoint's dtype and config hash")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace):
+    from services.engine.config import EngineConfig  # noqa: PLC0415
+    from services.engine.config_file import load_engine_config  # noqa: PLC0415
+    from services.gateway.config import GatewayConfig, load_api_keys  # noqa: PLC0415
+    from services.gateway.model import resolve_model_dir  # noqa: PLC0415
+
+    engine = load_engine_config(args.config) if args.config else EngineConfig()
+    model_dir = resolve_model_dir(args.model)
+    name = args.served_model_name or ("tiny" if args.model == "tiny"
+                                      else os.path.basename(os.path.normpath(args.model)))
+    return GatewayConfig(
+        model_dir=model_dir, served_model_name=name, router=args.router, redis_url=args.redis_url,
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        api_keys=load_api_keys(args.api_keys) if args.api_keys else None, insecure=args.insecure,
+        max_body_bytes=args.max_body_bytes, scheduler=engine.scheduler,
+        max_model_len=engine.max_model_len, quality_version=args.quality_version)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    refusal = exposure_refusal(args.host, bool(args.api_keys), args.insecure)
+    if refusal:
+        print(f"kvfleet gateway: {refusal}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    if args.insecure and not args.api_keys:
+        logging.warning("--insecure: serving WITHOUT authentication on %s", args.host)
+    try:
+        config = build_config(args)
+    except (OSError, ValueError) as e:
+        print(f"kvfleet gateway: {e}", file=sys.stderr)
+        return 2
+    import asyncio  # noqa: PLC0415
+
+    from services.gateway.server import serve  # noqa: PLC0415
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The OpenAI-compatible REST API (FastAPI over uvicorn).
+
+  POST /v1/completions         prompt (text or token ids) -> text
+  POST /v1/chat/completions    messages -> the chat template -> text
+  GET  /v1/models, /v1/models/{id}
+  GET  /health                 the router's health and the quota store's (no key needed)
+
+A generation request, in order: API key -> body (size limit, UTF-8) -> strict schema -> model ->
+tokenize + lengths (in a thread) -> quotas -> Router.Generate -> first chunk (errors before it get
+a real status) -> JSON body or SSE stream. The client going away at any point after the router
+call started cancels it (`_until_disconnect` before the stream, Starlette's disconnect watch
+during it) and the session's close releases the quota slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway import openai_schema as schema
+from services.gateway.core import GatewayCore, Session, new_request_id
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.openai_responses import Collected, Shaper
+from services.gateway.streaming import openai_events
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499   # nginx's status for "client closed the request"; nobody reads it
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
+
+
+class ClientGone(Exception):
+    pass
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="kvfleet gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+    app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(core, request, schema.CompletionRequest, schema.completion, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(core, request, schema.ChatCompletionRequest, schema.chat, "chatcmpl")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        core.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [_model_card(core, started)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        core.authenticate(request.headers.get("authorization"))
+        core.validator.check_model(model_id)
+        return _model_card(core, started)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        serving, detail = await core.health()
+        return JSONResponse({"status": "ok" if serving else "unavailable", "detail": detail,
+                             "model": core.model.name}, status_code=200 if serving else 503)
+
+    return app
+
+
+async def _generate(core: GatewayCore, request: Request, model_cls, build, prefix: str) -> Response:
+    key = core.authenticate(request.headers.get("authorization"))
+    body = await read_body(request, core.config.max_body_bytes)
+    req = schema.parse(model_cls, body)
+    cls = core.config.traffic_class(key.traffic_class)
+    gen, plan = await asyncio.to_thread(build, req, key, cls, core.validator, new_request_id(prefix))
+    session = await core.open(gen)
+    shaper = Shaper(plan, core.model, gen.prompt_ids)
+    headers = {"x-kvfleet-model": core.model.name,
+               "x-kvfleet-quality-version": core.model.quality_version, "x-request-id": gen.request_id}
+    streaming = False
+    try:
+        first = await _until_disconnect(request, session.first())
+        if plan.stream:
+            streaming = True      # from here the stream's own close (and its background) owns it
+            return StreamingResponse(openai_events(session, first, shaper),
+                                     headers={**headers, **SSE_HEADERS},
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(session.close))
+        collected = await _until_disconnect(request, _collect(session, first))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        if not streaming:
+            session.close()
+    return JSONResponse(shaper.body(collected, session.prompt_tokens, session.output_tokens),
+                        headers=headers)
+
+
+async def _collect(session: Session, first) -> Collected:
+    collected = Collected()
+    chunk = first
+    while chunk is not None:
+        collected.add(chunk)
+        chunk = None if chunk.finished else await session.next()
+    return collected
+
+
+async def _until_disconnect(request: Request, work: Awaitable):
+    """`work`'s result, or ClientGone (with `work` cancelled) if the client disconnects first.
+    The body has been read by now, so the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watch.cancel()
+        task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def read_body(request: Request, limit: int) -> str:
+    """The body as text, refused (413) as soon as it is known to exceed `limit` bytes: from its
+    Content-Length before reading any of it, or while reading a chunked body."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise _too_large(declared, limit)
+    buf = bytearray()
+    async for part in request.stream():
+        buf += part
+        if len(buf) > limit:
+            raise _too_large(f"more than {len(buf)}", limit)
+    try:
+        return buf.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"body is not valid UTF-8 (byte {e.start}: {e.reason})", None,
+                          "invalid_utf8") from None
+
+
+def _too_large(size: str, limit: int) -> GatewayError:
+    return GatewayError(413, f"request body is {size} bytes; the limit is {limit} bytes",
+                        code="body_too_large")
+
+
+def _model_card(core: GatewayCore, created: int) -> dict:
+    return {"id": core.model.name, "object": "model", "created": created, "owned_by": "kvfleet",
+            "max_model_len": core.model.max_model_len,
+            "quality_version": core.model.quality_version}
+
+
+async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    err = GatewayError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
+    return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("internal error on %s", request.url.path)
+    err = GatewayError(500, f"internal error: {type(e).__name__}", code="internal_error")
+    return JSONResponse(err.body(), status_code=500)

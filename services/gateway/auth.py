@@ -1,0 +1,37 @@
+"""API key -> (tenant, traffic class, limits). Keys are looked up by their SHA-256, so a lookup's
+timing says nothing about how much of a guessed key was right."""
+from __future__ import annotations
+
+import hashlib
+
+from services.gateway.config import ANONYMOUS_KEY, ApiKey
+from services.gateway.errors import unauthorized
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+class KeyRing:
+    """`keys` None: every caller is the anonymous tenant (only allowed on loopback or --insecure)."""
+
+    def __init__(self, keys: tuple[ApiKey, ...] | None) -> None:
+        self._by_digest = None if keys is None else {_digest(k.key): k for k in keys}
+
+    @property
+    def required(self) -> bool:
+        return self._by_digest is not None
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        """`authorization` is the header / metadata value, e.g. "Bearer sk-..."."""
+        if self._by_digest is None:
+            return ANONYMOUS_KEY
+        if not authorization:
+            raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized("malformed Authorization header: expected `Bearer <key>`")
+        key = self._by_digest.get(_digest(token.strip()))
+        if key is None:
+            raise unauthorized("incorrect API key provided")
+        return key

@@ -1,0 +1,129 @@
+"""The gateway's frozen configuration and its API keys (STYLE 9: one frozen dataclass, passed in).
+
+API keys file (YAML), a list; every field is required and unknown fields are errors:
+
+    - key: sk-team-a-0123456789        # sent as `Authorization: Bearer <key>`
+      tenant: acme                     # quota counters and the engine's fair share are per tenant
+      traffic_class: interactive       # interactive | document | batch (or a class of --config)
+      max_concurrent_streams: 8        # open generations at once, across all gateways (Redis)
+      requests_per_minute: 600
+      tokens_per_minute: 200000        # prompt tokens up front, generated tokens when a request ends
+
+Limits belong to the key, counters to the tenant: two keys of one tenant share its counters, each
+checked against its own limits.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from services.engine.config import SchedulerConfig, TrafficClass
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+ANONYMOUS_TENANT = "default"
+ANONYMOUS_CLASS = "interactive"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One API key and what it may do. `key` is kept out of repr so it never reaches a log."""
+
+    key: str = field(repr=False)
+    tenant: str
+    traffic_class: str
+    max_concurrent_streams: int
+    requests_per_minute: int
+    tokens_per_minute: int
+
+    def __post_init__(self) -> None:
+        for name in ("key", "tenant", "traffic_class"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"api key field {name!r} must be a non-empty string")
+        for name in ("max_concurrent_streams", "requests_per_minute", "tokens_per_minute"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"api key field {name!r} must be a positive integer, got {value!r}")
+
+
+ANONYMOUS_KEY = ApiKey(key="-", tenant=ANONYMOUS_TENANT, traffic_class=ANONYMOUS_CLASS,
+                       max_concurrent_streams=256, requests_per_minute=1_000_000,
+                       tokens_per_minute=1_000_000_000)
+
+
+def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
+    """Strictly parse the keys file: a non-empty list, every field present, no duplicates."""
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path}: expected a non-empty YAML list of keys")
+    known = [f.name for f in fields(ApiKey)]
+    keys = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}[{i}]: expected a mapping with fields {known}")
+        missing, unknown = set(known) - set(entry), set(entry) - set(known)
+        if missing or unknown:
+            raise ValueError(f"{path}[{i}]: missing {sorted(missing)}, unknown {sorted(unknown)}; "
+                             f"fields are {known}")
+        try:
+            keys.append(ApiKey(**entry))
+        except ValueError as e:
+            raise ValueError(f"{path}[{i}]: {e}") from None
+    if len({k.key for k in keys}) != len(keys):
+        raise ValueError(f"{path}: the same key appears twice")
+    return tuple(keys)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_refusal(host: str, has_keys: bool, insecure: bool) -> str | None:
+    """Why the gateway must not start on `host`, or None. Unauthenticated only on loopback."""
+    if has_keys or insecure or is_loopback(host):
+        return None
+    return (f"refusing to serve unauthenticated on {host}: pass --api-keys FILE, bind to "
+            "127.0.0.1, or pass --insecure to accept anyone who can reach this address")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: str                       # resolved checkpoint dir
+    served_model_name: str
+    router: str                          # host:port of a Router
+    redis_url: str
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    grpc_port: int = 0
+    api_keys: tuple[ApiKey, ...] | None = None   # None: unauthenticated (loopback or --insecure)
+    insecure: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # traffic classes
+    max_model_len: int | None = None     # None: the model's max_position_embeddings
+    quality_version: str | None = None   # None: derived from the checkpoint's config.json
+
+    def __post_init__(self) -> None:
+        refusal = exposure_refusal(self.host, self.api_keys is not None, self.insecure)
+        if refusal:
+            raise ValueError(refusal)
+        for k in self.api_keys or (ANONYMOUS_KEY,):
+            if self.scheduler.traffic_class(k.traffic_class) is None:
+                known = [c.name for c in self.scheduler.classes]
+                raise ValueError(f"key of tenant {k.tenant!r}: unknown traffic class "
+                                 f"{k.traffic_class!r}; known: {known}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    def traffic_class(self, name: str) -> TrafficClass:
+        cls = self.scheduler.traffic_class(name)
+        if cls is None:
+            raise ValueError(f"unknown traffic class {name!r}")
+        return cls

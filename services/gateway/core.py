@@ -1,0 +1,158 @@
+"""What REST and gRPC share: authenticate, admit (quotas), open the router stream, end it cleanly.
+
+A `Session` is one live generation:
+  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then
+     `Router.Generate(RouteRequest)` started; the session is registered under its request id;
+  2. `first()`, then `next()` until None: the router's TokenChunks; router statuses become GatewayErrors;
+  3. `close()`, exactly once whatever happened (finished, client gone, error, Cancel): cancels the
+     router call if it still runs (the router then cancels the request on every worker it touched)
+     and releases the stream slot in a task of its own, so it also runs from a cancelled task.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.gateway import errors
+from services.gateway.auth import KeyRing
+from services.gateway.config import ApiKey, GatewayConfig
+from services.gateway.model import ServedModel
+from services.gateway.quota import Quotas
+from services.gateway.validation import Generation, Validator
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def internal_request_id(client_id: str, tenant: str) -> str:
+    """The fleet-wide id of a request whose id the client chose ("" if it chose none)."""
+    return f"{tenant}:{client_id}" if client_id else ""
+
+
+class Session:
+    def __init__(self, core: GatewayCore, gen: Generation, call) -> None:
+        self.core = core
+        self.gen = gen
+        self.call = call                 # grpc.aio UnaryStreamCall of Router.Generate
+        self.output_tokens = 0
+        self.prompt_tokens = len(gen.prompt_ids)
+        self.aborted = False             # ended by a Cancel call
+        self._closed = False
+        self._ended = False
+
+    @property
+    def request_id(self) -> str:
+        return self.gen.request_id
+
+    async def next(self) -> pb.TokenChunk | None:
+        """The next chunk, or None after the last one. A router failure raises GatewayError."""
+        if self._ended:
+            return None
+        try:
+            chunk = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            self._ended = True
+            raise errors.from_router(e) from None
+        except asyncio.CancelledError:
+            if not self.aborted or asyncio.current_task().cancelling():
+                raise
+            chunk = pb.TokenChunk(request_id=self.request_id, finished=True, finish_reason="abort")
+        if chunk is grpc.aio.EOF:
+            self._ended = True
+            return None
+        self.output_tokens += len(chunk.token_ids)
+        self.prompt_tokens = chunk.num_prompt_tokens or self.prompt_tokens
+        self._ended = chunk.finished
+        return chunk
+
+    async def first(self) -> pb.TokenChunk:
+        """The first chunk; a request the fleet refused before any token raises GatewayError."""
+        chunk = await self.next()
+        if chunk is None:
+            raise errors.GatewayError(502, "the router ended the stream without output",
+                                      code="upstream_error")
+        if chunk.finished and not chunk.token_ids:
+            if chunk.finish_reason == "rejected":
+                raise errors.no_capacity(chunk.error or "rejected by admission")
+            if chunk.finish_reason == "error":
+                raise errors.GatewayError(502, f"a worker failed: {chunk.error}", code="upstream_error")
+        return chunk
+
+    def close(self) -> None:
+        """Idempotent and synchronous, so `finally` blocks of cancelled tasks can call it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.call.cancel()
+        self.core._ended(self)
+
+
+class GatewayCore:
+    def __init__(self, config: GatewayConfig, model: ServedModel, quotas: Quotas,
+                 channel: grpc.aio.Channel) -> None:
+        self.config = config
+        self.model = model
+        self.keys = KeyRing(config.api_keys)
+        self.validator = Validator(model)
+        self.quotas = quotas
+        self.channel = channel
+        self.router = pb_grpc.RouterStub(channel)
+        self._live: dict[str, Session] = {}
+        self._cleanup: set[asyncio.Task] = set()
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        return self.keys.authenticate(authorization)
+
+    async def open(self, gen: Generation) -> Session:
+        if gen.request_id in self._live:
+            raise errors.bad_request(f"request id {gen.request_id!r} is already in use", "request_id",
+                                     "duplicate_request_id")
+        await self.quotas.admit(gen.key, len(gen.prompt_ids))
+        call = self.router.Generate(pb.RouteRequest(
+            request_id=gen.request_id, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
+            prompt_token_ids=gen.prompt_ids, params=gen.params))
+        session = self._live[gen.request_id] = Session(self, gen, call)
+        return session
+
+    def cancel(self, request_id: str, tenant: str) -> bool:
+        """Only the tenant that owns a request may cancel it; `request_id` as the client knows it."""
+        session = self._live.get(request_id) or self._live.get(internal_request_id(request_id, tenant))
+        if session is None or session.gen.key.tenant != tenant:
+            return False
+        session.aborted = True
+        session.close()
+        return True
+
+    def _ended(self, session: Session) -> None:
+        self._live.pop(session.request_id, None)
+        task = asyncio.get_running_loop().create_task(
+            self.quotas.finish(session.gen.key, session.output_tokens))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    async def health(self) -> tuple[bool, str]:
+        """(serving, detail): the router's health, and whether the quota store answers."""
+        try:
+            resp = await self.router.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return False, f"router {self.config.router} unreachable: {e.code().name}"
+        try:
+            await asyncio.wait_for(self.quotas.state.streams("-"), HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any failure means no quotas, so no service
+            return False, f"quota store unreachable: {e!r}"
+        return resp.status == pb.HealthResponse.SERVING, f"router: {resp.detail}"
+
+    async def close(self) -> None:
+        """Shutdown: every live request ends as aborted, and its slot is released."""
+        for session in list(self._live.values()):
+            session.aborted = True
+            session.close()
+        if self._cleanup:
+            await asyncio.gather(*self._cleanup, return_exceptions=True)

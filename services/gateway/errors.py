@@ -1,0 +1,112 @@
+"""One error type for REST and gRPC, in OpenAI's shape: `{"error": {message, type, param, code}}`.
+
+| status | type                  | gRPC                | when                                                |
+|--------|-----------------------|---------------------|-----------------------------------------------------|
+| 400    | invalid_request_error | INVALID_ARGUMENT    | schema, values, context length, router's INVALID_ARGUMENT |
+| 401    | authentication_error  | UNAUTHENTICATED     | missing or unknown API key (when keys are configured) |
+| 404    | not_found_error       | NOT_FOUND           | unknown model, unknown route                        |
+| 413    | invalid_request_error | INVALID_ARGUMENT    | body over the configured limit                      |
+| 429    | rate_limit_error      | RESOURCE_EXHAUSTED  | tenant quota, or router overload with a retry hint  |
+| 502    | upstream_error        | INTERNAL            | a worker failed in an unexpected way                |
+| 503    | service_unavailable   | UNAVAILABLE         | no capacity, worker or router unreachable           |
+
+`retry_after` (seconds) becomes the `Retry-After` header / `retry-after` trailing metadata.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import grpc
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 502: "upstream_error", 503: "service_unavailable"}
+_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+         404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+         429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+_CODED = re.compile(r"([a-z_]+): (.*)", re.DOTALL)   # the workers' "code: message" details
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after is not None else {}
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, math.ceil(self.retry_after or 0))
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return _GRPC.get(self.status, grpc.StatusCode.INTERNAL)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, code=code, param=param)
+
+
+def context_too_long(message: str, param: str = "prompt") -> GatewayError:
+    return GatewayError(400, message, code="context_length_exceeded", param=param)
+
+
+def unauthorized(message: str) -> GatewayError:
+    return GatewayError(401, message, code="invalid_api_key")
+
+
+def model_not_found(name: str, served: str) -> GatewayError:
+    return GatewayError(404, f"The model `{name}` does not exist; this gateway serves `{served}`",
+                        code="model_not_found", param="model")
+
+
+def rate_limited(message: str, retry_after: float | None) -> GatewayError:
+    return GatewayError(429, message, code="rate_limit_exceeded", retry_after=retry_after)
+
+
+def no_capacity(message: str, retry_after: float | None = None) -> GatewayError:
+    """Overload: 429 when the fleet says when to retry, otherwise 503."""
+    if retry_after is not None:
+        return GatewayError(429, f"no capacity: {message}", code="no_capacity",
+                            retry_after=retry_after)
+    return GatewayError(503, f"no capacity: {message}", code="no_capacity")
+
+
+def from_router(e: grpc.aio.AioRpcError) -> GatewayError:
+    """A Router status as a gateway error (the router already relays worker failures as UNAVAILABLE)."""
+    code, details = e.code(), e.details() or e.code().name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        m = _CODED.fullmatch(details)
+        return bad_request(m.group(2), code=m.group(1)) if m else bad_request(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return no_capacity(details, _retry_hint(e))
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return GatewayError(503, f"the fleet is unavailable: {details}", code="unavailable")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(503, f"the fleet did not answer in time: {details}", code="timeout")
+    return GatewayError(502, f"a worker failed: {code.name}: {details}", code="upstream_error")
+
+
+def _retry_hint(e: grpc.aio.AioRpcError) -> float | None:
+    for k, v in e.trailing_metadata() or ():
+        if k == "retry-after":
+            try:
+                return float(v)
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,113 @@
+"""The kvfleet.v1 Gateway gRPC service: the REST API's semantics over protobuf.
+
+Authentication: metadata `authorization: Bearer <key>`. Errors are gRPC statuses with the REST
+messages (errors.py maps them); a quota refusal carries `retry-after` (seconds) in the trailing
+metadata. Initial metadata names what serves the request: `x-kvfleet-model`,
+`x-kvfleet-quality-version`, `x-request-id`. Cancelling the call cancels the request everywhere.
+
+Differences from proto3 defaults, stated once: `model` empty means the served model;
+`params.max_tokens` 0 is an error (there is no "unset" for it); `params.top_p` 0 means 1.0 (off);
+`traffic_class` empty means the key's class, any other class than the key's is refused.
+A client-chosen `request_id` is namespaced by tenant on the way to the router (so one tenant's
+ids can never collide with, or cancel, another's); chunks come back under the client's id.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.gateway import errors
+from services.gateway.config import ApiKey
+from services.gateway.core import GatewayCore, internal_request_id, new_request_id
+from services.gateway.validation import Generation
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class GatewayServicer(pb_grpc.GatewayServicer):
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            key = self._authenticate(context)
+            gen = await asyncio.to_thread(self._generation, request, key)
+            session = await self.core.open(gen)
+        except errors.GatewayError as e:
+            await _abort(context, e)
+        try:
+            await context.send_initial_metadata(self._served_by(gen.request_id))
+            chunk = await session.first()
+            while chunk is not None:
+                chunk.request_id = request.request_id or gen.request_id
+                yield chunk
+                chunk = None if chunk.finished else await session.next()
+        except errors.GatewayError as e:
+            await _abort(context, e)
+        finally:
+            session.close()
+
+    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        key = await self._authenticate_or_abort(context)
+        return pb.CancelResponse(cancelled=self.core.cancel(request.request_id, key.tenant))
+
+    async def ListModels(self, request, context) -> pb.ListModelsResponse:
+        await self._authenticate_or_abort(context)
+        m = self.core.model
+        return pb.ListModelsResponse(models=[pb.ModelCard(
+            id=m.name, max_model_len=m.max_model_len, quality_version=m.quality_version)])
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        serving, detail = await self.core.health()
+        return pb.HealthResponse(status=pb.HealthResponse.SERVING if serving else
+                                 pb.HealthResponse.NOT_SERVING, detail=detail)
+
+    # ----------------------------------------------------------------- helpers
+    def _authenticate(self, context) -> ApiKey:
+        metadata = {k: v for k, v in context.invocation_metadata() or ()}
+        return self.core.authenticate(metadata.get("authorization"))
+
+    async def _authenticate_or_abort(self, context) -> ApiKey:
+        try:
+            return self._authenticate(context)
+        except errors.GatewayError as e:
+            await _abort(context, e)
+
+    def _generation(self, request: pb.GenerateRequest, key: ApiKey) -> Generation:
+        """Validate and tokenize (runs in a thread: tokenizing a long prompt takes a while)."""
+        v = self.core.validator
+        if request.model:
+            v.check_model(request.model)
+        cls = self.core.config.traffic_class(key.traffic_class)
+        if request.traffic_class and request.traffic_class != cls.name:
+            raise errors.bad_request(f"this API key may only use traffic class {cls.name!r}, not "
+                                     f"{request.traffic_class!r}", "traffic_class")
+        if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
+            raise errors.bad_request("request_id must be 1-128 characters of [A-Za-z0-9._:-]",
+                                     "request_id")
+        rid = internal_request_id(request.request_id, key.tenant) or new_request_id("cmpl")
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise errors.bad_request("missing prompt: set text or token_ids", "prompt")
+        ids = v.encode_text(request.text) if which == "text" else v.check_ids(list(request.token_ids.ids))
+        params = pb.SamplingParams()
+        params.CopyFrom(request.params)
+        if params.max_tokens == 0:
+            raise errors.bad_request("params.max_tokens must be a positive integer, got 0",
+                                     "max_tokens", "invalid_max_tokens")
+        v.max_tokens(params.max_tokens, len(ids), cls, None)
+        v.check_params(params)
+        return Generation(rid, key, cls, tuple(ids), params)
+
+    def _served_by(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        m = self.core.model
+        return (("x-kvfleet-model", m.name), ("x-kvfleet-quality-version", m.quality_version),
+                ("x-request-id", request_id))
+
+
+async def _abort(context, e: errors.GatewayError) -> None:
+    if e.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
+    await context.abort(e.grpc_code, e.message)

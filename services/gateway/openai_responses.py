@@ -1,0 +1,149 @@
+"""Router TokenChunks -> OpenAI response bodies (whole, or one SSE event per chunk).
+
+Logprob shapes, as OpenAI (and vLLM) return them:
+  completions  {"tokens": [str], "token_logprobs": [float|null], "top_logprobs": [{str: float}|null],
+                "text_offset": [int]}; with echo the prompt's tokens come first, the first of them
+                without a logprob (null)
+  chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+Token strings are the tokens decoded one by one with special tokens kept.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.gateway.model import ServedModel
+from services.gateway.openai_schema import ResponsePlan
+
+NO_LOGPROB = -9999.0      # OpenAI's stand-in for an impossible token
+
+
+@dataclass
+class Collected:
+    """A whole generation, merged from its chunks (non-streaming responses)."""
+
+    text: str = ""
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    stop_reason: str = ""
+
+    def add(self, c: pb.TokenChunk) -> None:
+        self.text += c.text
+        self.logprobs.extend(c.logprobs)
+        self.prompt_logprobs.extend(c.prompt_logprobs)
+        if c.finished:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Shaper:
+    def __init__(self, plan: ResponsePlan, model: ServedModel, prompt_ids: tuple[int, ...]) -> None:
+        self.plan = plan
+        self.model = model
+        self.prompt_ids = prompt_ids     # prompt logprobs name their token by position
+        self._offset = 0                 # completions' text_offset, across stream events
+        self._echoed = False
+
+    # ------------------------------------------------------------------ whole
+    def body(self, c: Collected, prompt_tokens: int, completion_tokens: int) -> dict:
+        choice = {"index": 0, "finish_reason": _finish(c.finish_reason),
+                  "stop_reason": c.stop_reason or None}
+        if self.plan.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = self._chat_logprobs(c.logprobs)
+        else:
+            choice["text"] = (self.plan.echo_text or "") + c.text
+            choice["logprobs"] = self._completion_logprobs(c.prompt_logprobs, c.logprobs,
+                                                           self.plan.echo_text or "")
+        return {**self._head(stream=False), "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    # ----------------------------------------------------------------- stream
+    def first_events(self) -> list[dict]:
+        """Chat opens with the assistant's role, as OpenAI's stream does."""
+        if self.plan.kind != "chat":
+            return []
+        return [self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})]
+
+    def events(self, c: pb.TokenChunk) -> list[dict]:
+        """OpenAI chunk events for one router chunk (none for a chunk that carries nothing)."""
+        fin = _finish(c.finish_reason) if c.finished else None
+        if self.plan.kind == "chat":
+            if not (c.text or fin or (self.plan.logprobs and c.logprobs)):
+                return []
+            delta = {"content": c.text} if c.text or not fin else {}
+            return [self._event({"index": 0, "delta": delta, "logprobs": self._chat_logprobs(c.logprobs),
+                                 "finish_reason": fin, "stop_reason": c.stop_reason or None})]
+        echo = "" if self._echoed or self.plan.echo_text is None else self.plan.echo_text
+        prompt_lps = list(c.prompt_logprobs) if self.plan.echo_text is not None else []
+        self._echoed = True
+        if not (echo or c.text or fin or (self.plan.logprobs and (c.logprobs or prompt_lps))):
+            return []
+        return [self._event({"index": 0, "text": echo + c.text,
+                             "logprobs": self._completion_logprobs(prompt_lps, c.logprobs, echo),
+                             "finish_reason": fin, "stop_reason": c.stop_reason or None})]
+
+    def usage_event(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {**self._head(stream=True), "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    # ---------------------------------------------------------------- helpers
+    def _head(self, stream: bool) -> dict:
+        kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk",
+                ("completion", False): "text_completion", ("completion", True): "text_completion"}
+        return {"id": self.plan.request_id, "object": kind[(self.plan.kind, stream)],
+                "created": self.plan.created, "model": self.plan.model,
+                "system_fingerprint": self.model.quality_version}
+
+    def _event(self, choice: dict) -> dict:
+        event = {**self._head(stream=True), "choices": [choice]}
+        if self.plan.include_usage:
+            event["usage"] = None
+        return event
+
+    def _token(self, token_id: int) -> str:
+        tok = self.model.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok else f"<{token_id}>"
+
+    def _completion_logprobs(self, prompt: list[pb.TokenLogprob], generated: list[pb.TokenLogprob],
+                             echo: str) -> dict | None:
+        if not self.plan.logprobs:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        ids = [*self.prompt_ids[:len(prompt)], *(lp.token_id for lp in generated)]
+        for token_id, lp in zip(ids, [*prompt, *generated]):
+            text = self._token(token_id)
+            first_prompt_token = math.isnan(lp.logprob) and not lp.top
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if first_prompt_token else _finite(lp.logprob))
+            out["top_logprobs"].append(None if first_prompt_token else {
+                text: _finite(lp.logprob), **{self._token(t.token_id): _finite(t.logprob) for t in lp.top}})
+            out["text_offset"].append(self._offset)
+            self._offset += len(text)
+        return out
+
+    def _chat_logprobs(self, generated: list[pb.TokenLogprob]) -> dict | None:
+        if not self.plan.logprobs:
+            return None
+        return {"content": [{**self._chat_entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._chat_entry(t.token_id, t.logprob) for t in lp.top]}
+                            for lp in generated]}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else NO_LOGPROB
+
+
+def _finish(reason: str) -> str | None:
+    return reason or None

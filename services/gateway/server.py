@@ -1,0 +1,94 @@
+"""Assemble and run the gateway: the model's tokenizer, quotas (Redis), a router channel, the gRPC
+server, then the HTTP server; print `GRPC <addr>` and `READY gateway <addr>`; stop on a signal.
+
+Shutdown: stop taking connections, end every live request as aborted (their quota slots are
+released), let the servers drain for a moment, close the channels.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+import grpc
+import uvicorn
+
+from services.common.fleet_state import FleetState
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
+from services.gateway.grpc_api import GatewayServicer
+from services.gateway.model import load_served_model
+from services.gateway.quota import Quotas
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 2.0
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: this process owns SIGTERM / SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(config: GatewayConfig) -> int:
+    model = load_served_model(config.model_dir, config.served_model_name, config.max_model_len,
+                              config.quality_version)
+    state = FleetState(config.redis_url)
+    channel = grpc.aio.insecure_channel(config.router)
+    core = GatewayCore(config, model, Quotas(state), channel)
+
+    grpc_server = grpc.aio.server()
+    pb_grpc.add_GatewayServicer_to_server(GatewayServicer(core), grpc_server)
+    grpc_port = grpc_server.add_insecure_port(host_port(config.host, config.grpc_port))
+    await grpc_server.start()
+
+    sock = bind(config.host, config.http_port)
+    http = _HttpServer(uvicorn.Config(create_app(core), lifespan="off", log_level="warning",
+                                      access_log=False, server_header=False,
+                                      timeout_graceful_shutdown=GRACE_S))
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    while not http.started:
+        if http_task.done():
+            http_task.result()
+            raise RuntimeError("the HTTP server stopped while starting")
+        await asyncio.sleep(0.01)
+    print(f"GRPC {host_port(config.host, grpc_port)}", flush=True)
+    print(f"READY gateway {host_port(config.host, sock.getsockname()[1])}", flush=True)
+    log.info("serving %s (%s) with router %s", model.name, model.quality_version, config.router)
+
+    await _wait_for_signal()
+    http.should_exit = True
+    await core.close()
+    await asyncio.gather(grpc_server.stop(grace=GRACE_S), http_task, return_exceptions=True)
+    await core.close()            # releases of requests that ended during the drain
+    await channel.close()
+    await state.close()
+    return 0
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

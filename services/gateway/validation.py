@@ -1,0 +1,125 @@
+"""Everything the gateway checks before a request may touch the fleet (DESIGN section 3, step 1).
+
+REST and gRPC requests both end here as a `Generation`: prompt token ids (tokenized with the
+model's own tokenizer), the sampling parameters as they go on the wire, the tenant and class of
+the API key. Each check raises a GatewayError whose message says what is wrong and the limits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jinja2
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.engine.config import TrafficClass
+from services.gateway import errors
+from services.gateway.config import ApiKey
+from services.gateway.model import ServedModel
+
+MAX_LOGPROBS = 20          # the engine's limit (engine/validation.py)
+MAX_STOP_STRINGS = 16
+MAX_TEMPERATURE = 2.0      # OpenAI's range
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One validated request, ready for the router."""
+
+    request_id: str
+    key: ApiKey
+    traffic_class: TrafficClass
+    prompt_ids: tuple[int, ...]
+    params: pb.SamplingParams
+
+
+class Validator:
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+
+    # -------------------------------------------------------------- model, prompt
+    def check_model(self, name: str) -> None:
+        if name != self.model.name:
+            raise errors.model_not_found(name, self.model.name)
+
+    def encode_text(self, text: str, param: str = "prompt") -> list[int]:
+        if not text:
+            raise errors.bad_request(f"{param} is empty; send at least one token", param, "empty_prompt")
+        if self.model.tokenizer is None:
+            raise errors.bad_request("this model has no tokenizer: send prompt token ids", param)
+        return self.model.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        tok = self.model.tokenizer
+        if tok is None or tok.chat_template is None:
+            raise errors.bad_request(f"model `{self.model.name}` has no chat template; "
+                                     "use /v1/completions", "messages")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        except jinja2.TemplateError as e:
+            raise errors.bad_request(f"messages do not fit the chat template: {e}", "messages") from None
+        return tok.encode(text, add_special_tokens=False)   # the template holds the bos
+
+    def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        if not ids:
+            raise errors.bad_request(f"{param} is empty; send at least one token", param, "empty_prompt")
+        bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise errors.bad_request(f"prompt token ids must be in [0, {self.model.vocab_size}); "
+                                     f"got {bad[:5]}{' ...' if len(bad) > 5 else ''}", param,
+                                     "token_out_of_vocab")
+        return ids
+
+    # ------------------------------------------------------------------- lengths
+    def max_tokens(self, requested: int | None, n_prompt: int, cls: TrafficClass,
+                   default: int | None, param: str = "max_tokens") -> int:
+        """The output bound: `requested`, or `default`, or (None) what the context and the class's
+        output cap leave. Checks the prompt against the class and prompt + output against the context."""
+        self._check_prompt(n_prompt, cls)
+        if requested is None:
+            room = self.model.max_model_len - n_prompt
+            requested = default if default is not None else min(room, cls.output_cap)
+            requested = max(1, min(requested, room))   # a default never overflows by itself
+        if requested < 1:
+            raise errors.bad_request(f"{param} must be a positive integer, got {requested}", param,
+                                     "invalid_max_tokens")
+        total = n_prompt + requested
+        if total > self.model.max_model_len:
+            raise errors.context_too_long(
+                f"this model's maximum context length is {self.model.max_model_len} tokens; the "
+                f"request asks for {total} ({n_prompt} in the prompt, {requested} in the output): "
+                f"shorten the prompt or lower {param}", param)
+        return requested
+
+    def _check_prompt(self, n: int, cls: TrafficClass) -> None:
+        if n > cls.max_prompt_tokens:
+            raise errors.context_too_long(
+                f"prompt has {n} tokens; traffic class {cls.name!r} allows at most "
+                f"{cls.max_prompt_tokens} prompt tokens (model context {self.model.max_model_len})")
+        if n >= self.model.max_model_len:
+            raise errors.context_too_long(
+                f"prompt has {n} tokens; this model's maximum context length is "
+                f"{self.model.max_model_len} tokens, prompt and output together")
+
+    # ---------------------------------------------------------- sampling params
+    def check_params(self, p: pb.SamplingParams) -> None:
+        """Ranges of the wire params. Proto3 reads top_p 0 as 'off' (1.0)."""
+        if not (math.isfinite(p.temperature) and 0.0 <= p.temperature <= MAX_TEMPERATURE + 1e-6):
+            raise errors.bad_request(f"temperature must be in [0, {MAX_TEMPERATURE}], got "
+                                     f"{p.temperature:g}", "temperature", "invalid_value")
+        if not (math.isfinite(p.top_p) and 0.0 <= p.top_p <= 1.0 + 1e-6):
+            raise errors.bad_request(f"top_p must be in (0, 1], got {p.top_p:g}", "top_p", "invalid_value")
+        if p.top_k < -1:
+            raise errors.bad_request(f"top_k must be -1, 0 (off) or positive, got {p.top_k}", "top_k",
+                                     "invalid_value")
+        for name in ("logprobs", "prompt_logprobs"):
+            if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
+                raise errors.bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got "
+                                         f"{getattr(p, name)}", name, "invalid_value")
+        if len(p.stop) > MAX_STOP_STRINGS or any(not s for s in p.stop):
+            raise errors.bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings",
+                                     "stop", "invalid_value")
+        bad = [t for t in p.stop_token_ids if t >= self.model.vocab_size]
+        if bad:
+            raise errors.bad_request(f"stop_token_ids must be in [0, {self.model.vocab_size}), got "
+                                     f"{bad[:5]}", "stop_token_ids", "invalid_value")

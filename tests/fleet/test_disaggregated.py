@@ -1,0 +1,122 @@
+"""A disaggregated fleet (router, prefill and decode worker processes, real Redis, KV over TCP or
+NIXL) serves the in-process engine's greedy tokens; cancellation frees everything on both
+workers; killed workers end streams with an error and the fleet keeps serving."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.common.launcher import wait_until
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.engine.engine import LLMEngine, engine_config
+from services.engine.sampling_params import SamplingParams
+from tests.fleet.fleet_helpers import route_request, running_fleet
+
+PROMPT = [4080, 39, 72, 311, 464, 68] + list(range(600, 660))   # 66 tokens: 5 blocks of 16
+
+
+def reference(model_dir: str, n: int) -> list[int]:
+    engine = LLMEngine(engine_config(model_dir, kv_cache_mib=8))
+    (out,) = engine.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0,
+                                                      ignore_eos=True))
+    return out.token_ids
+
+
+def serving(fleet) -> bool:
+    return fleet.router_stub().Health(pb.HealthRequest()).status == pb.HealthResponse.SERVING
+
+
+def idle(fleet, *names) -> bool:
+    stats = [fleet.stats(n) for n in names]
+    return all(s.kv_blocks_used == 0 and s.kv_blocks_reserved == 0 for s in stats)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_greedy_tokens_through_the_fleet_equal_the_engine(redis_url, tiny_model_dir, backend):
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", kv_backend=backend) as fleet:
+        assert wait_until(lambda: serving(fleet), 10)
+        chunks = list(fleet.router_stub().Generate(
+            route_request(f"d-{backend}", PROMPT, 16, ignore_eos=True)))
+        assert chunks[0].served_by == "prefill-0" and len(chunks[0].token_ids) == 1
+        assert {c.served_by for c in chunks[1:]} == {"decode-0"}
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+        assert [t for c in chunks for t in c.token_ids] == reference(str(tiny_model_dir), 16)
+        assert wait_until(lambda: idle(fleet, "prefill-0", "decode-0"), 1.0)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url, tiny_model_dir):
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=2, decode=2) as f:
+        assert wait_until(lambda: serving(f) and len(f.workers) == 4, 10)
+        yield f
+
+
+ALL = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+
+
+def test_cancel_during_decode_frees_both_workers(fleet):
+    call = fleet.router_stub().Generate(route_request("cancel-decode", PROMPT, 3000,
+                                                      ignore_eos=True))
+    stream = iter(call)
+    next(stream), next(stream)                           # first token, then decode tokens
+    call.cancel()
+    assert wait_until(lambda: idle(fleet, *ALL), 1.0)
+
+
+def test_cancel_during_prefill_frees_both_workers(fleet):
+    long_prompt = list(range(100, 3100))                  # ~3000 tokens: prefill takes a while
+    call = fleet.router_stub().Generate(route_request("cancel-prefill", long_prompt, 10))
+    time.sleep(0.15)
+    call.cancel()
+    assert wait_until(lambda: idle(fleet, *ALL), 1.0)
+
+
+def test_an_answer_that_ends_at_the_first_token_releases_the_reservation(fleet):
+    chunks = list(fleet.router_stub().Generate(route_request("one", PROMPT, 1)))
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == 1
+    assert wait_until(lambda: idle(fleet, *ALL), 1.0)
+
+
+def test_bad_request_is_invalid_argument(fleet):
+    with pytest.raises(grpc.RpcError) as info:
+        list(fleet.router_stub().Generate(route_request("bad", [1, 999999], 4)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token" in info.value.details()
+
+
+def test_a_killed_decode_worker_ends_the_stream_with_an_error_and_the_fleet_goes_on(fleet):
+    # runs last in this module: it kills a worker of the shared fleet
+    stub = fleet.router_stub()
+    victim = None
+    call = stub.Generate(route_request("victim", PROMPT, 3000, ignore_eos=True))
+    stream = iter(call)
+    for chunk in stream:
+        if chunk.served_by.startswith("decode"):
+            victim = chunk.served_by
+            break
+    fleet.launcher.kill(victim)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    survivors = [n for n in ALL if n != victim]
+    assert wait_until(lambda: idle(fleet, *survivors), 2.0)
+    # the dead worker's heartbeat goes stale; new requests are served by the rest
+    time.sleep(1.2)
+    chunks = list(stub.Generate(route_request("after", PROMPT, 8, ignore_eos=True)))
+    assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 8
+    assert victim not in {c.served_by for c in chunks}
+
+
+def test_a_killed_prefill_worker_is_retried_elsewhere_before_the_first_token(fleet):
+    # runs after the decode kill: prefill-0 still has a fresh heartbeat when it dies, and it is
+    # the router's first choice (equal cost, lowest id), so the first attempt hits a dead worker
+    assert wait_until(lambda: "prefill-0" in {w for w in fleet.workers}, 1)
+    fleet.launcher.kill("prefill-0")
+    chunks = list(fleet.router_stub().Generate(route_request("retry", PROMPT, 6, ignore_eos=True)))
+    assert chunks[0].served_by == "prefill-1"
+    assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 6

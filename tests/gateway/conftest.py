@@ -1,0 +1,33 @@
+"""One fleet (router + one mixed worker) and one gateway with API keys for the whole package."""
+from __future__ import annotations
+
+import pytest
+
+from services.engine.engine import LLMEngine, engine_config
+from tests.fleet.fleet_helpers import running_fleet
+from tests.gateway.gateway_helpers import start_gateway, start_worker, write_configs
+
+
+@pytest.fixture(scope="package")
+def configs(tmp_path_factory):
+    return write_configs(tmp_path_factory.mktemp("gateway-config"))
+
+
+@pytest.fixture(scope="package")
+def fleet(redis_url, tiny_model_dir, configs):
+    with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=0) as f:
+        start_worker(f, str(tiny_model_dir), configs[0])
+        yield f
+
+
+@pytest.fixture(scope="package")
+def gateway(fleet, tiny_model_dir, configs):
+    engine_yaml, keys_yaml = configs
+    return start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", engine_yaml,
+                         "--api-keys", keys_yaml)
+
+
+@pytest.fixture(scope="package")
+def engine(tiny_model_dir):
+    """The in-process engine: what the fleet's greedy output must equal."""
+    return LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=8))

@@ -1,0 +1,114 @@
+"""A real fleet for gateway tests: redis-server, router, one mixed worker and the gateway, all
+processes on 127.0.0.1, started and stopped by one Launcher (via `running_fleet`).
+
+The worker and the gateway read the same engine config (`ENGINE_CONFIG`): the tenants the API keys
+name, a 4096-token context and an interactive class capped at 2048 prompt tokens, so the length
+limits are cheap to reach.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import httpx
+import yaml
+
+from services.common.launcher import wait_until
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from tests.fleet.fleet_helpers import Fleet
+
+CONTEXT = 4096
+INTERACTIVE_MAX_PROMPT = 2048
+_CLASS_DEFAULTS = dict(ttft_target_s=10.0, itl_target_s=1.0, output_cap=2048,
+                       predicted_output_tokens=256, aging_s=10.0)
+ENGINE_CONFIG = {
+    "max_model_len": CONTEXT,
+    "scheduler": {
+        "classes": [
+            {"name": "interactive", "priority": 2, "max_prompt_tokens": INTERACTIVE_MAX_PROMPT,
+             **_CLASS_DEFAULTS},
+            {"name": "document", "priority": 1, "max_prompt_tokens": 131072, **_CLASS_DEFAULTS},
+            {"name": "batch", "priority": 0, "max_prompt_tokens": 131072, **_CLASS_DEFAULTS},
+        ],
+        "tenants": [{"name": t} for t in ("default", "acme", "solo", "metered", "frugal", "leaver")],
+    },
+}
+
+
+def key(secret: str, tenant: str, traffic_class: str = "interactive", streams: int = 64,
+        rpm: int = 100_000, tpm: int = 10_000_000) -> dict:
+    return {"key": secret, "tenant": tenant, "traffic_class": traffic_class,
+            "max_concurrent_streams": streams, "requests_per_minute": rpm, "tokens_per_minute": tpm}
+
+
+KEYS = {
+    "acme": key("sk-acme-0001", "acme"),
+    "doc": key("sk-acme-doc-0002", "acme", "document"),
+    "solo": key("sk-solo-0003", "solo", streams=1),
+    "metered": key("sk-metered-0004", "metered", rpm=2),
+    "frugal": key("sk-frugal-0007", "frugal", tpm=40),
+    "leaver": key("sk-leaver-0005", "leaver"),
+    "stranger": key("sk-stranger-0006", "stranger"),      # a tenant the workers do not know
+}
+
+
+def bearer(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]['key']}"}
+
+
+@dataclass(frozen=True)
+class Gateway:
+    http: str
+    grpc: str
+    model: str
+
+    def client(self, key_name: str | None = "acme", timeout: float = 30.0) -> httpx.Client:
+        return httpx.Client(base_url=f"http://{self.http}", timeout=timeout,
+                            headers=bearer(key_name) if key_name else {})
+
+
+def write_configs(tmp) -> tuple[str, str]:
+    engine, keys = tmp / "engine.yaml", tmp / "keys.yaml"
+    engine.write_text(yaml.safe_dump(ENGINE_CONFIG))
+    keys.write_text(yaml.safe_dump(list(KEYS.values())))
+    return str(engine), str(keys)
+
+
+def start_worker(fleet: Fleet, model_dir: str, engine_config: str, name: str = "mixed-0") -> None:
+    fleet.workers[name] = fleet.launcher.start(name, [
+        "services.common.cli", "serve", "mixed", "--model", model_dir, "--worker-id", name,
+        "--redis-url", fleet.redis_url, "--kv-cache-mib", "64", "--heartbeat-s", "0.3",
+        "--config", engine_config])
+    assert wait_until(lambda: fleet.router_stub().Health(pb.HealthRequest()).status ==
+                      pb.HealthResponse.SERVING, 10)
+
+
+def start_gateway(fleet: Fleet, model_dir: str, name: str = "gateway", *extra: str) -> Gateway:
+    http = fleet.launcher.start(name, ["services.gateway", "--model", model_dir, "--router",
+                                       fleet.router, "--redis-url", fleet.redis_url, *extra])
+    grpc_line = next(line for line in fleet.launcher.children[name].lines if line.startswith("GRPC "))
+    model = model_dir.rstrip("/").rsplit("/", 1)[-1]
+    return Gateway(http=http, grpc=grpc_line.split()[-1], model=model)
+
+
+def sse_data(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, in order (the last one should be [DONE])."""
+    return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def events(payloads: list[str]) -> list[dict]:
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def openai_error(response: httpx.Response, status: int) -> dict:
+    """Asserts the status and OpenAI's error shape; returns the error object."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def stream_counter(redis_client, tenant: str) -> int:
+    """The tenant's open streams, as services/common/fleet_state.py keeps them."""
+    return int(redis_client.get(f"kvfleet:tenant:{tenant}:streams") or 0)
