@@ -33,11 +33,15 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--insecure", action="store_true")
+    p.add_argument("--config", default=None,
+                   help="engine config YAML (classes, tenants, budgets) for workers and gateway")
 
 
 def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str) -> dict[str, str]:
     model = resolve_model_dir(args.model)
-    common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib)]
+    config = ["--config", args.config] if args.config else []
+    common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
+              *config]
     roles = ([("mixed", args.decode)] if args.mode == "colocated"
              else [("prefill", args.prefill), ("decode", args.decode)])
     endpoints = {}
@@ -51,7 +55,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str) ->
                                                     "--mode", args.mode])
     gateway = ["services.gateway", "--model", model, "--router", endpoints["router"],
                "--redis-url", redis_url, "--host", args.host,
-               "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port)]
+               "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port), *config]
     if args.api_keys:
         gateway += ["--api-keys", args.api_keys]
     if args.insecure:
