@@ -28,7 +28,7 @@ test: setup
 	$(VPY) -m pytest -q
 
 demo: setup
-	$(VPY) -m services.common.cli demo
+	$(VPY) -m services.common.cli demo --fleet
 
 bench: setup
 	$(VPY) -m services.common.cli bench engine

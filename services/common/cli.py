@@ -20,8 +20,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.fleet:
+        from services.common.fleet_demo import run_fleet_demo
+        return run_fleet_demo(args)
     from services.engine.demo import run_demo
     return run_demo(args)
+
+
+def _bench_fleet(args: argparse.Namespace) -> int:
+    from services.common.fleet_bench import run_fleet_bench
+    return run_fleet_bench(args)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -85,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=int, default=256, help="tokens per iteration")
     d.add_argument("--chunk", type=int, default=128, help="max prefill chunk per sequence")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--fleet", action="store_true",
+                   help="through `kvfleet up` and the REST API instead of the in-process engine")
+    d.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
+                   help="with --fleet: the fleet's mode")
     d.add_argument("--no-compare", dest="compare", action="store_false",
                    help="skip the baseline run whose prefills are not chunked")
     d.set_defaults(func=_demo)
@@ -106,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", action="store_true")
     be.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     be.set_defaults(func=_bench_engine)
+    bf = bsub.add_parser("fleet", help="what the fleet adds over the in-process engine")
+    bf.add_argument("--model", default="tiny")
+    bf.add_argument("--mode", choices=["disagg", "colocated"], default="colocated")
+    bf.add_argument("--kv-backend", choices=["tcp", "nixl"], default="tcp")
+    bf.add_argument("--repeats", type=int, default=20)
+    bf.add_argument("--json", action="store_true")
+    bf.set_defaults(func=_bench_fleet)
     return p
 
 

@@ -13,6 +13,7 @@ import signal
 import time
 
 import grpc
+import torch
 
 from services.common.engine_loop import EngineLoop
 from services.common.fleet_state import FleetState, WorkerRecord
@@ -38,6 +39,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default); several workers on one "
+                        "host should split the cores between them")
     p.add_argument("--reserve-timeout-s", type=float, default=30.0)
     if role is not None:
         p.set_defaults(role=role)
@@ -72,6 +76,8 @@ async def heartbeat_forever(state: FleetState, loop: EngineLoop, config: WorkerC
 async def serve(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK:
         raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     config = WorkerConfig(worker_id, args.role, args.kv_backend,
                           reserve_timeout_s=args.reserve_timeout_s)

@@ -11,6 +11,7 @@ SIGKILL after a grace period) and the embedded Redis: no orphan process, no port
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -44,6 +45,8 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str) ->
               *config]
     roles = ([("mixed", args.decode)] if args.mode == "colocated"
              else [("prefill", args.prefill), ("decode", args.decode)])
+    threads = max(1, (os.cpu_count() or 1) // sum(n for _, n in roles))
+    common += ["--threads", str(threads)]     # split the host's cores between the workers
     endpoints = {}
     for role, count in roles:
         for i in range(count):

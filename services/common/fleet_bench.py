@@ -1,0 +1,128 @@
+"""`kvfleet bench fleet`: what the fleet adds over the in-process engine, on loopback.
+
+  added TTFT        one ~200-token chat at a time: TTFT through REST (SSE) minus in-process TTFT
+  added per token   one 128-token stream at a time: (end - first token) / 127, fleet minus engine
+  throughput        32 concurrent 200-in/64-out SSE streams: output tokens/s
+Medians over repeats; printed, never asserted. KV transfer GB/s: `python -m services.kv_transfer.bench`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+from services.common.http_client import nodelay_client
+
+from services.common.launcher import Launcher
+from services.common.redis_server import EmbeddedRedis
+from services.common.up import start_fleet
+from services.engine.engine import LLMEngine, engine_config
+from services.engine.sampling_params import SamplingParams
+from services.engine.workload import random_prompt
+
+
+async def stream_times(client: httpx.AsyncClient, model: str, ids: list[int], n: int) -> list[float]:
+    """Send one streaming completion; returns [TTFT, end] seconds and the token count as the last
+    element's companion (see per_token): [first_chunk_s, last_chunk_s, completion_tokens]."""
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                last = time.perf_counter() - t0
+                first = last if first is None else first
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return [first, last, tokens]
+
+
+def engine_times(engine: LLMEngine, ids: list[int], n: int) -> list[float]:
+    """The same [first_token_s, last_token_s, tokens] for the in-process engine."""
+    t0 = time.perf_counter()
+    rid = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    first = last = None
+    tokens = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                last = time.perf_counter() - t0
+                first = last if first is None else first
+                tokens += len(out.new_token_ids)
+    return [first, last, tokens]
+
+
+def per_token(times: list[float]) -> float:
+    first, last, tokens = times
+    return (last - first) / max(1, tokens - 1)
+
+
+async def fleet_numbers(url: str, prompts: list[list[int]], repeats: int) -> dict:
+    async with nodelay_client(url) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await stream_times(client, model, prompts[0], 4)                       # warm-up
+        ttft = [(await stream_times(client, model, prompts[i % len(prompts)], 1))[0]
+                for i in range(repeats)]
+        tpot = [per_token(await stream_times(client, model, prompts[0], 128)) for _ in range(3)]
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(stream_times(client, model, p, 64) for p in prompts[:32]))
+        elapsed = time.perf_counter() - t0
+    return {"ttft_s": statistics.median(ttft), "per_token_s": statistics.median(tpot),
+            "concurrent_output_tokens_per_s": sum(r[2] for r in runs) / elapsed}
+
+
+def engine_numbers(model: str, prompts: list[list[int]], repeats: int) -> dict:
+    engine = LLMEngine(engine_config(model, token_budget=2048, chunk_size=512, reject_late=False,
+                                     enable_prefix_caching=False))
+    engine_times(engine, prompts[0], 4)
+    ttft = [engine_times(engine, prompts[i % len(prompts)], 1)[0] for i in range(repeats)]
+    tpot = [per_token(engine_times(engine, prompts[0], 128)) for _ in range(3)]
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts[:32], SamplingParams(max_tokens=64, temperature=0,
+                                                       ignore_eos=True))
+    elapsed = time.perf_counter() - t0
+    return {"ttft_s": statistics.median(ttft), "per_token_s": statistics.median(tpot),
+            "concurrent_output_tokens_per_s": sum(len(o.token_ids) for o in outs) / elapsed}
+
+
+def run_fleet_bench(args: argparse.Namespace) -> int:
+    rng = random.Random(0)
+    prompts = [random_prompt(rng, 200, 4096) for _ in range(32)]
+    up = argparse.Namespace(model=args.model, mode=args.mode, prefill=1, decode=1, host="127.0.0.1",
+                            http_port=0, grpc_port=0, redis_url=None, api_keys=None,
+                            kv_backend=args.kv_backend, kv_cache_mib=256, insecure=False,
+                            config=None)
+    redis, launcher = EmbeddedRedis().start(), Launcher()
+    try:
+        endpoints = start_fleet(up, launcher, redis.url)
+        fleet = asyncio.run(fleet_numbers(f"http://{endpoints['gateway']}", prompts, args.repeats))
+    finally:
+        launcher.stop_all()
+        redis.stop()
+    engine = engine_numbers(args.model, prompts, args.repeats)
+    result = {"mode": args.mode, "kv_backend": args.kv_backend, "fleet": fleet, "engine": engine,
+              "added_ttft_ms": 1e3 * (fleet["ttft_s"] - engine["ttft_s"]),
+              "added_per_token_ms": 1e3 * (fleet["per_token_s"] - engine["per_token_s"])}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"fleet ({args.mode}, KV over {args.kv_backend}) vs in-process engine, tiny model:")
+    for key, label, scale in (("ttft_s", "chat TTFT", 1e3), ("per_token_s", "time per token", 1e3)):
+        print(f"  {label:<16} fleet {scale * fleet[key]:7.2f} ms   engine "
+              f"{scale * engine[key]:7.2f} ms")
+    print(f"  added TTFT {result['added_ttft_ms']:.2f} ms, added per token "
+          f"{result['added_per_token_ms']:.2f} ms")
+    print(f"  32 concurrent 200-in/64-out: fleet {fleet['concurrent_output_tokens_per_s']:.0f} "
+          f"tok/s, engine {engine['concurrent_output_tokens_per_s']:.0f} tok/s")
+    return 0
