@@ -6,6 +6,7 @@ generated imports come out package-qualified (`from services.common.pb.kvfleet.v
 """
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,16 +16,19 @@ VIRTUAL = "services/common/pb"
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every .proto under protos/ into out_dir."""
-    from grpc_tools import protoc
-    import grpc_tools
+    """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every .proto under protos/ into out_dir.
 
+    protoc runs in a child process: grpc_tools' compiler links its own protobuf/abseil, which
+    must not share a process with NIXL's (the process aborts)."""
     protos = sorted(PROTOS.rglob("*.proto"))
-    include = Path(grpc_tools.__file__).parent / "_proto"
-    args = ["protoc", f"-I{VIRTUAL}={PROTOS}", f"-I{include}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *map(str, protos)]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    cmd = [sys.executable, "-c", "import sys, grpc_tools, pathlib; from grpc_tools import protoc; "
+           "inc = pathlib.Path(grpc_tools.__file__).parent / '_proto'; "
+           "sys.exit(protoc.main(['protoc', f'-I{inc}'] + sys.argv[1:]))",
+           f"-I{VIRTUAL}={PROTOS}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
+           f"--grpc_python_out={out_dir}", *map(str, protos)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed: {done.stderr.strip()}")
     return sorted(p for p in (out_dir / VIRTUAL).rglob("*") if p.is_file())
 
 
