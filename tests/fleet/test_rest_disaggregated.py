@@ -1,0 +1,58 @@
+"""The OpenAI REST API over a disaggregated fleet (prefill and decode workers, KV over TCP):
+the official client gets the in-process engine's greedy text, and a client that hangs up during
+decode leaves both workers and the tenant's Redis counters at zero."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from services.common.fleet_state import FleetState
+from services.common.launcher import wait_until
+from services.engine.engine import LLMEngine, engine_config
+from services.engine.sampling_params import SamplingParams
+from tests.fleet.fleet_helpers import running_fleet
+from tests.gateway.gateway_helpers import start_gateway
+
+PROMPT = "Disaggregated serving sends the prompt's KV from prefill to decode"
+
+
+@pytest.fixture(scope="module")
+def setup(redis_url, tiny_model_dir):
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg") as fleet:
+        yield fleet, start_gateway(fleet, str(tiny_model_dir))
+
+
+def idle(fleet) -> bool:
+    return all(s.kv_blocks_used == 0 and s.kv_blocks_reserved == 0
+               for s in (fleet.stats("prefill-0"), fleet.stats("decode-0")))
+
+
+def test_openai_client_gets_the_engines_greedy_text(setup, tiny_model_dir):
+    fleet, gw = setup
+    client = openai.OpenAI(base_url=f"http://{gw.http}/v1", api_key="unused")
+    out = client.completions.create(model=gw.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    engine = LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=8))
+    (ref,) = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))
+    assert out.choices[0].text == ref.text
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert wait_until(lambda: idle(fleet), 1.0)
+
+
+def test_hanging_up_during_decode_frees_both_workers_and_the_quota(setup):
+    fleet, gw = setup
+    client = openai.OpenAI(base_url=f"http://{gw.http}/v1", api_key="unused")
+    stream = client.completions.create(model=gw.model, prompt=PROMPT, max_tokens=3000,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert fleet.stats("decode-0").kv_blocks_reserved > 0
+    stream.close()
+    assert wait_until(lambda: idle(fleet), 1.0)
+
+    async def streams() -> int:
+        async with FleetState(fleet.redis_url) as state:
+            return await state.streams("default")
+    assert wait_until(lambda: asyncio.run(streams()) == 0, 1.0)
