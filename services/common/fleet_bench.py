@@ -72,7 +72,7 @@ async def fleet_numbers(url: str, prompts: list[list[int]], repeats: int) -> dic
     async with nodelay_client(url) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await stream_times(client, model, prompts[0], 4)                       # warm-up
-        ttft = [(await stream_times(client, model, prompts[i % len(prompts)], 1))[0]
+        ttft = [(await stream_times(client, model, prompts[i % len(prompts)], 16))[0]
                 for i in range(repeats)]
         tpot = [per_token(await stream_times(client, model, prompts[0], 128)) for _ in range(3)]
         t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def engine_numbers(model: str, prompts: list[list[int]], repeats: int) -> dict:
     engine = LLMEngine(engine_config(model, token_budget=2048, chunk_size=512, reject_late=False,
                                      enable_prefix_caching=False))
     engine_times(engine, prompts[0], 4)
-    ttft = [engine_times(engine, prompts[i % len(prompts)], 1)[0] for i in range(repeats)]
+    ttft = [engine_times(engine, prompts[i % len(prompts)], 16)[0] for i in range(repeats)]
     tpot = [per_token(engine_times(engine, prompts[0], 128)) for _ in range(3)]
     t0 = time.perf_counter()
     outs = engine.generate(prompts[:32], SamplingParams(max_tokens=64, temperature=0,

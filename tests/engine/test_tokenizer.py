@@ -74,7 +74,17 @@ _TEXT = st.one_of(st.text(), st.lists(st.one_of(_AWKWARD, st.text(max_size=3))).
 @settings(max_examples=300, deadline=None)
 @given(text=_TEXT)
 def test_any_text_round_trips(tok, text):
-    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    # special-token strings in text (e.g. "<|end_of_text|>") encode to the special token, as in
+    # Llama-3's tokenizer, so the round trip keeps special tokens when decoding
+    assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
+
+
+def test_special_token_text_becomes_the_special_token(tok):
+    """Found by the round-trip property: text spelling a special token is that token, and a
+    default decode (skip_special_tokens) drops it."""
+    ids = tok.encode("<|end_of_text|>", add_special_tokens=False)
+    assert len(ids) == 1 and ids[0] in tok.eos_token_ids
+    assert tok.decode(ids) == ""
 
 
 def test_reads_real_checkpoint_layouts(tiny_model_dir, tmp_path):
