@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import time
 
 import grpc
 import torch
 
+from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
 from services.common.fleet_state import FleetState, WorkerRecord
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -100,7 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
                                                   every_s=args.heartbeat_s))
             if state else None)
     print(f"READY {worker_id} {address}", flush=True)
-    await _wait_for_signal()
+    await wait_for_stop_signal()
     if beat:
         beat.cancel()
         await state.remove_worker(worker_id)
@@ -110,14 +110,6 @@ async def serve(args: argparse.Namespace) -> int:
     if transport is not None:
         transport.close()
     return 0
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    aio = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio.add_signal_handler(sig, stop.set)
-    await stop.wait()
 
 
 def main(role: str | None = None, argv: list[str] | None = None) -> int:

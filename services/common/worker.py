@@ -24,7 +24,7 @@ from services.common.engine_loop import EngineLoop
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine
-from services.engine.errors import InvalidRequestError, UnknownRequestError
+from services.engine.errors import InvalidRequestError
 
 
 DEADLINE_MARGIN_S = 1.0   # a KV write ends this long before the reservation it targets expires

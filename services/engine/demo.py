@@ -7,7 +7,6 @@ chat advanced in every iteration in which a document was prefilling.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field

@@ -1,7 +1,7 @@
 """Per-request sampling parameters (the engine's typed view of an OpenAI request's knobs)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

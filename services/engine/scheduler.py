@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, late_requests,
                                        tenant_allows)
-from services.engine.block_pool import BlockPool, hash_block_tokens, hash_full_blocks
+from services.engine.block_pool import BlockPool, hash_full_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.errors import UnknownRequestError
 from services.engine.fairness import DeficitRoundRobin, class_budget, effective_priority

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 
 import grpc
 import uvicorn
 
+from services.common.shutdown import wait_for_stop_signal
 from services.common.fleet_state import FleetState
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway.app import create_app
@@ -79,7 +79,7 @@ async def serve(config: GatewayConfig) -> int:
     print(f"READY gateway {host_port(config.host, sock.getsockname()[1])}", flush=True)
     log.info("serving %s (%s) with router %s", model.name, model.quality_version, config.router)
 
-    await _wait_for_signal()
+    await wait_for_stop_signal()
     http.should_exit = True
     await core.close()
     await asyncio.gather(grpc_server.stop(grace=GRACE_S), http_task, return_exceptions=True)
@@ -87,11 +87,3 @@ async def serve(config: GatewayConfig) -> int:
     await channel.close()
     await state.close()
     return 0
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

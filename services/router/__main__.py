@@ -3,13 +3,13 @@
 Prints `READY router <host:port>` once serving; SIGTERM / SIGINT stop it."""
 import argparse
 import asyncio
-import signal
 import sys
 
 import grpc
 
 from services.common.fleet_state import FleetState
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.common.shutdown import wait_for_stop_signal
 from services.router.service import RouterServicer
 
 
@@ -23,10 +23,7 @@ async def serve(args: argparse.Namespace) -> int:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
     print(f"READY router {args.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await server.stop(grace=1.0)
     await servicer.close()
     await state.close()

@@ -12,7 +12,6 @@ Any early end (client gone, failure) cancels the request on every worker it touc
 from __future__ import annotations
 
 import asyncio
-import itertools
 from dataclasses import dataclass, field
 
 import grpc

@@ -1,9 +1,8 @@
 """The checked-in generated code is exactly what protos/ produces, and it imports."""
 from __future__ import annotations
 
-from pathlib import Path
 
-from services.common.protogen import ROOT, VIRTUAL, generate
+from services.common.protogen import ROOT, generate
 
 
 def test_generated_code_matches_protos(tmp_path):

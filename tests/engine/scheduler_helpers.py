@@ -3,10 +3,9 @@ driven with chosen sampled tokens (no model: the scheduler only ever sees token 
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 from services.engine.block_pool import BlockPool
-from services.engine.config import INTERACTIVE, DOCUMENT, BATCH, SchedulerConfig, Tenant
+from services.engine.config import SchedulerConfig, Tenant
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput

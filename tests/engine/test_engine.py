@@ -2,13 +2,11 @@
 seeds, cancellation, the disaggregated roles, and bad input."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from services.engine import errors
-from services.engine.config import Tenant
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 

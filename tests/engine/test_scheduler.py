@@ -166,7 +166,7 @@ def test_predict_policy_grows_and_preempts_the_lowest_priority_newest():
     sched, _ = make_scheduler(num_blocks=12, admission="predict", classes=classes,
                               reject_late=False)
     chat = add(sched, 8, max_tokens=40)                       # 3 blocks
-    batch_old = add(sched, 8, cls="batch", tenant="b", max_tokens=40)
+    add(sched, 8, cls="batch", tenant="b", max_tokens=40)  # the older batch request
     batch_new = add(sched, 8, cls="batch", tenant="c", max_tokens=40)
     step(sched)
     assert sched.pool.num_available == 12 - 9

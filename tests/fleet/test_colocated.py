@@ -2,7 +2,6 @@
 as the in-process engine, and a cancelled stream frees everything on the worker."""
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest

@@ -3,7 +3,6 @@ NIXL) serves the in-process engine's greedy tokens; cancellation frees everythin
 workers; killed workers end streams with an error and the fleet keeps serving."""
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc

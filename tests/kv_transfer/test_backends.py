@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.kv_transfer import KVLayout, KVTransferError
-from tests.kv_transfer.helpers import DST, LAYOUT, SRC, Pair, expected_target, new_id
+from tests.kv_transfer.helpers import DST, SRC, Pair, expected_target, new_id
 
 BACKENDS = ["local", "tcp", "nixl"]
 
