@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from services.common.http_client import nodelay_client
+from services.common.http_client import sse_post
 
 from services.common.launcher import Launcher
 from services.common.redis_server import EmbeddedRedis
@@ -26,25 +26,18 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.workload import random_prompt
 
 
-async def stream_times(client: httpx.AsyncClient, model: str, ids: list[int], n: int) -> list[float]:
-    """Send one streaming completion; returns [TTFT, end] seconds and the token count as the last
-    element's companion (see per_token): [first_chunk_s, last_chunk_s, completion_tokens]."""
-    t0 = time.perf_counter()
+async def stream_times(address: str, model: str, ids: list[int], n: int) -> list[float]:
+    """One streaming completion: [first token s, last token s, completion tokens]."""
     first = last = None
     tokens = 0
     body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices"):
-                last = time.perf_counter() - t0
-                first = last if first is None else first
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+    async for t, event in sse_post(address, "/v1/completions", body):
+        if event.get("choices"):
+            last = t
+            first = t if first is None else first
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
     return [first, last, tokens]
 
 
@@ -68,16 +61,16 @@ def per_token(times: list[float]) -> float:
     return (last - first) / max(1, tokens - 1)
 
 
-async def fleet_numbers(url: str, prompts: list[list[int]], repeats: int) -> dict:
-    async with nodelay_client(url) as client:
+async def fleet_numbers(address: str, prompts: list[list[int]], repeats: int) -> dict:
+    async with httpx.AsyncClient(base_url=f"http://{address}") as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        await stream_times(client, model, prompts[0], 4)                       # warm-up
-        ttft = [(await stream_times(client, model, prompts[i % len(prompts)], 16))[0]
-                for i in range(repeats)]
-        tpot = [per_token(await stream_times(client, model, prompts[0], 128)) for _ in range(3)]
-        t0 = time.perf_counter()
-        runs = await asyncio.gather(*(stream_times(client, model, p, 64) for p in prompts[:32]))
-        elapsed = time.perf_counter() - t0
+    await stream_times(address, model, prompts[0], 4)                          # warm-up
+    ttft = [(await stream_times(address, model, prompts[i % len(prompts)], 16))[0]
+            for i in range(repeats)]
+    tpot = [per_token(await stream_times(address, model, prompts[0], 128)) for _ in range(3)]
+    t0 = time.perf_counter()
+    runs = await asyncio.gather(*(stream_times(address, model, p, 64) for p in prompts[:32]))
+    elapsed = time.perf_counter() - t0
     return {"ttft_s": statistics.median(ttft), "per_token_s": statistics.median(tpot),
             "concurrent_output_tokens_per_s": sum(r[2] for r in runs) / elapsed}
 
@@ -106,7 +99,7 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     redis, launcher = EmbeddedRedis().start(), Launcher()
     try:
         endpoints = start_fleet(up, launcher, redis.url)
-        fleet = asyncio.run(fleet_numbers(f"http://{endpoints['gateway']}", prompts, args.repeats))
+        fleet = asyncio.run(fleet_numbers(endpoints["gateway"], prompts, args.repeats))
     finally:
         launcher.stop_all()
         redis.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.http_client import nodelay_client
+from services.common.http_client import sse_post
 import yaml
 
 from services.common.launcher import Launcher
@@ -42,19 +41,19 @@ def write_configs(tmp: Path) -> tuple[str, str]:
     return str(tmp / "engine.yaml"), str(tmp / "keys.yaml")
 
 
-async def one_request(client: httpx.AsyncClient, model: str, arrival, start: float) -> dict:
+async def one_request(address: str, model: str, arrival, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
     sent = time.perf_counter()
     times, status = [], 200
     body = {"model": model, "prompt": arrival.prompt_ids, "max_tokens": arrival.max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer sk-demo-{arrival.tenant}"}
-    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-        status = r.status_code
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:]).get("choices"):
-                    times.append(time.perf_counter())
+    try:
+        async for _, event in sse_post(address, "/v1/completions", body, headers):
+            if event.get("choices"):
+                times.append(time.perf_counter())
+    except RuntimeError:
+        status = 500
     return {"cls": arrival.traffic_class, "sent": sent, "times": times, "status": status}
 
 
@@ -72,12 +71,12 @@ def report(results: list[dict]) -> None:
               f"{1e3 * pct(ttft, 99):>8.0f}ms{1e3 * pct(itl, 50):>7.1f}ms{1e3 * pct(itl, 99):>7.1f}ms")
 
 
-async def drive(url: str, arrivals) -> list[dict]:
-    async with nodelay_client(url) as client:
+async def drive(address: str, arrivals) -> list[dict]:
+    async with httpx.AsyncClient(base_url=f"http://{address}") as client:
         model = (await client.get("/v1/models", headers={
             "Authorization": "Bearer sk-demo-acme"})).json()["data"][0]["id"]
-        start = time.perf_counter()
-        return await asyncio.gather(*(one_request(client, model, a, start) for a in arrivals))
+    start = time.perf_counter()
+    return await asyncio.gather(*(one_request(address, model, a, start) for a in arrivals))
 
 
 def run_fleet_demo(args: argparse.Namespace) -> int:
@@ -99,7 +98,7 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
         print(f"{args.chats} chats (~200-token prompts, 64 tokens out) + {args.documents} documents "
               f"of {args.doc_tokens} tokens, Poisson {args.rate}/s, streamed over SSE")
         t0 = time.perf_counter()
-        results = asyncio.run(drive(f"http://{endpoints['gateway']}", arrivals))
+        results = asyncio.run(drive(endpoints["gateway"], arrivals))
         report(results)
         print(f"\nwall time {time.perf_counter() - t0:.1f}s")
         return 0 if all(r["status"] == 200 for r in results) else 1
