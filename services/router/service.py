@@ -12,6 +12,7 @@ Any early end (client gone, failure) cancels the request on every worker it touc
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +23,7 @@ from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.placement import rank_decode, rank_prefill
 
 PREFILL_ATTEMPTS = 2   # the first try and one retry elsewhere
+WORKERS_TTL_S = 0.1    # reuse the worker list this long (heartbeats come every ~0.5 s)
 
 
 class NoCapacity(Exception):
@@ -41,13 +43,23 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.mode = mode
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: dict[str, Touched] = {}
+        self._workers: tuple[float, list[WorkerRecord]] = (0.0, [])
+
+    async def live_workers(self) -> list[WorkerRecord]:
+        """Live workers from Redis, cached for WORKERS_TTL_S: one Redis read per 100 ms, not per
+        request. A worker that died since is caught by its failing RPC (retry / UNAVAILABLE)."""
+        at, workers = self._workers
+        if time.monotonic() - at > WORKERS_TTL_S:
+            workers = await self.state.live_workers()
+            self._workers = (time.monotonic(), workers)
+        return workers
 
     async def Generate(self, request: pb.RouteRequest, context):
         rid = request.request_id
         touched = self._live.setdefault(rid, Touched())
         done = False
         try:
-            workers = await self.state.live_workers()
+            workers = await self.live_workers()
             relay = (self._colocated(request, workers, touched) if self.mode == "colocated"
                      else self._disaggregated(request, workers, touched, context))
             async for chunk in relay:
