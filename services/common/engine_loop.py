@@ -30,10 +30,7 @@ class OutputStream:
         self._pending: list[RequestOutput] = []
         self._event = asyncio.Event()
 
-    def push(self, out: RequestOutput) -> None:          # engine thread
-        self._aio.call_soon_threadsafe(self._deliver, out)
-
-    def _deliver(self, out: RequestOutput) -> None:      # asyncio thread
+    def deliver(self, out: RequestOutput) -> None:       # asyncio thread
         self._pending.append(out)
         self._event.set()
 
@@ -140,12 +137,21 @@ class EngineLoop:
                 return
 
     def _route(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up of the asyncio loop per iteration, however many streams got output."""
+        routed = []
         with self._lock:
             for out in outputs:
                 stream = (self._streams.pop(out.request_id, None) if out.finished
                           else self._streams.get(out.request_id))
                 if stream is not None:
-                    stream.push(out)
+                    routed.append((stream, out))
+        if routed:
+            self._aio.call_soon_threadsafe(_deliver_all, routed)
+
+
+def _deliver_all(routed: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in routed:
+        stream.deliver(out)
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:

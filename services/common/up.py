@@ -45,8 +45,11 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str) ->
               *config]
     roles = ([("mixed", args.decode)] if args.mode == "colocated"
              else [("prefill", args.prefill), ("decode", args.decode)])
-    threads = max(1, (os.cpu_count() or 1) // sum(n for _, n in roles))
-    common += ["--threads", str(threads)]     # split the host's cores between the workers
+    threads = max(1, ((os.cpu_count() or 1) - 1) // sum(n for _, n in roles))
+    # split the host's cores between the workers, leaving one for gateway and router: they relay
+    # every token, and torch threads spinning on a shared core slow them down more than a second
+    # intra-op thread speeds up the tiny model (measured: 1,310 vs 1,101-1,236 tok/s, colocated)
+    common += ["--threads", str(threads)]
     endpoints = {}
     for role, count in roles:
         for i in range(count):
