@@ -15,12 +15,13 @@ import statistics
 import time
 
 import httpx
+import torch
 
 from services.common.http_client import sse_post
 
 from services.common.launcher import Launcher
 from services.common.redis_server import EmbeddedRedis, RedisNotInstalledError, RedisServerProcess
-from services.common.up import start_fleet
+from services.common.up import start_fleet, worker_threads
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from services.engine.workload import random_prompt
@@ -75,7 +76,10 @@ async def fleet_numbers(address: str, prompts: list[list[int]], repeats: int) ->
             "concurrent_output_tokens_per_s": sum(r[2] for r in runs) / elapsed}
 
 
-def engine_numbers(model: str, prompts: list[list[int]], repeats: int) -> dict:
+def engine_numbers(model: str, prompts: list[list[int]], repeats: int, threads: int) -> dict:
+    """The in-process engine with the same torch threads as one fleet worker, so that the
+    difference is the serving path, not the core split."""
+    torch.set_num_threads(threads)
     engine = LLMEngine(engine_config(model, token_budget=2048, chunk_size=512, reject_late=False,
                                      enable_prefix_caching=False))
     engine_times(engine, prompts[0], 4)
@@ -112,14 +116,15 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     finally:
         launcher.stop_all()
         redis.stop()
-    engine = engine_numbers(args.model, prompts, args.repeats)
+    engine = engine_numbers(args.model, prompts, args.repeats, worker_threads(up))
     result = {"mode": args.mode, "kv_backend": args.kv_backend, "fleet": fleet, "engine": engine,
               "added_ttft_ms": 1e3 * (fleet["ttft_s"] - engine["ttft_s"]),
               "added_per_token_ms": 1e3 * (fleet["per_token_s"] - engine["per_token_s"])}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"fleet ({args.mode}, KV over {args.kv_backend}) vs in-process engine, tiny model:")
+    print(f"fleet ({args.mode}, KV over {args.kv_backend}) vs in-process engine, tiny model, "
+          f"{worker_threads(up)} torch thread(s) per worker and for the engine:")
     for key, label, scale in (("ttft_s", "chat TTFT", 1e3), ("per_token_s", "time per token", 1e3)):
         print(f"  {label:<16} fleet {scale * fleet[key]:7.2f} ms   engine "
               f"{scale * engine[key]:7.2f} ms")
