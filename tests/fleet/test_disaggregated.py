@@ -73,6 +73,19 @@ def test_cancel_during_prefill_frees_both_workers(fleet):
     assert wait_until(lambda: idle(fleet, *ALL), 1.0)
 
 
+def test_cancel_right_after_the_first_token_during_the_kv_transfer_frees_both_workers(fleet):
+    # the prefill worker streams the first token, then writes the prompt's KV (here ~8 MB for
+    # 4,000 tokens) into the decode reservation: a client that hangs up on the first token
+    # cancels while that transfer runs or before decode starts
+    long_prompt = [100 + i % 3900 for i in range(4000)]
+    call = fleet.router_stub().Generate(route_request("cancel-kv", long_prompt, 50,
+                                                      ignore_eos=True))
+    first = next(iter(call))
+    assert first.served_by.startswith("prefill") and len(first.token_ids) == 1
+    call.cancel()
+    assert wait_until(lambda: idle(fleet, *ALL), 1.0)
+
+
 def test_an_answer_that_ends_at_the_first_token_releases_the_reservation(fleet):
     chunks = list(fleet.router_stub().Generate(route_request("one", PROMPT, 1)))
     assert chunks[-1].finished and chunks[-1].finish_reason == "length"
