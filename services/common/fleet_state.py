@@ -120,6 +120,24 @@ redis.call('INCRBY', KEYS[1], amount)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+# Admission in one round trip. KEYS streams, requests window, tokens window; ARGV max_streams, rpm,
+# prompt tokens, tpm, ttl_ms. 1) a stream slot (refused: nothing taken) 2) the request (refused:
+# slot given back) 3) the prompt's tokens (refused: slot given back, the request stays counted, as
+# OpenAI counts refused requests). Returns 0 admitted, 1 streams, 2 requests, 3 tokens refused.
+_ADMIT_LUA = """
+local streams = tonumber(redis.call('GET', KEYS[1]) or '0')
+if streams >= tonumber(ARGV[1]) then return 1 end
+local requests = tonumber(redis.call('GET', KEYS[2]) or '0')
+if requests + 1 > tonumber(ARGV[2]) then return 2 end
+redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+local tokens = tonumber(redis.call('GET', KEYS[3]) or '0')
+if tokens + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return 3 end
+redis.call('INCRBY', KEYS[3], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+redis.call('INCR', KEYS[1])
+return 0
+"""
 # KEYS[1] workers set, KEYS[2..] worker hashes; ARGV the matching ids. SREMs an id only if its hash is
 # still gone, so a worker that heartbeats between our read and this prune is not dropped.
 _PRUNE_LUA = """
@@ -141,6 +159,7 @@ class FleetState:
         self._release = self._r.register_script(_RELEASE_LUA)
         self._charge = self._r.register_script(_CHARGE_LUA)
         self._prune = self._r.register_script(_PRUNE_LUA)
+        self._admit = self._r.register_script(_ADMIT_LUA)
 
     async def close(self) -> None:
         await self._r.aclose()
@@ -224,6 +243,25 @@ class FleetState:
         """Charge tokens to this minute's window: (True, 0.0), or (False, seconds left in the window)
         with nothing charged. A single charge above per_minute_limit is always refused."""
         return await self._charge_window(tenant, "tokens", tokens, per_minute_limit, now)
+
+    async def admit(self, tenant: str, max_streams: int, requests_per_minute: int,
+                    prompt_tokens: int, tokens_per_minute: int,
+                    now: float | None = None) -> tuple[str | None, float]:
+        """Stream slot + this minute's request + the prompt's tokens, atomically, in one round
+        trip. Returns (None, 0.0) when admitted, else (what refused: "streams" | "requests" |
+        "tokens", seconds left in the minute window; 0.0 for streams)."""
+        if prompt_tokens < 0:
+            raise ValueError(f"cannot charge a negative amount ({prompt_tokens})")
+        now = time.time() if now is None else now
+        left_s = WINDOW_S - now % WINDOW_S
+        ttl_ms = math.ceil((left_s + WINDOW_S) * 1000)
+        keys = [self._tenant_key(tenant, "streams"), self._window_key(tenant, "requests", now),
+                self._window_key(tenant, "tokens", now)]
+        code = await self._admit(keys=keys, args=[int(max_streams), int(requests_per_minute),
+                                                  int(prompt_tokens), int(tokens_per_minute),
+                                                  ttl_ms])
+        refused = (None, "streams", "requests", "tokens")[int(code)]
+        return refused, (0.0 if refused in (None, "streams") else left_s)
 
     async def charge_request(self, tenant: str, per_minute_limit: int,
                              now: float | None = None) -> tuple[bool, float]:

@@ -1,13 +1,12 @@
 """Tenant quotas in Redis (services/common/fleet_state.py): concurrent streams, requests per minute,
 tokens per minute. Counters are per tenant (shared by every gateway), limits are per API key.
 
-Order of `admit`: stream slot, then the request, then the prompt's tokens; a refusal at a later
-step gives the slot back. Generated tokens are charged when the request ends (`finish`), so a
+`admit` is one atomic Redis script: stream slot, then the request, then the prompt's tokens; a
+refusal at a later step gives the slot back (FleetState.admit). Generated tokens are charged when the request ends (`finish`), so a
 tenant that overruns its token budget is refused from then until the minute window rolls over.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from redis.exceptions import RedisError
@@ -34,25 +33,19 @@ class Quotas:
                 f"request too large for tenant {key.tenant!r}: {prompt_tokens} prompt tokens, "
                 f"tokens_per_minute limit {key.tokens_per_minute}", None)
         try:
-            if not await self.state.acquire_stream(key.tenant, key.max_concurrent_streams):
-                raise errors.rate_limited(
-                    f"tenant {key.tenant!r} already has {key.max_concurrent_streams} concurrent "
-                    f"streams (max_concurrent_streams); retry when one ends", STREAM_RETRY_S)
-            try:
-                await self._charge(key, prompt_tokens)
-            except BaseException:    # incl. the client going away: the slot must come back
-                await asyncio.shield(self.state.release_stream(key.tenant))
-                raise
+            refused, wait_s = await self.state.admit(
+                key.tenant, key.max_concurrent_streams, key.requests_per_minute, prompt_tokens,
+                key.tokens_per_minute)
         except RedisError as e:
             raise errors.GatewayError(503, f"quota store unavailable: {e}", code="unavailable") from None
-
-    async def _charge(self, key: ApiKey, prompt_tokens: int) -> None:
-        ok, wait_s = await self.state.charge_request(key.tenant, key.requests_per_minute)
-        if not ok:
+        if refused == "streams":
+            raise errors.rate_limited(
+                f"tenant {key.tenant!r} already has {key.max_concurrent_streams} concurrent "
+                f"streams (max_concurrent_streams); retry when one ends", STREAM_RETRY_S)
+        if refused == "requests":
             raise errors.rate_limited(f"tenant {key.tenant!r} exceeded {key.requests_per_minute} "
                                       "requests per minute", wait_s)
-        ok, wait_s = await self.state.charge_tokens(key.tenant, prompt_tokens, key.tokens_per_minute)
-        if not ok:
+        if refused == "tokens":
             raise errors.rate_limited(f"tenant {key.tenant!r} exceeded {key.tokens_per_minute} "
                                       "tokens per minute", wait_s)
 

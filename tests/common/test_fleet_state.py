@@ -218,3 +218,21 @@ def test_earlier_tests_left_no_keys_behind(any_redis_url):
         assert list(client.scan_iter(match="kvfleet-test-*", count=1000)) == []
     finally:
         client.close()
+
+
+def test_admit_takes_slot_request_and_tokens_in_one_step_or_refuses_cleanly(any_redis_url, redis_ns):
+    """One round trip for the gateway: refused at any step, no stream slot is kept; the request
+    counter keeps a refused request only when the tokens refused it (OpenAI counts those)."""
+    async def story():
+        async with FleetState(any_redis_url, namespace=redis_ns) as state:
+            now = 120.0
+            assert await state.admit("t", 1, 10, 50, 100, now=now) == (None, 0.0)
+            assert (await state.admit("t", 1, 10, 5, 100, now=now))[0] == "streams"
+            await state.release_stream("t")
+            refused, wait = await state.admit("t", 1, 10, 60, 100, now=now)   # 50 + 60 > 100
+            assert refused == "tokens" and 0 < wait <= 60
+            assert await state.tenant_counters("t", now=now) == {
+                "streams": 0, "tokens": 50, "requests": 2}
+            assert (await state.admit("t", 1, 2, 1, 100, now=now))[0] == "requests"
+            assert (await state.tenant_counters("t", now=now))["streams"] == 0
+    asyncio.run(story())
