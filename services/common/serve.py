@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 
 import grpc
@@ -25,6 +26,7 @@ from services.engine.engine import LLMEngine
 from dataclasses import replace
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SWITCH_INTERVAL_S = 0.0005
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None:
@@ -78,6 +80,9 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    # The engine thread and the asyncio gRPC thread share the GIL. At Python's default 5 ms switch
+    # interval a finished token could wait up to 5 ms for the thread that sends it.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     config = WorkerConfig(worker_id, args.role, args.kv_backend,
                           reserve_timeout_s=args.reserve_timeout_s)
