@@ -49,9 +49,17 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
         p.set_defaults(role=role)
 
 
+# A prefill worker runs no decodes, so its iterations protect no inter-token latency: without a
+# config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts).
+PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)
+
+
 def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     cfg = load_engine_config(args.config) if args.config else EngineConfig()
-    cfg = replace(cfg, model=args.model, scheduler=replace(cfg.scheduler, role=args.role))
+    sched = replace(cfg.scheduler, role=args.role)
+    if args.role == "prefill" and not args.config:
+        sched = replace(sched, **PREFILL_ROLE_BUDGET)
+    cfg = replace(cfg, model=args.model, scheduler=sched)
     if args.kv_cache_mib:
         cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
     return cfg
