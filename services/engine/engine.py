@@ -11,6 +11,7 @@ The engine is single-threaded: callers (a worker's event loop, the CLI) drive `s
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -19,7 +20,7 @@ import torch
 
 from services.engine.admission import RateEstimator
 from services.engine.block_pool import BlockPool
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.errors import DuplicateRequestError, UnknownRequestError
 from services.engine.model.batch import SeqChunk
 from services.engine.model.config import ModelConfig
@@ -276,13 +277,11 @@ class LLMEngine:
 
 
 def _has_tokenizer(model_dir: str) -> bool:
-    import os
     return os.path.exists(os.path.join(model_dir, "tokenizer.json"))
 
 
 def engine_config(model: str = "tiny", **overrides) -> EngineConfig:
     """An EngineConfig with scheduler overrides given flat (token_budget=..., role=...)."""
-    from services.engine.config import SchedulerConfig
     sched_keys = SchedulerConfig.__dataclass_fields__.keys()
     sched = {k: overrides.pop(k) for k in list(overrides) if k in sched_keys}
     cfg = EngineConfig(model=model, **overrides)

@@ -16,12 +16,12 @@ def effective_priority(cls: TrafficClass, waited_s: float) -> float:
 
 
 def class_budget(cls: TrafficClass, remaining: int, token_budget: int,
-                 interactive_waits: bool, used_by_class: int = 0) -> int:
+                 interactive_waits: bool) -> int:
     """Tokens this class may take now. While interactive work waits, a capped class (documents,
     batch) gets at most `share_while_interactive_waits` of the whole budget B."""
     if not interactive_waits or cls.share_while_interactive_waits >= 1.0:
         return remaining
-    cap = int(cls.share_while_interactive_waits * token_budget) - used_by_class
+    cap = int(cls.share_while_interactive_waits * token_budget)
     return max(0, min(remaining, cap))
 
 

@@ -47,7 +47,6 @@ class Request:
     token_ids: list[int] = field(default_factory=list)   # prompt + output
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    admitted_time: float | None = None
     first_token_time: float | None = None
     stop_reason: str | int | None = None   # the stop string or token that ended it
     reject_reason: str | None = None

@@ -144,11 +144,10 @@ class Scheduler:
                 return
             capped = interactive_waits and cls.name != self.config.interactive_class
             allowed = class_budget(cls, budget, self.config.token_budget, capped)
-            take = lambda tenant, n, c=cls.name: self._take(c, tenant, n, out, now)  # noqa: E731
+            take = lambda tenant, n, c=cls.name: self._take(c, tenant, n, out)  # noqa: E731
             budget -= self.drr[cls.name].serve(self._tenants_with_work(cls.name), allowed, take)
 
-    def _take(self, cls: str, tenant: str, max_tokens: int, out: SchedulerOutput,
-              now: float) -> int:
+    def _take(self, cls: str, tenant: str, max_tokens: int, out: SchedulerOutput) -> int:
         """Schedule up to max_tokens of one tenant's prefill work, FCFS. Returns tokens used."""
         used = 0
         for req in list(self.queues[cls].get(tenant, ())):
@@ -156,7 +155,7 @@ class Scheduler:
                 break
             if out.scheduled(req):
                 continue
-            if req.status != Status.RUNNING and not self._admit(req, now):
+            if req.status != Status.RUNNING and not self._admit(req):
                 break                      # FCFS: the tenant's head waits for capacity or caps
             n = min(req.num_uncomputed_tokens, self.config.chunk_size, max_tokens - used)
             if not self._ensure_slots(req, req.num_computed_tokens + n, out):
@@ -173,7 +172,7 @@ class Scheduler:
         return ScheduledChunk(req, start, n, start + n == req.num_tokens, rows)
 
     # ----------------------------------------------------------- admission/KV
-    def _admit(self, req: Request, now: float) -> bool:
+    def _admit(self, req: Request) -> bool:
         """Reserve prompt + bounded output (minus prefix-cache hits). All or nothing."""
         if len(self.running) >= self.config.max_running:
             return False
@@ -185,7 +184,6 @@ class Scheduler:
             return False
         req.num_computed_tokens = len(hits) * self.block_size
         req.num_registered_blocks = len(hits)
-        req.admitted_time = now
         self.running[req.request_id] = req
         self._hold(req, Status.RUNNING)
         return True
