@@ -68,21 +68,24 @@ class RateEstimator:
         return self.rate is not None and self.samples >= self.min_samples
 
 
-def late_requests(queued: Iterable[Request], in_progress_tokens: int, rate: float,
+def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rate: float,
                   now: float) -> list[tuple[Request, str]]:
     """Queued requests whose predicted start already breaks their class TTFT target.
 
     Predicted start = time waited + (prefill tokens ahead in scheduling order) / measured rate.
-    "Ahead" = prefill work already admitted, plus queued requests that sort before this one by
-    (effective priority desc, arrival asc). Requests that already produced tokens (preempted) are
-    never rejected here.
+    "Ahead" = the uncomputed prompt tokens of admitted requests of the same or a higher class
+    priority (prefill goes by priority, so a chat never waits behind an admitted document's
+    prefill), plus queued requests that sort before this one by (effective priority desc, arrival
+    asc). Requests that already produced tokens (preempted) are never rejected here.
     """
     def key(r: Request) -> tuple[float, float]:
         return (-effective_priority(r.traffic_class, now - r.arrival_time), r.arrival_time)
 
+    admitted = [(r.traffic_class.priority, r.num_uncomputed_tokens) for r in in_progress]
     late: list[tuple[Request, str]] = []
-    ahead = in_progress_tokens
+    queued_ahead = 0
     for req in sorted(queued, key=key):
+        ahead = queued_ahead + sum(n for p, n in admitted if p >= req.traffic_class.priority)
         waited = now - req.arrival_time
         start = waited + ahead / rate
         target = req.traffic_class.ttft_target_s
@@ -92,5 +95,5 @@ def late_requests(queued: Iterable[Request], in_progress_tokens: int, rate: floa
                 f"{req.traffic_class.name} class target {target:.2f}s ({ahead} prefill tokens "
                 f"queued ahead at {rate:.0f} tokens/s); retry later")))
             continue
-        ahead += req.num_uncomputed_tokens
+        queued_ahead += req.num_uncomputed_tokens
     return late

@@ -379,7 +379,7 @@ class Scheduler:
         waiting = [r for r in queued if r.status != Status.RUNNING]
         if not waiting:
             return []
-        in_progress = sum(r.num_uncomputed_tokens for r in queued if r.status == Status.RUNNING)
+        in_progress = [r for r in queued if r.status == Status.RUNNING]
         late = late_requests(waiting, in_progress, self.prefill_rate.rate, now)
         for req, reason in late:
             req.reject_reason = reason

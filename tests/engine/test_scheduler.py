@@ -157,6 +157,21 @@ def test_a_queued_request_that_would_miss_its_ttft_target_is_rejected_with_a_rea
     assert big.status == Status.RUNNING
 
 
+def test_a_chat_is_not_rejected_for_a_documents_prefill_it_will_overtake():
+    """Found by the `mixed` load test: chats were rejected as 'late' behind an admitted document's
+    8K-token prefill, which they never wait for (prefill goes by class priority)."""
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=4000)
+    for _ in range(5):
+        sched.prefill_rate.observe(1000, 1.0)             # measured: 1000 prefill tokens/s
+    doc = add(sched, 3000, cls="document", tenant="b", max_tokens=1)   # 3 s of prefill
+    step(sched)                                           # admitted, prefilling
+    chat = add(sched, 10, tenant="a")
+    out = sched.schedule()
+    assert chat not in out.rejected and chat.status != Status.FINISHED_REJECTED
+    assert out.prefills[0].request is chat
+    assert doc.status == Status.RUNNING
+
+
 def test_predict_policy_grows_and_preempts_the_lowest_priority_newest():
     # 12 blocks of 4. predict reserves prompt + 4 predicted tokens and grows on demand.
     from services.engine.config import INTERACTIVE, BATCH
