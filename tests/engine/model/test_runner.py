@@ -72,6 +72,20 @@ def test_one_step_mixing_decodes_and_prefills_at_different_stages(request, which
         assert max_diff(rows, reference_logprobs(hf, prompt)[positions]) <= TOLERANCE, chunk.start_pos
 
 
+def test_decodes_of_very_different_context_lengths_share_a_step(model_a, hf_a):
+    """Decodes are grouped by context length (a power-of-two number of blocks per group) so a long
+    context doesn't pad the short ones; a decode-only step spanning four groups stays exact."""
+    runner, pool = new_runner(model_a), ShuffledBlockIds(256, seed=11)
+    prompts = [random_tokens(n, seed=30 + i) for i, n in enumerate((6, 40, 150, 17, 300))]
+    seqs = [Seq(p, pool, BLOCK) for p in prompts]
+    runner.execute([s.chunk(len(p) - 1, "none") for s, p in zip(seqs, prompts)])
+
+    logits = runner.execute([s.chunk(1) for s in seqs])
+
+    for row, prompt in zip(logits, prompts):
+        assert max_diff(row[None], reference_logprobs(hf_a, prompt)[-1:]) <= TOLERANCE
+
+
 def test_greedy_decoding_matches_transformers_generate(model_a, hf_a):
     new_tokens = 24
     prompts = [random_tokens(n, seed=20 + i) for i, n in enumerate((12, 30, 7))]
