@@ -3,6 +3,7 @@
   POST /v1/completions         prompt (text or token ids) -> text
   POST /v1/chat/completions    messages -> the chat template -> text
   GET  /v1/models, /v1/models/{id}
+  POST /tokenize               vLLM's: {"model", "prompt"} -> {"count", "max_model_len", "tokens"}
   GET  /health                 the router's health and the quota store's (no key needed)
 
 A generation request, in order: API key -> body (size limit, UTF-8) -> strict schema -> model ->
@@ -64,6 +65,16 @@ def create_app(core: GatewayCore) -> FastAPI:
         core.authenticate(request.headers.get("authorization"))
         core.validator.check_model(model_id)
         return _model_card(core, started)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        core.authenticate(request.headers.get("authorization"))
+        req = schema.parse(schema.TokenizeRequest, await read_body(request, core.config.max_body_bytes))
+        core.validator.check_model(req.model)
+        if core.model.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send prompt token ids", "prompt")
+        ids = await asyncio.to_thread(core.model.tokenizer.encode, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": core.model.max_model_len, "tokens": ids}
 
     @app.get("/health")
     async def health() -> JSONResponse:

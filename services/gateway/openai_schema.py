@@ -60,6 +60,13 @@ class _Common(_Strict):
         raise ValueError("stop must be a string or a list of strings")
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's `POST /tokenize` body (the load generator sizes its prompts with it)."""
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+
+
 class CompletionRequest(_Common):
     prompt: Any
     echo: bool = False

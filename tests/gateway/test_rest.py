@@ -135,3 +135,21 @@ def test_models_and_health(gateway):
     assert [m["id"] for m in models["data"]] == [gateway.model]
     assert models["data"][0]["max_model_len"] == 4096
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_tokenize_counts_what_a_completion_would_be_charged(gateway, engine):
+    """vLLM's /tokenize: the load generator sizes prompts with it, so its count must be the one the
+    completion reports as usage.prompt_tokens; it is keyed and model-checked like the rest."""
+    with gateway.client() as c:
+        t = c.post("/tokenize", json={"model": gateway.model, "prompt": PROMPT})
+        done = c.post("/v1/completions", json={"model": gateway.model, "prompt": PROMPT,
+                                               "max_tokens": 1})
+        wrong = c.post("/tokenize", json={"model": "nope", "prompt": PROMPT})
+        extra = c.post("/tokenize", json={"model": gateway.model, "prompt": PROMPT, "x": 1})
+    assert t.status_code == 200, t.text
+    body = t.json()
+    assert body["tokens"] == engine.tokenizer.encode(PROMPT)
+    assert body["count"] == len(body["tokens"]) == done.json()["usage"]["prompt_tokens"]
+    assert body["max_model_len"] > 0
+    assert wrong.status_code == 404 and "nope" in wrong.json()["error"]["message"]
+    assert extra.status_code == 400
