@@ -37,6 +37,21 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from loadtests.cli import run_serve
+    return run_serve(args)
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    from loadtests.cli import run_compare
+    return run_compare(args)
+
+
+def _eval_quality(args: argparse.Namespace) -> int:
+    from loadtests.quality.gate import run_quality
+    return run_quality(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     from services.common.serve import serve
@@ -125,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--repeats", type=int, default=20)
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_bench_fleet)
+    from loadtests.cli import add_compare_args, add_serve_args
+    bs = bsub.add_parser("serve", help="open-loop load test of an OpenAI-compatible endpoint: SLO report")
+    add_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
+    bc = bsub.add_parser("compare", help="the same seeded load test against two endpoints, and the ratios")
+    add_compare_args(bc)
+    bc.set_defaults(func=_bench_compare)
+
+    ev = sub.add_parser("eval", help="evaluations")
+    esub = ev.add_subparsers(dest="target", required=True)
+    from loadtests.quality.gate import add_quality_args
+    eq = esub.add_parser("quality", help="gate: score a candidate model against the reference on an eval set")
+    add_quality_args(eq)
+    eq.set_defaults(func=_eval_quality)
     return p
 
 
