@@ -1,20 +1,20 @@
-"""`kvfleet bench serve` (one run, one report) and `kvfleet bench compare` (the same seeded run
-against two endpoints, one after the other, and the ratios B/A)."""
+"""`kvfleet bench serve` (one run, one report), `kvfleet bench compare` (the same seeded run
+against two endpoints, one after the other, and the ratios B/A) and the arguments of
+`kvfleet bench evaluation` (loadtests/evaluation.py). The parsers import nothing heavy: the
+`kvfleet` command builds them all on every start."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
+if TYPE_CHECKING:
+    from loadtests.records import RunResult
+    from loadtests.runner import RunConfig
+    from loadtests.workload import WorkloadSpec
 
-from loadtests.distributions import SpecError
-from loadtests.metrics import summarize
-from loadtests.records import RunResult
-from loadtests.report import class_table, write_report
-from loadtests.runner import RunConfig, run_workload
-from loadtests.workload import WorkloadSpec, load_workload
+EVALUATION_SETUPS = ("colocated-chunked", "colocated-whole", "disagg-chunked", "disagg-whole")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -49,12 +49,24 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="loadtest-compare", help="folder: A/ and B/ reports plus compare.md")
 
 
+def add_evaluation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="mixed")
+    p.add_argument("--rates", default="0.5,1,2", help="comma-separated scale.rate values")
+    p.add_argument("--duration", type=float, default=None, help="seconds per run (default: the spec's)")
+    p.add_argument("--setups", default=",".join(EVALUATION_SETUPS),
+                   help=f"comma-separated, from {', '.join(EVALUATION_SETUPS)}")
+    p.add_argument("--out", default="docs", help="folder for evaluation.md and evaluation/")
+    p.add_argument("--model", default="tiny")
+
+
 def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    from loadtests.workload import load_workload
     return load_workload(args.workload).with_overrides(
         seed=args.seed, duration_s=args.duration, max_requests=args.max_requests, rate_scale=args.rate_scale)
 
 
 def config_from_args(args: argparse.Namespace, endpoint: str) -> RunConfig:
+    from loadtests.runner import RunConfig
     return RunConfig(endpoint=endpoint, model=args.model, api_key=args.api_key,
                      tenant_keys=read_tenant_keys(args.api_keys) if args.api_keys else {},
                      prompt_mode=args.prompt_mode, temperature=args.temperature,
@@ -64,6 +76,9 @@ def config_from_args(args: argparse.Namespace, endpoint: str) -> RunConfig:
 
 def read_tenant_keys(path: str) -> dict[str, str]:
     """tenant -> key, from a kvfleet gateway keys file (a list of {key, tenant, ...})."""
+    import yaml
+
+    from loadtests.distributions import SpecError
     entries = yaml.safe_load(Path(path).read_text())
     if not isinstance(entries, list):
         raise SpecError(f"{path}: expected a list of {{key, tenant, ...}} entries")
@@ -71,6 +86,11 @@ def read_tenant_keys(path: str) -> dict[str, str]:
 
 
 def run_once(spec: WorkloadSpec, cfg: RunConfig, out: Path, command: list[str]) -> tuple[RunResult, dict]:
+    import asyncio
+
+    from loadtests.metrics import summarize
+    from loadtests.report import write_report
+    from loadtests.runner import run_workload
     run = asyncio.run(run_workload(spec, cfg))
     run.meta["command"] = command
     write_report(run, out)
@@ -78,6 +98,8 @@ def run_once(spec: WorkloadSpec, cfg: RunConfig, out: Path, command: list[str]) 
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from loadtests.distributions import SpecError
+    from loadtests.report import class_table
     try:
         spec = spec_from_args(args)
     except SpecError as e:
@@ -95,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from loadtests.distributions import SpecError
     if len(args.endpoint) != 2:
         print("kvfleet bench compare: give --endpoint exactly twice (A, then B)", file=sys.stderr)
         return 2

@@ -52,6 +52,11 @@ def _eval_quality(args: argparse.Namespace) -> int:
     return run_quality(args)
 
 
+def _bench_evaluation(args: argparse.Namespace) -> int:
+    from loadtests.evaluation import run_evaluation
+    return run_evaluation(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     from services.common.serve import serve
@@ -140,13 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--repeats", type=int, default=20)
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_bench_fleet)
-    from loadtests.cli import add_compare_args, add_serve_args
+    from loadtests.cli import add_compare_args, add_evaluation_args, add_serve_args
     bs = bsub.add_parser("serve", help="open-loop load test of an OpenAI-compatible endpoint: SLO report")
     add_serve_args(bs)
     bs.set_defaults(func=_bench_serve)
     bc = bsub.add_parser("compare", help="the same seeded load test against two endpoints, and the ratios")
     add_compare_args(bc)
     bc.set_defaults(func=_bench_compare)
+    bv = bsub.add_parser("evaluation", help="regenerate docs/evaluation.md: setups x arrival rates")
+    add_evaluation_args(bv)
+    bv.set_defaults(func=_bench_evaluation)
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)
