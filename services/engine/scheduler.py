@@ -69,8 +69,8 @@ class SchedulerOutput:
     def num_prefill_tokens(self) -> int:
         return sum(c.num_tokens for c in self.prefills)
 
-    def scheduled(self, req: Request) -> bool:
-        return any(c.request is req for c in self.prefills)
+    def prefill_of(self, req: Request) -> ScheduledChunk | None:
+        return next((c for c in self.prefills if c.request is req), None)
 
 
 class Scheduler:
@@ -148,19 +148,28 @@ class Scheduler:
             budget -= self.drr[cls.name].serve(self._tenants_with_work(cls.name), allowed, take)
 
     def _take(self, cls: str, tenant: str, max_tokens: int, out: SchedulerOutput) -> int:
-        """Schedule up to max_tokens of one tenant's prefill work, FCFS. Returns tokens used."""
+        """Schedule up to max_tokens of one tenant's prefill work, FCFS. Returns tokens used.
+        A request already given a chunk this iteration (an earlier DRR turn) has it extended, up
+        to `chunk_size`: a lone tenant's turns are only `drr_quantum * weight` tokens each, and
+        without this its prompt would prefill a quantum per iteration however large the budget."""
         used = 0
         for req in list(self.queues[cls].get(tenant, ())):
             if used >= max_tokens:
                 break
-            if out.scheduled(req):
-                continue
             if req.status != Status.RUNNING and not self._admit(req):
                 break                      # FCFS: the tenant's head waits for capacity or caps
-            n = min(req.num_uncomputed_tokens, self.config.chunk_size, max_tokens - used)
-            if not self._ensure_slots(req, req.num_computed_tokens + n, out):
+            prev = out.prefill_of(req)
+            have = prev.num_tokens if prev else 0
+            n = min(req.num_uncomputed_tokens - have, self.config.chunk_size - have, max_tokens - used)
+            if n <= 0:
+                continue
+            if not self._ensure_slots(req, req.num_computed_tokens + have + n, out):
                 break
-            out.prefills.append(self._prefill_chunk(req, n))
+            chunk = self._prefill_chunk(req, have + n)
+            if prev is None:
+                out.prefills.append(chunk)
+            else:
+                out.prefills[out.prefills.index(prev)] = chunk
             used += n
         return used
 

@@ -54,6 +54,20 @@ def test_a_chat_is_served_before_a_document_that_arrived_first():
     assert out.prefills[1].request is doc and out.prefills[1].num_tokens == 20
 
 
+def test_a_lone_prompt_gets_its_whole_chunk_however_small_the_drr_quantum():
+    """Found by the evaluation's whole-prefill runs: a lone tenant's DRR turns are a quantum each,
+    and the scheduler skipped a request already given a chunk this iteration, so a prompt never
+    prefilled more than quantum * weight tokens per iteration (a 65,536-token budget did 128)."""
+    sched, _ = make_scheduler(token_budget=1000, chunk_size=600, drr_quantum=8, num_blocks=1000)
+    doc = add(sched, 2000, cls="document", tenant="b")
+    out = step(sched)
+    assert [(c.request, c.num_tokens) for c in out.prefills] == [(doc, 600)]
+    chat = add(sched, 300, tenant="a")
+    out = step(sched)
+    # the chat first, whole; the document's share cap (half of B while chats wait) bounds it
+    assert [(c.request, c.num_tokens) for c in out.prefills] == [(chat, 300), (doc, 500)]
+
+
 def test_document_share_is_capped_while_interactive_work_waits():
     # documents may take at most half of B while a chat waits (here the chat is blocked by its
     # tenant's cap, so without the share cap the document would take everything)
