@@ -100,16 +100,43 @@ def class_summary(records: list[RequestRecord], slo: ClassSLO, duration_s: float
     }
 
 
-def jain_index(throughputs: dict[str, float], weights: dict[str, float]) -> float | None:
-    """Jain's fairness index (sum x)^2 / (n * sum x^2) over x_i = throughput_i / weight_i.
+def max_min_fair(demands: dict[str, float], weights: dict[str, float],
+                 capacity: float) -> dict[str, float]:
+    """The weighted max-min fair split of `capacity` (water-filling): a tenant asking for less
+    than its weighted share of what is left gets all it asks; the others split the rest by weight.
+    Tenants asking for nothing get nothing."""
+    alloc = {name: 0.0 for name in demands}
+    active = {name for name, d in demands.items() if d > 0}
+    remaining = capacity
+    while active and remaining > 0:
+        total_weight = sum(weights[name] for name in active)
+        share = {name: remaining * weights[name] / total_weight for name in active}
+        satisfied = {name for name in active if demands[name] <= share[name]}
+        if not satisfied:
+            alloc.update(share)
+            break
+        for name in satisfied:
+            alloc[name] = demands[name]
+            remaining -= demands[name]
+        active -= satisfied
+    return alloc
 
-    Normalising by weight makes "fair" mean "in proportion to weight": a tenant of weight 2
-    receiving twice the tokens of a weight-1 tenant scores 1.0. The index is 1/n when one tenant
-    gets everything, 1.0 for a single tenant, None when every throughput is zero (or no tenants).
-    """
-    if any(weights[name] <= 0 for name in throughputs):
+
+def jain_index(served: dict[str, float], demands: dict[str, float],
+               weights: dict[str, float]) -> float | None:
+    """Jain's fairness index (sum x)^2 / (n * sum x^2) over x_i = served_i / fair_i, where fair_i
+    is tenant i's weighted max-min fair share of everything served (`max_min_fair`, demands in
+    output tokens asked for).
+
+    So "fair" means what a weighted fair scheduler (DRR, VTC) aims at: a tenant asking for little
+    gets all of it, and backlogged tenants split the rest in proportion to weight. 1.0 when the
+    service was exactly that split; 1/n when one tenant got everything while others asked; None
+    when nothing was served or asked for. Tenants are those with a demand > 0."""
+    if any(weights[name] <= 0 for name in demands):
         raise ValueError(f"tenant weights must be positive: {weights}")
-    xs = [t / weights[name] for name, t in throughputs.items()]
+    fair = max_min_fair(demands, weights, sum(served.values()))
+    xs = [served[name] / fair[name] if fair[name] > 0 else 0.0
+          for name in demands if demands[name] > 0]
     square_sum = sum(x * x for x in xs)
     if square_sum == 0:
         return None
@@ -190,8 +217,9 @@ def summarize(run: RunResult) -> dict:
         "classes": classes,
         "overall": overall,
         "tenants": tenants,
-        "jain_index": jain_index({n: t["output_tokens_per_s"] for n, t in tenants.items()
-                                  if t["requests"] > 0}, weights),
+        "jain_index": jain_index({n: float(t["output_tokens"]) for n, t in tenants.items()},
+                                 {n: float(sum(r.max_tokens for r in by_tenant[n])) for n in tenants},
+                                 weights),
         "errors_by_reason": dict(sorted(Counter(r.error for r in run.records
                                                 if r.error is not None).items())),
         "retry_after_s": {"count": len(retry_after), "median": percentile(retry_after, 50)},

@@ -88,7 +88,7 @@ def render_markdown(summary: dict, plots: Mapping[str, str] | None = None) -> st
              f"{_num(o['request_throughput_rps'], digits=2)} ok req/s, "
              f"{_num(o['output_tokens_per_s'])} output tok/s.",
              "", "## Tenants", "", _tenant_table(summary), "",
-             f"Jain's fairness index over weight-normalised throughput: "
+             f"Jain's fairness index (service against each tenant's weighted max-min fair share): "
              f"{_num(summary['jain_index'], digits=3)}",
              "", "## Errors and rejections", ""]
     if summary["errors_by_reason"]:

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from loadtests.metrics import jain_index, percentile, summarize
+from loadtests.metrics import jain_index, max_min_fair, percentile, summarize
 from loadtests.records import ClassSLO, RequestRecord, RunResult
 
 approx = lambda v: pytest.approx(v, rel=1e-12, abs=1e-12)  # noqa: E731
@@ -30,10 +30,10 @@ def ok(index: int, ttft: float, gaps: list[float], e2e: float, *, cls: str = "in
 
 
 def failed(index: int, status: int, error: str, *, cls: str = "interactive", tenant: str = "a",
-           retry_after: float | None = None, **kw) -> RequestRecord:
+           retry_after: float | None = None, max_tokens: int = 16, **kw) -> RequestRecord:
     return RequestRecord(index=index, traffic_class=cls, tenant=tenant, scheduled_s=0.0,
                          send_s=0.0, status=status, error=error, retry_after_s=retry_after,
-                         max_tokens=16, **kw)
+                         max_tokens=max_tokens, **kw)
 
 
 def run_of(records: list[RequestRecord], *, classes=(INTERACTIVE, BATCH), weights=None,
@@ -137,11 +137,14 @@ def test_classes_without_requests_or_without_targets_are_still_reported():
     assert mystery["attainment"]["slo"] == 1.0
 
 
-def tenant_run(tokens: dict[str, int], weights: dict[str, float] | None = None) -> RunResult:
-    """One request per tenant delivering the given number of tokens (zero: rejected)."""
-    records = [ok(i, 0.1, [0.01] * (n - 1), 1.0, tenant=t, max_tokens=100) if n
-               else failed(i, 429, "rate_limited", tenant=t)
-               for i, (t, n) in enumerate(tokens.items())]
+def tenant_run(served: dict[str, int], weights: dict[str, float] | None = None,
+               asked: dict[str, int] | None = None) -> RunResult:
+    """One request per tenant asking for `asked` tokens (default 100) and receiving `served` of
+    them (zero: rejected)."""
+    asked = asked or {}
+    records = [ok(i, 0.1, [0.01] * (n - 1), 1.0, tenant=t, max_tokens=asked.get(t, 100)) if n
+               else failed(i, 429, "rate_limited", tenant=t, max_tokens=asked.get(t, 100))
+               for i, (t, n) in enumerate(served.items())]
     return run_of(records, weights=weights)
 
 
@@ -150,32 +153,51 @@ def test_jain_index_is_one_when_tenants_get_equal_tokens():
 
 
 def test_jain_index_is_one_over_n_when_one_tenant_gets_everything():
-    """The three starved tenants sent requests (rejected), so they count: 1/4."""
+    """Four tenants asked for 100 each; a got all 80 tokens served. Fair would be 20 each: x =
+    (4, 0, 0, 0), index 1/4."""
     assert summarize(tenant_run({"a": 80, "b": 0, "c": 0, "d": 0}))["jain_index"] == approx(0.25)
 
 
-def test_jain_index_normalises_by_weight():
-    """a (weight 2) getting twice b's tokens is fair; with equal weights the same split scores
-    (200 + 100)^2 / (2 * (200^2 + 100^2)) = 0.9."""
-    assert summarize(tenant_run({"a": 200, "b": 100}, {"a": 2.0, "b": 1.0}))["jain_index"] \
+def test_jain_index_splits_contended_service_by_weight():
+    """Both backlogged (asked 300 each), 300 served. With weights 2:1 the fair split is 200/100, so
+    a getting 200 and b 100 is perfectly fair; with equal weights fair is 150/150 and the same
+    service scores (4/3 + 2/3)^2 / (2 * (16/9 + 4/9)) = 0.9."""
+    asked = {"a": 300, "b": 300}
+    assert summarize(tenant_run({"a": 200, "b": 100}, {"a": 2.0, "b": 1.0}, asked))["jain_index"] \
         == approx(1.0)
-    assert summarize(tenant_run({"a": 200, "b": 100}))["jain_index"] == approx(0.9)
+    assert summarize(tenant_run({"a": 200, "b": 100}, asked=asked))["jain_index"] == approx(0.9)
+
+
+def test_a_quiet_tenant_served_in_full_beside_a_flood_is_fair():
+    """The noisy-neighbour case: flood asks 1000, quiet asks 50. Serving quiet all 50 and flood
+    the remaining 500 is the max-min fair split (index 1); serving quiet only 25 of its 50 while
+    flood takes 525 is not: x = (525/500, 25/50), index 1.55^2 / (2 * (1.05^2 + 0.5^2))."""
+    asked = {"flood": 1000, "quiet": 50}
+    assert summarize(tenant_run({"flood": 500, "quiet": 50}, asked=asked))["jain_index"] == approx(1.0)
+    assert summarize(tenant_run({"flood": 525, "quiet": 25}, asked=asked))["jain_index"] == \
+        approx(1.55 ** 2 / (2 * (1.05 ** 2 + 0.5 ** 2)))
+
+
+def test_max_min_fair_fills_small_demands_first_then_splits_by_weight():
+    assert max_min_fair({"a": 10, "b": 100, "c": 100}, {"a": 1, "b": 1, "c": 2}, 100) == \
+        {"a": 10, "b": approx(30.0), "c": approx(60.0)}
+    assert max_min_fair({"a": 10, "b": 0}, {"a": 1, "b": 1}, 50) == {"a": 10, "b": 0.0}
 
 
 def test_jain_index_edge_cases():
-    """One tenant is trivially fair; nobody receiving anything has no index; weights must be
-    positive."""
-    assert jain_index({"a": 3.0}, {"a": 1.0}) == 1.0
-    assert jain_index({"a": 0.0, "b": 0.0}, {"a": 1.0, "b": 1.0}) is None
-    assert jain_index({}, {}) is None
+    """One tenant is trivially fair; nothing served has no index; weights must be positive."""
+    assert jain_index({"a": 3.0}, {"a": 5.0}, {"a": 1.0}) == 1.0
+    assert jain_index({"a": 0.0, "b": 0.0}, {"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0}) is None
+    assert jain_index({}, {}, {}) is None
     with pytest.raises(ValueError):
-        jain_index({"a": 1.0}, {"a": 0.0})
+        jain_index({"a": 1.0}, {"a": 1.0}, {"a": 0.0})
 
 
 def test_tenant_rows_report_share_weight_and_demand_served():
     """a asked for 100 + 100 tokens and got 100 + 50; b asked 100, got 150 of 300 in all (the
     server ignored max_tokens: demand served above 1 is reported as is). c has a weight but sent
-    nothing: listed, but outside Jain's index."""
+    nothing: listed, but outside Jain's index. Of the 300 served, the fair split gives b its 100
+    and a the other 200: x = (150/200, 150/100), index 2.25^2 / (2 * (0.75^2 + 1.5^2)) = 0.9."""
     run = run_of([ok(0, 0.1, [], 1.0, tenant="a", tokens=100, max_tokens=100),
                   ok(1, 0.1, [], 1.0, tenant="a", tokens=50, max_tokens=100),
                   ok(2, 0.1, [], 1.0, tenant="b", tokens=150, max_tokens=100)],
@@ -188,7 +210,7 @@ def test_tenant_rows_report_share_weight_and_demand_served():
     assert s["tenants"]["c"] == {"requests": 0, "ok": 0, "output_tokens": 0,
                                  "output_tokens_per_s": 0.0, "share": 0.0, "weight": 3.0,
                                  "demand_served": None}
-    assert s["jain_index"] == approx(1.0)
+    assert s["jain_index"] == approx(0.9)
 
 
 def test_timeline_buckets_by_send_second_and_counts_completions_when_they_end():

@@ -60,7 +60,8 @@ def test_report_writes_every_file_and_the_markdown_shows_the_class_rows(tmp_path
     """Interactive: 12 sent, 9 ok (i = 0 1 2 4 5 6 8 9 10, TTFT 50 + 10 i ms), 3 rejected.
     TTFT p95 at rank 7.6 of the nine: 140 + 0.6 * 10 ms. The target is 100 ms: i = 0 1 2 4 5
     meet it, 5 of 12; every ok request's own p99 gap (39.8 ms) is under 50 ms, 9 of 12.
-    Tenants: acme (weight 2) got 20 tokens, zeta 32: Jain = (10 + 32)^2 / (2 (10^2 + 32^2))."""
+    Tenants: acme (weight 2) got 20 tokens, zeta 32, both asked 64 (backlogged), so the fair split
+    of the 52 served is 2:1 and Jain = (10 + 32)^2 / (2 (10^2 + 32^2)) as x scales with 1/weight."""
     out = tmp_path / "report"
     summary = check_complete_report(make_run(), out)
     md = (out / "report.md").read_text()
@@ -76,7 +77,7 @@ def test_report_writes_every_file_and_the_markdown_shows_the_class_rows(tmp_path
     assert class_table(summary) in md
     assert "| acme | 2 | 8 | 5 | 20 | 3.3 |" in md
     assert "| rate_limited | 3 |" in md
-    assert "Jain's fairness index over weight-normalised throughput: 0.785" in md
+    assert "Jain's fairness index (service against each tenant's weighted max-min fair share): 0.785" in md
     for name in ("ttft_cdf", "itl_cdf", "latency_over_time", "tenant_throughput"):
         assert f"({name}.png)" in md
 
