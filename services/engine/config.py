@@ -55,6 +55,11 @@ class SchedulerConfig:
 
     token_budget: int = 512       # tokens per iteration, decode + prefill
     chunk_size: int = 256         # max prefill tokens of one sequence per iteration
+    # While sequences decode, prefill chunks of one iteration attend over at most this many
+    # (query token, key token) pairs in all: a chunk deep in a long prompt costs its tokens times
+    # the context, so a fixed token budget alone lets a 32K document's late chunks stretch every
+    # decode step (ITL). 0 turns the cap off. Default: 256 tokens at 1K of context.
+    max_prefill_attention: int = 256 * 1024
     max_running: int = 256        # max admitted sequences (the batch)
     admission: AdmissionPolicy = "reserve"
     role: WorkerRole = "mixed"
@@ -71,6 +76,8 @@ class SchedulerConfig:
                              f"({self.max_running}) so every running decode fits in one iteration")
         if self.chunk_size < 1 or self.max_running < 1:
             raise ValueError("chunk_size and max_running must be >= 1")
+        if self.max_prefill_attention < 0:
+            raise ValueError("max_prefill_attention must be >= 0 (0 = no cap)")
         if self.admission not in ("reserve", "predict"):
             raise ValueError(f"unknown admission policy {self.admission!r} (reserve|predict)")
         if self.role not in ("mixed", "prefill", "decode"):

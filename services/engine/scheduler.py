@@ -5,6 +5,8 @@ Each iteration, with token budget B:
   2. the rest of B goes to prefill chunks: classes by priority with aging, tenants within a class by
      weighted deficit round-robin, FCFS within a tenant, each chunk at most `chunk_size`;
   3. while interactive work waits, capped classes (documents, batch) get at most their share of B;
+     while sequences decode, the iteration's prefill chunks attend over at most
+     `max_prefill_attention` (query, key) pairs, so a chunk deep in a long prompt is shorter;
   4. admission reserves KV blocks for prompt + bounded output and respects per-tenant caps;
   5. EOS, stop, limit or cancel frees the pages in the same iteration (`finish`);
   6. a queued request whose predicted start already breaks its TTFT target is rejected.
@@ -18,6 +20,7 @@ Lifecycle (who changes what):
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +63,7 @@ class SchedulerOutput:
     prefills: list[ScheduledChunk] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    attention_left: float = math.inf   # (query, key) pairs prefill chunks may still attend over
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -71,6 +75,15 @@ class SchedulerOutput:
 
     def prefill_of(self, req: Request) -> ScheduledChunk | None:
         return next((c for c in self.prefills if c.request is req), None)
+
+
+MIN_CHUNK = 16   # tokens a prompt advances per iteration at least, whatever the attention cap
+
+
+def attention_pairs(start: int, n: int) -> int:
+    """(query, key) pairs of a chunk of n tokens from position start: query start + i sees
+    start + i + 1 keys."""
+    return n * start + n * (n + 1) // 2
 
 
 class Scheduler:
@@ -138,6 +151,8 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int, now: float) -> None:
         """Steps 2-4: fill the rest of the budget with prefill chunks."""
+        if out.decodes and self.config.max_prefill_attention:
+            out.attention_left = self.config.max_prefill_attention
         interactive_waits = bool(self._tenants_with_work(self.config.interactive_class))
         for cls in self._class_order(now):
             if budget <= 0:
@@ -161,10 +176,12 @@ class Scheduler:
             prev = out.prefill_of(req)
             have = prev.num_tokens if prev else 0
             n = min(req.num_uncomputed_tokens - have, self.config.chunk_size - have, max_tokens - used)
+            n = min(n, self._attention_fit(req.num_computed_tokens + have, have, out))
             if n <= 0:
                 continue
             if not self._ensure_slots(req, req.num_computed_tokens + have + n, out):
                 break
+            out.attention_left -= attention_pairs(req.num_computed_tokens + have, n)
             chunk = self._prefill_chunk(req, have + n)
             if prev is None:
                 out.prefills.append(chunk)
@@ -172,6 +189,19 @@ class Scheduler:
                 out.prefills[out.prefills.index(prev)] = chunk
             used += n
         return used
+
+    @staticmethod
+    def _attention_fit(start: int, have: int, out: SchedulerOutput) -> int:
+        """The most tokens from position `start` whose attention fits what the iteration has left.
+        A sequence's first chunk of the iteration gets at least MIN_CHUNK tokens, so a long prompt
+        always progresses however deep it is."""
+        if math.isinf(out.attention_left):
+            return 1 << 62
+        # attention_pairs(start, n) = n * start + n * (n + 1) / 2 <= left, solved for n
+        left = max(0.0, out.attention_left)
+        b = start + 0.5
+        n = int(math.sqrt(b * b + 2 * left) - b)
+        return max(n, 0 if have else MIN_CHUNK)
 
     def _prefill_chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -5,6 +5,7 @@ import pytest
 
 from services.engine.config import Tenant
 from services.engine.request import Status
+from services.engine.scheduler import MIN_CHUNK, attention_pairs
 from tests.engine.scheduler_helpers import EOS, add, make_request, make_scheduler, step
 
 
@@ -66,6 +67,36 @@ def test_a_lone_prompt_gets_its_whole_chunk_however_small_the_drr_quantum():
     out = step(sched)
     # the chat first, whole; the document's share cap (half of B while chats wait) bounds it
     assert [(c.request, c.num_tokens) for c in out.prefills] == [(chat, 300), (doc, 500)]
+
+
+def test_a_chunk_deep_in_a_long_prompt_is_cut_to_the_attention_cap_while_chats_decode():
+    """A chunk's cost grows with its context: while a chat decodes, the document's chunk at
+    position 1,000 may attend over at most max_prefill_attention (query, key) pairs in all; with
+    nothing decoding, it takes its whole chunk again."""
+    sched, _ = make_scheduler(token_budget=600, chunk_size=500, num_blocks=2000,
+                              max_prefill_attention=50_000)
+    doc = add(sched, 3000, cls="document", tenant="b", max_tokens=1)
+    assert step(sched).prefills[0].num_tokens == 500           # nothing decodes: no cap
+    assert step(sched).prefills[0].num_tokens == 500
+    chat = add(sched, 8, tenant="a", max_tokens=50)
+    decode_into(sched, chat)
+    out = step(sched)
+    (chunk,) = out.prefills
+    assert [c.request for c in out.decodes] == [chat] and chunk.request is doc
+    # n tokens from position p attend over n * p + n (n + 1) / 2 pairs: the largest n under 50,000
+    p = chunk.start_pos
+    assert attention_pairs(p, chunk.num_tokens) <= 50_000 < attention_pairs(p, chunk.num_tokens + 1)
+    assert MIN_CHUNK < chunk.num_tokens < 100
+
+
+def test_the_deepest_chunk_still_advances_by_the_floor():
+    sched, _ = make_scheduler(token_budget=600, chunk_size=500, num_blocks=2000,
+                              max_prefill_attention=1_000)
+    doc = add(sched, 3000, cls="document", tenant="b", max_tokens=1)
+    step(sched)
+    chat = add(sched, 8, tenant="a", max_tokens=50)
+    decode_into(sched, chat)
+    assert [(c.request, c.num_tokens) for c in step(sched).prefills] == [(doc, MIN_CHUNK)]
 
 
 def test_document_share_is_capped_while_interactive_work_waits():

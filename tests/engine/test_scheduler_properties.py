@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from services.engine.admission import bounded_output, cdiv
 from services.engine.config import Tenant
 from services.engine.request import Status
+from services.engine.scheduler import MIN_CHUNK, attention_pairs
 from tests.engine.scheduler_helpers import EOS, make_request, make_scheduler
 
 TENANTS = (Tenant("a", max_active_seqs=3), Tenant("b", max_reserved_blocks=40),
@@ -22,12 +23,13 @@ CLASSES = {"a": ("interactive", "document", "batch"), "b": ("interactive", "docu
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["reserve", "predict"]), caching=st.booleans())
-    def setup(self, policy, caching):
+    @initialize(policy=st.sampled_from(["reserve", "predict"]), caching=st.booleans(),
+                chunk=st.sampled_from([8, 32]), attention=st.sampled_from([0, 300, 2000]))
+    def setup(self, policy, caching, chunk, attention):
         self.sched, self.clock = make_scheduler(
             num_blocks=64, block_size=4, max_model_len=128, prefix_caching=caching,
-            tenants=TENANTS, token_budget=32, chunk_size=8, max_running=16, admission=policy,
-            reject_late=False)
+            tenants=TENANTS, token_budget=32, chunk_size=chunk, max_running=16, admission=policy,
+            reject_late=False, max_prefill_attention=attention)
         self.pool = self.sched.pool
         self.live = []
 
@@ -57,6 +59,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             held = self.pool.held(chunk.request.request_id)
             assert held * 4 >= chunk.start_pos + chunk.num_tokens
             assert chunk.request.status == Status.RUNNING
+        self.check_attention_cap(out)
         scheduled = {c.request.request_id for c in out.decodes}
         preempted = {r.request_id for r in out.preempted}
         assert set(before) - preempted <= scheduled   # every running decode goes
@@ -66,6 +69,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r in decoding:
             if r.request_id not in preempted:
                 assert r.num_output_tokens == before[r.request_id] + 1 or r.is_finished
+
+    def check_attention_cap(self, out):
+        """While sequences decode, each prefill chunk either fits the attention left after the
+        chunks before it, or is a floor chunk of at most MIN_CHUNK tokens."""
+        cap = self.sched.config.max_prefill_attention
+        if not (cap and out.decodes):
+            return
+        spent = 0
+        for c in out.prefills:
+            spent += attention_pairs(c.start_pos, c.num_tokens)
+            assert c.num_tokens <= MIN_CHUNK or spent <= cap, (c.start_pos, c.num_tokens, spent, cap)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 1000))
