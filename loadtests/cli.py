@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from loadtests.runner import RunConfig
     from loadtests.workload import WorkloadSpec
 
-EVALUATION_SETUPS = ("colocated-chunked", "colocated-whole", "disagg-chunked", "disagg-whole")
+EVALUATION_SETUPS = ("colocated-chunked", "colocated-tokens-only", "colocated-whole",
+                     "disagg-chunked", "disagg-whole")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
