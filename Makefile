@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup system-deps test demo bench protos clean
+.PHONY: setup system-deps test demo bench evaluation protos clean
 
 setup: $(STAMP) system-deps
 
@@ -32,6 +32,10 @@ demo: setup
 
 bench: setup
 	$(VPY) -m services.common.cli bench engine
+
+# Regenerates docs/evaluation.md (about 17 minutes on 2 cores).
+evaluation: setup
+	$(VPY) -m services.common.cli bench evaluation --duration 60
 
 protos: setup
 	$(VPY) -m services.common.protogen

@@ -90,3 +90,19 @@ def _start_redis(stack: contextlib.ExitStack) -> str:
         embedded = EmbeddedRedis().start()
         stack.callback(embedded.stop)
         return embedded.url
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loadtests.local_fleet WORKLOAD DIR`: write DIR/engine.yaml and DIR/keys.yaml for
+    `kvfleet up --config ... --api-keys ...` (what `local_fleet` starts, for a fleet run by hand)."""
+    import sys
+
+    from loadtests.workload import load_workload
+    workload, folder = (argv if argv is not None else sys.argv[1:])[:2]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    print(*write_fleet_config(list(load_workload(workload).tenants), FleetSetup(), Path(folder)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

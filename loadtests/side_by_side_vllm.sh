@@ -18,6 +18,9 @@ OUT=${OUT:-loadtest-vllm}
 KV=.venv/bin/kvfleet
 
 [ -d "$MODEL" ] || $KV make-tiny-model "$MODEL"
+# kvfleet gets the workload's tenants, weights and classes (a key per tenant); vLLM has no such
+# notion and serves every request alike (it ignores the keys).
+read -r ENGINE_YAML KEYS_YAML < <(.venv/bin/python -m loadtests.local_fleet "$WORKLOAD" "$OUT.config")
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
@@ -27,7 +30,8 @@ wait_http() {  # URL, seconds
   echo "no answer from $1" >&2; return 1
 }
 
-$KV up --model "$MODEL" --mode "$MODE" --http-port 18000 --grpc-port 18051 >"$OUT.kvfleet.log" 2>&1 &
+$KV up --model "$MODEL" --mode "$MODE" --http-port 18000 --grpc-port 18051 \
+  --config "$ENGINE_YAML" --api-keys "$KEYS_YAML" >"$OUT.kvfleet.log" 2>&1 &
 pids+=($!)
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 VLLM_HOST_IP=127.0.0.1 "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
@@ -37,5 +41,5 @@ pids+=($!)
 wait_http http://127.0.0.1:18000/health 120
 wait_http http://127.0.0.1:18100/health 300
 
-$KV bench compare --workload "$WORKLOAD" --rate-scale "$RATE" --duration "$DURATION" \
+$KV bench compare --workload "$WORKLOAD" --rate-scale "$RATE" --duration "$DURATION" --api-keys "$KEYS_YAML" \
   --endpoint http://127.0.0.1:18000 --endpoint http://127.0.0.1:18100 --out "$OUT"
