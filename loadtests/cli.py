@@ -98,13 +98,20 @@ def run_once(spec: WorkloadSpec, cfg: RunConfig, out: Path, command: list[str]) 
     return run, summarize(run)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def _spec_or_usage_error(args: argparse.Namespace, command: str) -> WorkloadSpec | None:
+    """The workload, or None after printing why it can't be used (the caller exits 2)."""
     from loadtests.distributions import SpecError
-    from loadtests.report import class_table
     try:
-        spec = spec_from_args(args)
+        return spec_from_args(args)
     except SpecError as e:
-        print(f"kvfleet bench serve: {e}", file=sys.stderr)
+        print(f"kvfleet bench {command}: {e}", file=sys.stderr)
+        return None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from loadtests.report import class_table
+    spec = _spec_or_usage_error(args, "serve")
+    if spec is None:
         return 2
     out = Path(args.out)
     run, summary = run_once(spec, config_from_args(args, args.endpoint), out, _command())
@@ -118,14 +125,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from loadtests.distributions import SpecError
     if len(args.endpoint) != 2:
         print("kvfleet bench compare: give --endpoint exactly twice (A, then B)", file=sys.stderr)
         return 2
-    try:
-        spec = spec_from_args(args)
-    except SpecError as e:
-        print(f"kvfleet bench compare: {e}", file=sys.stderr)
+    spec = _spec_or_usage_error(args, "compare")
+    if spec is None:
         return 2
     out = Path(args.out)
     summaries = []

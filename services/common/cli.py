@@ -2,7 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
+
+
+def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand that imports its module only when it runs, so that one subcommand does not
+    pay for another's imports (matplotlib, the load tester, the fleet)."""
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args)
+    return run
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -14,11 +24,6 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from services.engine.generate_cli import run_generate
-    return run_generate(args)
-
-
 def _demo(args: argparse.Namespace) -> int:
     if args.fleet:
         from services.common.fleet_demo import run_fleet_demo
@@ -27,45 +32,10 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _bench_fleet(args: argparse.Namespace) -> int:
-    from services.common.fleet_bench import run_fleet_bench
-    return run_fleet_bench(args)
-
-
-def _bench_engine(args: argparse.Namespace) -> int:
-    from services.engine.bench import run_bench
-    return run_bench(args)
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    from loadtests.cli import run_serve
-    return run_serve(args)
-
-
-def _bench_compare(args: argparse.Namespace) -> int:
-    from loadtests.cli import run_compare
-    return run_compare(args)
-
-
-def _eval_quality(args: argparse.Namespace) -> int:
-    from loadtests.quality.gate import run_quality
-    return run_quality(args)
-
-
-def _bench_evaluation(args: argparse.Namespace) -> int:
-    from loadtests.evaluation import run_evaluation
-    return run_evaluation(args)
-
-
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     from services.common.serve import serve
     return asyncio.run(serve(args))
-
-
-def _up(args: argparse.Namespace) -> int:
-    from services.common.up import run_up
-    return run_up(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=0, help="top-N alternatives per token")
     g.add_argument("--echo", action="store_true", help="also return prompt logprobs")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    g.set_defaults(func=_generate)
+    g.set_defaults(func=_lazy("services.engine.generate_cli", "run_generate"))
 
     d = sub.add_parser("demo", help="mixed chats + documents through the engine, SLOs per class")
     d.add_argument("--model", default="tiny")
@@ -129,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.common.up import add_up_args
     u = sub.add_parser("up", help="start the whole fleet on this host (Ctrl-C stops it)")
     add_up_args(u)
-    u.set_defaults(func=_up)
+    u.set_defaults(func=_lazy("services.common.up", "run_up"))
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="target", required=True)
@@ -137,31 +107,31 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--model", default="tiny")
     be.add_argument("--json", action="store_true")
     be.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
-    be.set_defaults(func=_bench_engine)
+    be.set_defaults(func=_lazy("services.engine.bench", "run_bench"))
     bf = bsub.add_parser("fleet", help="what the fleet adds over the in-process engine")
     bf.add_argument("--model", default="tiny")
     bf.add_argument("--mode", choices=["disagg", "colocated"], default="colocated")
     bf.add_argument("--kv-backend", choices=["tcp", "nixl"], default="tcp")
     bf.add_argument("--repeats", type=int, default=20)
     bf.add_argument("--json", action="store_true")
-    bf.set_defaults(func=_bench_fleet)
+    bf.set_defaults(func=_lazy("services.common.fleet_bench", "run_fleet_bench"))
     from loadtests.cli import add_compare_args, add_evaluation_args, add_serve_args
     bs = bsub.add_parser("serve", help="open-loop load test of an OpenAI-compatible endpoint: SLO report")
     add_serve_args(bs)
-    bs.set_defaults(func=_bench_serve)
+    bs.set_defaults(func=_lazy("loadtests.cli", "run_serve"))
     bc = bsub.add_parser("compare", help="the same seeded load test against two endpoints, and the ratios")
     add_compare_args(bc)
-    bc.set_defaults(func=_bench_compare)
+    bc.set_defaults(func=_lazy("loadtests.cli", "run_compare"))
     bv = bsub.add_parser("evaluation", help="regenerate docs/evaluation.md: setups x arrival rates")
     add_evaluation_args(bv)
-    bv.set_defaults(func=_bench_evaluation)
+    bv.set_defaults(func=_lazy("loadtests.evaluation", "run_evaluation"))
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)
     from loadtests.quality.gate import add_quality_args
     eq = esub.add_parser("quality", help="gate: score a candidate model against the reference on an eval set")
     add_quality_args(eq)
-    eq.set_defaults(func=_eval_quality)
+    eq.set_defaults(func=_lazy("loadtests.quality.gate", "run_quality"))
     return p
 
 
