@@ -3,7 +3,8 @@ and whether its predicted start already breaks its class TTFT target (DESIGN.md 
 Pure helpers, no state changes."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from services.engine.config import SchedulerConfig, Tenant
@@ -69,31 +70,48 @@ class RateEstimator:
 
 
 def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rate: float,
-                  now: float) -> list[tuple[Request, str]]:
+                  now: float, weight: Callable[[str], float]) -> list[tuple[Request, str]]:
     """Queued requests whose predicted start already breaks their class TTFT target.
 
-    Predicted start = time waited + (prefill tokens ahead in scheduling order) / measured rate.
-    "Ahead" = the uncomputed prompt tokens of admitted requests of the same or a higher class
-    priority (prefill goes by priority, so a chat never waits behind an admitted document's
-    prefill), plus queued requests that sort before this one by (effective priority desc, arrival
-    asc). Requests that already produced tokens (preempted) are never rejected here.
+    Predicted start = time waited + (prefill tokens ahead) / measured rate, where "ahead" follows
+    the scheduler's own order:
+      - the uncomputed prompt tokens of admitted requests of the same or a higher class priority
+        (prefill goes by priority, so a chat never waits behind an admitted document's prefill);
+      - queued requests of other classes that sort before this one by (effective priority desc,
+        arrival asc);
+      - within its class, weighted DRR: its own tenant's earlier requests, and of each other
+        tenant u at most weight_u / weight_own times that (u's queue if smaller). A quiet
+        tenant's first request is next in line however long a flooding tenant's queue is.
+    Requests rejected in this pass no longer count. Requests that already produced tokens
+    (preempted) are never rejected here.
     """
     def key(r: Request) -> tuple[float, float]:
         return (-effective_priority(r.traffic_class, now - r.arrival_time), r.arrival_time)
 
+    order = sorted(queued, key=key)
     admitted = [(r.traffic_class.priority, r.num_uncomputed_tokens) for r in in_progress]
+    tenant_queue: dict[tuple[str, str], int] = defaultdict(int)   # (class, tenant) -> tokens queued
+    for r in order:
+        tenant_queue[r.traffic_class.name, r.tenant] += r.num_uncomputed_tokens
+    own_before: dict[tuple[str, str], int] = defaultdict(int)     # accepted earlier, same tenant
+    class_before: dict[str, int] = defaultdict(int)               # accepted earlier, per class
     late: list[tuple[Request, str]] = []
-    queued_ahead = 0
-    for req in sorted(queued, key=key):
-        ahead = queued_ahead + sum(n for p, n in admitted if p >= req.traffic_class.priority)
-        waited = now - req.arrival_time
-        start = waited + ahead / rate
+    for req in order:
+        cls, me = req.traffic_class.name, (req.traffic_class.name, req.tenant)
+        own = own_before[me]
+        others = sum(min(tokens, weight(t) / weight(req.tenant) * own)
+                     for (c, t), tokens in tenant_queue.items() if c == cls and t != req.tenant)
+        ahead = (sum(n for p, n in admitted if p >= req.traffic_class.priority)
+                 + sum(n for c, n in class_before.items() if c != cls) + own + int(others))
+        start = now - req.arrival_time + ahead / rate
         target = req.traffic_class.ttft_target_s
         if start > target and req.num_output_tokens == 0:
             late.append((req, (
                 f"predicted time to first token start {start:.2f}s already exceeds the "
                 f"{req.traffic_class.name} class target {target:.2f}s ({ahead} prefill tokens "
                 f"queued ahead at {rate:.0f} tokens/s); retry later")))
+            tenant_queue[me] -= req.num_uncomputed_tokens
             continue
-        queued_ahead += req.num_uncomputed_tokens
+        own_before[me] += req.num_uncomputed_tokens
+        class_before[cls] += req.num_uncomputed_tokens
     return late

@@ -419,7 +419,8 @@ class Scheduler:
         if not waiting:
             return []
         in_progress = [r for r in queued if r.status == Status.RUNNING]
-        late = late_requests(waiting, in_progress, self.prefill_rate.rate, now)
+        late = late_requests(waiting, in_progress, self.prefill_rate.rate, now,
+                             lambda name: self.config.tenant(name).weight)
         for req, reason in late:
             req.reject_reason = reason
             self.finish(req, Status.FINISHED_REJECTED)

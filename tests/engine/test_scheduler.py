@@ -194,7 +194,7 @@ def test_a_queued_request_that_would_miss_its_ttft_target_is_rejected_with_a_rea
     for _ in range(5):
         sched.prefill_rate.observe(1000, 1.0)             # measured: 1000 prefill tokens/s
     big = add(sched, 1500, tenant="b", max_tokens=1)     # 1.5 s of prefill queued
-    late = add(sched, 10, tenant="a")                    # would start after 1.5 s > 1.0 s target
+    late = add(sched, 10, tenant="b")                    # would start after 1.5 s > 1.0 s target
     out = sched.schedule()
     assert out.rejected == [late] or late in out.rejected
     assert late.status == Status.FINISHED_REJECTED
@@ -215,6 +215,22 @@ def test_a_chat_is_not_rejected_for_a_documents_prefill_it_will_overtake():
     assert chat not in out.rejected and chat.status != Status.FINISHED_REJECTED
     assert out.prefills[0].request is chat
     assert doc.status == Status.RUNNING
+
+
+def test_a_quiet_tenant_is_not_rejected_behind_a_flooding_tenants_queue():
+    """Found by the noisy-neighbor load test: late rejection ordered a class's queue by arrival, so
+    a quiet tenant's chat looked 3 s back behind a flood's queue and was refused, though DRR
+    serves it next. Now the flood's own late requests are refused and the quiet one is not."""
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=4000)
+    for _ in range(5):
+        sched.prefill_rate.observe(1000, 1.0)             # measured: 1000 prefill tokens/s
+    flood = [add(sched, 100, tenant="b", max_tokens=1) for _ in range(30)]   # 3 s of prefill
+    quiet = add(sched, 100, tenant="c", max_tokens=1)
+    out = sched.schedule()
+    assert quiet not in out.rejected and quiet.status != Status.FINISHED_REJECTED
+    # b's k-th request starts after its k earlier ones plus c's 100 tokens, served in turn
+    assert out.rejected == flood[10:]
+    assert all("exceeds the interactive class target" in r.reject_reason for r in out.rejected)
 
 
 def test_predict_policy_grows_and_preempts_the_lowest_priority_newest():
