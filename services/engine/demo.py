@@ -81,10 +81,12 @@ def summarize(traces: dict[str, Trace]) -> dict[str, dict[str, float]]:
     return table
 
 
-def run_once(args: argparse.Namespace, budget: int, chunk: int) -> tuple[dict, dict, LLMEngine]:
+def run_once(args: argparse.Namespace, budget: int, chunk: int,
+             attention_cap: bool = True) -> tuple[dict, dict, LLMEngine]:
     tenants = tuple(Tenant(n) for n in CHAT_TENANTS) + (Tenant("docs", classes=("document",)),)
+    cap = {} if attention_cap else {"max_prefill_attention": 0}
     engine = LLMEngine(engine_config(args.model, tenants=tenants, default_tenant="acme",
-                                     token_budget=budget, chunk_size=chunk, reject_late=False))
+                                     token_budget=budget, chunk_size=chunk, reject_late=False, **cap))
     arrivals = mixed_workload(vocab=engine.model_config.vocab_size, chats=args.chats,
                               documents=args.documents, doc_tokens=args.doc_tokens,
                               rate=args.rate, tenants=CHAT_TENANTS, seed=args.seed)
@@ -112,7 +114,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{engine.pool.num_reserved} reserved; wall time {info['wall_s']:.1f}s")
     if args.compare:
         whole = args.doc_tokens + args.budget
-        base, _, _ = run_once(args, whole, whole)
+        base, _, _ = run_once(args, whole, whole, attention_cap=False)
         print_table(f"baseline, prefills go whole (token budget {whole}):", base)
         chat, ref = table.get("interactive"), base.get("interactive")
         if chat and ref:
