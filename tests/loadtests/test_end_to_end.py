@@ -40,12 +40,17 @@ def test_thirty_seconds_of_mixed_traffic_give_a_complete_report(fleet, tmp_path)
 
     failed = [(r.index, r.status, r.error) for r in run.records if r.error and r.error.startswith(CLIENT_SIDE)]
     assert not failed, f"client-side errors: {failed}"
-    assert all(r.ok for r in run.records), [(r.index, r.status, r.error) for r in run.records if not r.ok]
+    # the fleet may refuse a request it predicts late (503 with a reason) on a slow machine; that
+    # is the server's answer, recorded as such, never a silent loss
+    refused = [r for r in run.records if not r.ok]
+    assert all(r.status in (429, 503) and r.error and r.detail for r in refused)
+    assert len(refused) <= 0.05 * len(run.records), [(r.index, r.error) for r in refused]
+    served = [r for r in run.records if r.ok]
     assert run.meta["prompt_mode"] == "ids"          # the gateway has /tokenize: exact lengths
-    assert all(r.output_tokens == r.max_tokens for r in run.records)   # ignore_eos: as planned
+    assert all(r.output_tokens == r.max_tokens for r in served)   # ignore_eos: as planned
     # a gap per token event; a token the detokenizer holds back (part of a UTF-8 character) rides
     # with the next one, so a few events carry two tokens
-    gaps, tokens = sum(len(r.itl_s) for r in run.records), sum(r.output_tokens - 1 for r in run.records)
+    gaps, tokens = sum(len(r.itl_s) for r in served), sum(r.output_tokens - 1 for r in served)
     assert 0.9 * tokens <= gaps <= tokens
 
     paths = write_report(run, tmp_path)
@@ -56,6 +61,7 @@ def test_thirty_seconds_of_mixed_traffic_give_a_complete_report(fleet, tmp_path)
     summary = json.loads(paths["summary"].read_text())
     assert set(summary["classes"]) == {"interactive", "document", "batch"}
     assert summary["overall"]["requests"] == len(run.records) and summary["overall"]["errors"] == 0
+    assert summary["overall"]["rejected"] == len(refused)
     assert set(summary["tenants"]) == {"acme", "globex", "initech", "docs", "nightly"}
     assert 0 < summary["jain_index"] <= 1
     report = paths["report"].read_text()
