@@ -124,6 +124,28 @@ class Completion:
             raise KVTransferError(self.error)
 
 
+class PoolTransport:
+    """What every backend shares: the registered pool and its layout, the target-side Inbox, and
+    expect() on it. Subclasses register(kv_cache) by setting `_kv` and `_layout`."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self._kv = None
+        self._layout: KVLayout | None = None
+        self._inbox = Inbox(worker_id, lambda ids: blocks_checksum(self._kv.data, ids))
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
+        return self._inbox.expect(transfer_id, self._target_ids(block_ids), timeout_s)
+
+    def _target_ids(self, block_ids: Sequence[int]) -> list[int]:
+        return check_block_ids(block_ids, self._pool().num_blocks, "target")
+
+    def _pool(self):
+        if self._kv is None:
+            raise KVTransferError(f"worker {self.worker_id!r}: register(kv_cache) first")
+        return self._kv
+
+
 class Inbox:
     """Target-side bookkeeping shared by the backends: the transfers this worker expects, by id.
 

@@ -11,21 +11,16 @@ import threading
 from typing import Sequence
 
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.kv_transfer.base import (Completion, Inbox, KVLayout, KVTransferError, blocks_checksum,
-                                       check_block_ids, check_write, make_descriptor)
+from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
+                                       blocks_checksum, check_block_ids, check_write,
+                                       make_descriptor)
 
 _REGISTRY: dict[str, LocalTransport] = {}  # worker_id -> its transport, this process only
 _REGISTRY_LOCK = threading.Lock()
 
 
-class LocalTransport:
+class LocalTransport(PoolTransport):
     name = "local"
-
-    def __init__(self, worker_id: str):
-        self.worker_id = worker_id
-        self._kv = None
-        self._layout: KVLayout | None = None
-        self._inbox = Inbox(worker_id, lambda ids: blocks_checksum(self._kv.data, ids))
 
     def register(self, kv_cache) -> None:
         with _REGISTRY_LOCK:
@@ -35,12 +30,8 @@ class LocalTransport:
             _REGISTRY[self.worker_id] = self
 
     def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
-        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
-        return make_descriptor(self.worker_id, self.name, self._layout, ids, address=f"local:{self.worker_id}")
-
-    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
-        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
-        return self._inbox.expect(transfer_id, ids, timeout_s)
+        return make_descriptor(self.worker_id, self.name, self._layout, self._target_ids(block_ids),
+                               address=f"local:{self.worker_id}")
 
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
               timeout_s: float, checksum: bool = False) -> Completion:
@@ -79,8 +70,3 @@ class LocalTransport:
         for s, d in zip(src, ids):
             mine[:, :, d].copy_(source[:, :, s])
         self._inbox.finish(transfer_id, checksum=crc)
-
-    def _pool(self):
-        if self._kv is None:
-            raise KVTransferError(f"worker {self.worker_id!r}: register(kv_cache) first")
-        return self._kv

@@ -34,8 +34,9 @@ from nixl import _bindings  # noqa: E402
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
-from services.kv_transfer.base import (Completion, Inbox, KVLayout, KVTransferError, blocks_checksum,  # noqa: E402
-                                       check_block_ids, check_write, make_descriptor)
+from services.kv_transfer.base import (Completion, KVLayout, KVTransferError,  # noqa: E402
+                                       PoolTransport, blocks_checksum, check_write,
+                                       make_descriptor)
 
 POLL_BUSY_S = 0.0002
 POLL_IDLE_S = 0.02
@@ -56,15 +57,12 @@ class _Sending:
     peer: str
 
 
-class NixlTransport:
+class NixlTransport(PoolTransport):
     name = "nixl"
 
     def __init__(self, worker_id: str):
-        self.worker_id = worker_id
+        super().__init__(worker_id)
         self._agent_name = f"{worker_id}-{uuid.uuid4().hex[:8]}"
-        self._kv = None
-        self._layout: KVLayout | None = None
-        self._inbox = Inbox(worker_id, lambda ids: blocks_checksum(self._kv.data, ids))
         self._cv = threading.Condition()  # its lock guards the agent and everything below
         self._agent = None
         self._peers: dict[str, _Peer] = {}
@@ -88,14 +86,13 @@ class NixlTransport:
         self._poller.start()
 
     def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
-        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
+        ids = self._target_ids(block_ids)
         address = (f"agent={self._agent_name},base={self._kv.data.data_ptr():#x},"
                    f"num_blocks={self._kv.num_blocks},mem={self._mem},dev={self._dev}")
         return make_descriptor(self.worker_id, self.name, self._layout, ids, address, self._metadata)
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
-        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
-        handle = self._inbox.expect(transfer_id, ids, timeout_s)
+        handle = super().expect(transfer_id, block_ids, timeout_s)
         with self._cv:
             self._cv.notify()  # poll fast from now on
         return handle
@@ -202,12 +199,6 @@ class NixlTransport:
         self._peers.pop(peer.name, None)
         _quietly(peer.dlist.release)
         _quietly(self._agent.remove_remote_agent, peer.name)
-
-    def _pool(self):
-        if self._kv is None:
-            raise KVTransferError(f"worker {self.worker_id!r}: register(kv_cache) first")
-        return self._kv
-
 
 def _parse_address(address: str) -> dict:
     """"agent=<name>,base=0x..,num_blocks=N,mem=DRAM|VRAM,dev=D" -> its fields, numbers as ints."""

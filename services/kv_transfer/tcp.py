@@ -29,8 +29,8 @@ from typing import Sequence
 import torch
 
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.kv_transfer.base import (Completion, Inbox, KVLayout, KVTransferError, blocks_checksum, byte_view,
-                                       check_block_ids, check_write, make_descriptor)
+from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
+                                       byte_view, check_write, make_descriptor)
 
 HOST = "127.0.0.1"
 HEADER_TIMEOUT_S = 5.0   # a new connection must send its header within this
@@ -40,15 +40,12 @@ SOCK_BUF = 4 << 20
 CLAIM_SHARE = 0.8        # wait for the expect() this share of the source's time, so a refusal still reaches it
 
 
-class TcpTransport:
+class TcpTransport(PoolTransport):
     name = "tcp"
 
     def __init__(self, worker_id: str):
-        self.worker_id = worker_id
-        self._kv = None
-        self._layout: KVLayout | None = None
+        super().__init__(worker_id)
         self._flat: memoryview | None = None  # the whole CPU pool as bytes; None for a device pool
-        self._inbox = Inbox(worker_id, lambda ids: blocks_checksum(self._kv.data, ids))
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
         self._lock = threading.Lock()  # guards the two sets below
@@ -70,12 +67,8 @@ class TcpTransport:
         return f"{host}:{port}"
 
     def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
-        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
-        return make_descriptor(self.worker_id, self.name, self._layout, ids, address=self.address)
-
-    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
-        ids = check_block_ids(block_ids, self._pool().num_blocks, "target")
-        return self._inbox.expect(transfer_id, ids, timeout_s)
+        return make_descriptor(self.worker_id, self.name, self._layout, self._target_ids(block_ids),
+                               address=self.address)
 
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
               timeout_s: float, checksum: bool = False) -> Completion:
@@ -228,12 +221,6 @@ class TcpTransport:
         if isinstance(e, (OSError, KVTransferError)):
             return str(e) or type(e).__name__
         return f"{type(e).__name__}: {e}"
-
-    def _pool(self):
-        if self._kv is None:
-            raise KVTransferError(f"worker {self.worker_id!r}: register(kv_cache) first")
-        return self._kv
-
 
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
