@@ -4,7 +4,7 @@ Pure helpers, no state changes."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from services.engine.config import SchedulerConfig, Tenant
@@ -70,7 +70,7 @@ class RateEstimator:
 
 
 def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rate: float,
-                  now: float, weight: Callable[[str], float]) -> list[tuple[Request, str]]:
+                  now: float, weights: Mapping[str, float]) -> list[tuple[Request, str]]:
     """Queued requests whose predicted start already breaks their class TTFT target.
 
     Predicted start = time waited + (prefill tokens ahead) / measured rate, where "ahead" follows
@@ -89,19 +89,21 @@ def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rat
         return (-effective_priority(r.traffic_class, now - r.arrival_time), r.arrival_time)
 
     order = sorted(queued, key=key)
-    admitted = [(r.traffic_class.priority, r.num_uncomputed_tokens) for r in in_progress]
-    tenant_queue: dict[tuple[str, str], int] = defaultdict(int)   # (class, tenant) -> tokens queued
+    admitted: dict[int, int] = defaultdict(int)          # class priority -> uncomputed prompt tokens
+    for r in in_progress:
+        admitted[r.traffic_class.priority] += r.num_uncomputed_tokens
+    queue: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # class -> tenant -> tokens
     for r in order:
-        tenant_queue[r.traffic_class.name, r.tenant] += r.num_uncomputed_tokens
+        queue[r.traffic_class.name][r.tenant] += r.num_uncomputed_tokens
     own_before: dict[tuple[str, str], int] = defaultdict(int)     # accepted earlier, same tenant
     class_before: dict[str, int] = defaultdict(int)               # accepted earlier, per class
     late: list[tuple[Request, str]] = []
     for req in order:
-        cls, me = req.traffic_class.name, (req.traffic_class.name, req.tenant)
-        own = own_before[me]
-        others = sum(min(tokens, weight(t) / weight(req.tenant) * own)
-                     for (c, t), tokens in tenant_queue.items() if c == cls and t != req.tenant)
-        ahead = (sum(n for p, n in admitted if p >= req.traffic_class.priority)
+        cls, tenant = req.traffic_class.name, req.tenant
+        own = own_before[cls, tenant]
+        others = sum(min(tokens, weights[t] / weights[tenant] * own)
+                     for t, tokens in queue[cls].items() if t != tenant)
+        ahead = (sum(n for p, n in admitted.items() if p >= req.traffic_class.priority)
                  + sum(n for c, n in class_before.items() if c != cls) + own + int(others))
         start = now - req.arrival_time + ahead / rate
         target = req.traffic_class.ttft_target_s
@@ -110,8 +112,8 @@ def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rat
                 f"predicted time to first token start {start:.2f}s already exceeds the "
                 f"{req.traffic_class.name} class target {target:.2f}s ({ahead} prefill tokens "
                 f"queued ahead at {rate:.0f} tokens/s); retry later")))
-            tenant_queue[me] -= req.num_uncomputed_tokens
+            queue[cls][tenant] -= req.num_uncomputed_tokens
             continue
-        own_before[me] += req.num_uncomputed_tokens
+        own_before[cls, tenant] += req.num_uncomputed_tokens
         class_before[cls] += req.num_uncomputed_tokens
     return late

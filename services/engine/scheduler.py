@@ -420,7 +420,7 @@ class Scheduler:
             return []
         in_progress = [r for r in queued if r.status == Status.RUNNING]
         late = late_requests(waiting, in_progress, self.prefill_rate.rate, now,
-                             lambda name: self.config.tenant(name).weight)
+                             {t.name: t.weight for t in self.config.tenants})
         for req, reason in late:
             req.reject_reason = reason
             self.finish(req, Status.FINISHED_REJECTED)
