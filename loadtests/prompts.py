@@ -45,15 +45,18 @@ class PromptBuilder:
 
     def build(self, n_tokens: int, seed: int) -> list[int] | str:
         if self.mode == "ids":
-            ids = self.corpus_ids
-            start = seed % len(ids)
-            reps = (start + n_tokens) // len(ids) + 1
-            return (ids * reps)[start:start + n_tokens]
-        words = self.corpus_words
+            return _cyclic_slice(self.corpus_ids, seed, n_tokens)
         n_words = max(1, round(n_tokens / self.tokens_per_word))
-        start = seed % len(words)
-        reps = (start + n_words) // len(words) + 1
-        return " ".join((words * reps)[start:start + n_words])
+        return " ".join(_cyclic_slice(self.corpus_words, seed, n_words))
+
+
+def _cyclic_slice(items: list, seed: int, n: int) -> list:
+    """n items of `items` read as a ring, from position seed mod len(items)."""
+    start = seed % len(items)
+    out = items[start:start + n]
+    while len(out) < n:
+        out += items[:n - len(out)]
+    return out
 
 
 async def make_prompt_builder(client: httpx.AsyncClient, model: str, headers: dict[str, str],
