@@ -6,9 +6,9 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 |--------------------------------------|---------------|----------------------------|--------------------------------|
 | `{ns}worker:{worker_id}`             | hash          | heartbeat ttl_s            | heartbeat (HSET+PEXPIRE, MULTI)|
 | `{ns}workers`                        | set of ids    | none; dead ids pruned      | heartbeat SADD, live_workers   |
-| `{ns}tenant:{t}:streams`             | string int    | none; deleted at 0         | acquire/release_stream (Lua)   |
-| `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s  | charge_tokens (Lua)            |
-| `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s  | charge_request (Lua)           |
+| `{ns}tenant:{t}:streams`             | string int    | none; deleted at 0         | admit/finish_stream (Lua)      |
+| `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s  | admit/finish_stream (Lua)      |
+| `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s  | admit, charge_request (Lua)    |
 
 `minute` is `int(now // 60)`: a fixed 60-s window. The worker hash holds every `WorkerRecord` field as a
 string; a worker whose heartbeat is older than its TTL has no hash, so it is not live.
@@ -138,6 +138,18 @@ redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('INCR', KEYS[1])
 return 0
 """
+# The end of a stream in one round trip. KEYS streams counter, tokens window; ARGV generated tokens,
+# ttl_ms. The slot is given back (never below 0, deleted at 0); the tokens are charged uncapped, since
+# they are already generated (a tenant over its budget is refused at its next admission).
+_FINISH_LUA = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n <= 1 then redis.call('DEL', KEYS[1]) else redis.call('DECR', KEYS[1]) end
+if tonumber(ARGV[1]) > 0 then
+  redis.call('INCRBY', KEYS[2], ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
+return 1
+"""
 # KEYS[1] workers set, KEYS[2..] worker hashes; ARGV the matching ids. SREMs an id only if its hash is
 # still gone, so a worker that heartbeats between our read and this prune is not dropped.
 _PRUNE_LUA = """
@@ -160,6 +172,7 @@ class FleetState:
         self._charge = self._r.register_script(_CHARGE_LUA)
         self._prune = self._r.register_script(_PRUNE_LUA)
         self._admit = self._r.register_script(_ADMIT_LUA)
+        self._finish = self._r.register_script(_FINISH_LUA)
 
     async def close(self) -> None:
         await self._r.aclose()
@@ -262,6 +275,18 @@ class FleetState:
                                                   ttl_ms])
         refused = (None, "streams", "requests", "tokens")[int(code)]
         return refused, (0.0 if refused in (None, "streams") else left_s)
+
+    async def finish_stream(self, tenant: str, output_tokens: int,
+                            now: float | None = None) -> None:
+        """A stream ended: give its slot back and charge the tokens it generated, in one round
+        trip (release_stream + an uncapped charge_tokens)."""
+        if output_tokens < 0:
+            raise ValueError(f"cannot charge a negative amount ({output_tokens})")
+        now = time.time() if now is None else now
+        ttl_ms = math.ceil((WINDOW_S - now % WINDOW_S + WINDOW_S) * 1000)
+        await self._finish(keys=[self._tenant_key(tenant, "streams"),
+                                 self._window_key(tenant, "tokens", now)],
+                           args=[int(output_tokens), ttl_ms])
 
     async def charge_request(self, tenant: str, per_minute_limit: int,
                              now: float | None = None) -> tuple[bool, float]:

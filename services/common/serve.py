@@ -15,6 +15,7 @@ import time
 import grpc
 import torch
 
+from services.common.aio import run
 from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
 from services.common.fleet_state import FleetState, WorkerRecord
@@ -128,4 +129,4 @@ async def serve(args: argparse.Namespace) -> int:
 def main(role: str | None = None, argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"kvfleet serve {role or ''}".strip())
     add_worker_args(parser, role)
-    return asyncio.run(serve(parser.parse_args(argv)))
+    return run(serve(parser.parse_args(argv)))

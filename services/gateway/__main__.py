@@ -65,10 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"kvfleet gateway: {e}", file=sys.stderr)
         return 2
-    import asyncio  # noqa: PLC0415
-
+    from services.common.aio import run  # noqa: PLC0415
     from services.gateway.server import serve  # noqa: PLC0415
-    return asyncio.run(serve(config))
+    return run(serve(config))
 
 
 if __name__ == "__main__":

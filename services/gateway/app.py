@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway import openai_schema as schema
-from services.gateway.core import GatewayCore, Session, new_request_id
+from services.gateway.core import INLINE_BUILD_BYTES, GatewayCore, Session, new_request_id
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.openai_responses import Collected, Shaper
 from services.gateway.streaming import openai_events
@@ -90,7 +90,9 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
     body = await read_body(request, core.config.max_body_bytes)
     req = schema.parse(model_cls, body)
     cls = core.config.traffic_class(key.traffic_class)
-    gen, plan = await asyncio.to_thread(build, req, key, cls, core.validator, new_request_id(prefix))
+    args = (req, key, cls, core.validator, new_request_id(prefix))
+    gen, plan = (build(*args) if len(body) <= INLINE_BUILD_BYTES
+                 else await asyncio.to_thread(build, *args))
     session = await core.open(gen)
     shaper = Shaper(plan, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,
@@ -103,7 +105,7 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
             return StreamingResponse(openai_events(session, first, shaper),
                                      headers={**headers, **SSE_HEADERS},
                                      media_type="text/event-stream",
-                                     background=BackgroundTask(session.close))
+                                     background=BackgroundTask(_close, session))
         collected = await _until_disconnect(request, _collect(session, first))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
@@ -112,6 +114,11 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
             session.close()
     return JSONResponse(shaper.body(collected, session.prompt_tokens, session.output_tokens),
                         headers=headers)
+
+
+async def _close(session: Session) -> None:
+    """session.close as a coroutine: Starlette runs a sync background function in a thread."""
+    session.close()
 
 
 async def _collect(session: Session, first) -> Collected:

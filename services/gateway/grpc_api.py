@@ -20,7 +20,8 @@ from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
 from services.gateway.config import ApiKey
-from services.gateway.core import GatewayCore, internal_request_id, new_request_id
+from services.gateway.core import (INLINE_BUILD_BYTES, GatewayCore, internal_request_id,
+                                   new_request_id)
 from services.gateway.validation import Generation
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -33,7 +34,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
             key = self._authenticate(context)
-            gen = await asyncio.to_thread(self._generation, request, key)
+            gen = (self._generation(request, key) if request.ByteSize() <= INLINE_BUILD_BYTES
+                   else await asyncio.to_thread(self._generation, request, key))
             session = await self.core.open(gen)
         except errors.GatewayError as e:
             await _abort(context, e)
@@ -76,7 +78,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             await _abort(context, e)
 
     def _generation(self, request: pb.GenerateRequest, key: ApiKey) -> Generation:
-        """Validate and tokenize (runs in a thread: tokenizing a long prompt takes a while)."""
+        """Validate and tokenize (in a thread for a large request: tokenizing a long prompt takes
+        a while)."""
         v = self.core.validator
         if request.model:
             v.check_model(request.model)

@@ -155,7 +155,7 @@ def completion(req: CompletionRequest, key: ApiKey, cls: TrafficClass, v: Valida
         echo_text = req.prompt
     else:
         ids = v.check_ids(req.prompt)
-        echo_text = v.model.tokenizer.decode(ids) if v.model.tokenizer else ""
+        echo_text = v.model.tokenizer.decode(ids) if req.echo and v.model.tokenizer else ""
     max_tokens = v.max_tokens(_requested_max(req), len(ids), cls, COMPLETION_DEFAULT_MAX_TOKENS)
     params = _params(req, max_tokens)
     if req.logprobs is not None:

@@ -18,7 +18,6 @@ from services.gateway.config import ApiKey
 log = logging.getLogger(__name__)
 
 STREAM_RETRY_S = 1.0      # a slot frees when some stream ends; we cannot know when
-_UNCAPPED = 1 << 62       # output tokens are charged after the fact, never refused
 
 
 class Quotas:
@@ -52,8 +51,6 @@ class Quotas:
     async def finish(self, key: ApiKey, output_tokens: int) -> None:
         """Give the stream slot back and charge what was generated. Never raises."""
         try:
-            await self.state.release_stream(key.tenant)
-            if output_tokens:
-                await self.state.charge_tokens(key.tenant, output_tokens, _UNCAPPED)
+            await self.state.finish_stream(key.tenant, output_tokens)
         except RedisError:
             log.exception("could not release the stream slot of tenant %s", key.tenant)

@@ -2,10 +2,11 @@
 
 Prints `READY router <host:port>` once serving; SIGTERM / SIGINT stop it."""
 import argparse
-import asyncio
 import sys
 
 import grpc
+
+from services.common.aio import run
 
 from services.common.fleet_state import FleetState
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    return asyncio.run(serve(p.parse_args(argv)))
+    return run(serve(p.parse_args(argv)))
 
 
 if __name__ == "__main__":

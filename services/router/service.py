@@ -12,6 +12,7 @@ Any early end (client gone, failure) cancels the request on every worker it touc
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,8 +23,11 @@ from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.placement import rank_decode, rank_prefill
 
+log = logging.getLogger(__name__)
+
 PREFILL_ATTEMPTS = 2   # the first try and one retry elsewhere
-WORKERS_TTL_S = 0.1    # reuse the worker list this long (heartbeats come every ~0.5 s)
+WORKERS_TTL_S = 0.1      # a worker list this old is re-read from Redis in the background
+WORKERS_MAX_AGE_S = 1.0  # one older than this (an idle router) is re-read before placing
 
 
 class NoCapacity(Exception):
@@ -43,16 +47,36 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.mode = mode
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: dict[str, Touched] = {}
-        self._workers: tuple[float, list[WorkerRecord]] = (0.0, [])
+        self._workers: tuple[float, list[WorkerRecord]] = (float("-inf"), [])
+        self._refreshing: asyncio.Task | None = None
+        self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
 
     async def live_workers(self) -> list[WorkerRecord]:
-        """Live workers from Redis, cached for WORKERS_TTL_S: one Redis read per 100 ms, not per
-        request. A worker that died since is caught by its failing RPC (retry / UNAVAILABLE)."""
+        """Live workers from Redis, at most one read per WORKERS_TTL_S and none on a request's
+        path while the list is younger than WORKERS_MAX_AGE_S: a stale list is served while a
+        background read replaces it. A worker that died since is caught by its failing RPC
+        (retry / UNAVAILABLE), and the list is then re-read by the next request; a list that lacks a
+        role this mode needs is re-read at once."""
         at, workers = self._workers
-        if time.monotonic() - at > WORKERS_TTL_S:
-            workers = await self.state.live_workers()
-            self._workers = (time.monotonic(), workers)
+        age = time.monotonic() - at
+        if age > WORKERS_MAX_AGE_S or not self._needed_roles <= {w.role for w in workers}:
+            return await self._read_workers()
+        if age > WORKERS_TTL_S and self._refreshing is None:
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh_workers())
         return workers
+
+    async def _read_workers(self) -> list[WorkerRecord]:
+        workers = await self.state.live_workers()
+        self._workers = (time.monotonic(), workers)
+        return workers
+
+    async def _refresh_workers(self) -> None:
+        try:
+            await self._read_workers()
+        except Exception:  # noqa: BLE001 - the next request retries; a dead Redis shows there
+            log.exception("could not refresh the worker list")
+        finally:
+            self._refreshing = None
 
     async def Generate(self, request: pb.RouteRequest, context):
         rid = request.request_id
@@ -68,6 +92,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         except NoCapacity as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except grpc.aio.AioRpcError as e:
+            self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
             await context.abort(_relayable(e.code()), e.details() or str(e.code()))
         finally:
             self._live.pop(rid, None)
@@ -150,9 +175,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def Health(self, request, context) -> pb.HealthResponse:
         workers = await self.state.live_workers()
-        roles = {w.role for w in workers}
-        needed = {"mixed"} if self.mode == "colocated" else {"prefill", "decode"}
-        ok = needed <= roles
+        ok = self._needed_roles <= {w.role for w in workers}
         return pb.HealthResponse(
             status=pb.HealthResponse.SERVING if ok else pb.HealthResponse.NOT_SERVING,
             detail=f"{len(workers)} live workers: " + ", ".join(sorted(w.worker_id for w in workers)))
@@ -176,6 +199,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         await asyncio.gather(*(one(a) for a in touched.addresses))
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         await asyncio.gather(*(c.close() for c in self._channels.values()))
 
 

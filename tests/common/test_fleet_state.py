@@ -144,6 +144,25 @@ def test_fifty_concurrent_acquires_with_limit_ten_take_exactly_ten(any_redis_url
     run(any_redis_url, redis_ns, scenario, clients=5)
 
 
+
+def test_finishing_a_stream_gives_its_slot_back_and_charges_what_it_generated(any_redis_url, redis_ns):
+    async def scenario(fs: FleetState):
+        assert await fs.admit("acme", 2, 100, 50, 10_000, now=T0) == (None, 0.0)
+        assert await fs.admit("acme", 2, 100, 50, 10_000, now=T0) == (None, 0.0)
+        await fs.finish_stream("acme", 300, now=T0 + 1)
+        assert await fs.tenant_counters("acme", now=T0) == {"streams": 1, "tokens": 400,
+                                                            "requests": 2}
+        await fs.finish_stream("acme", 0, now=T0 + 2)       # ended before any token
+        await fs.finish_stream("acme", 20_000, now=T0 + 3)  # more than held, past the budget:
+        counters = await fs.tenant_counters("acme", now=T0)  # never below zero, charged anyway
+        assert counters == {"streams": 0, "tokens": 20_400, "requests": 2}
+        refused, retry_after = await fs.admit("acme", 2, 100, 50, 10_000, now=T0 + 4)
+        assert refused == "tokens" and retry_after == pytest.approx(WINDOW_END - (T0 + 4))
+        with pytest.raises(ValueError):
+            await fs.finish_stream("acme", -1)
+
+    run(any_redis_url, redis_ns, scenario)
+
 # --- per-minute windows ------------------------------------------------------------------------
 
 def test_charge_tokens_until_the_limit_then_refuse_with_retry_after(any_redis_url, redis_ns):
