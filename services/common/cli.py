@@ -33,9 +33,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
+    from services.common.aio import run
     from services.common.serve import serve
-    return asyncio.run(serve(args))
+    return run(serve(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--model", default="tiny")
     bf.add_argument("--mode", choices=["disagg", "colocated"], default="colocated")
     bf.add_argument("--kv-backend", choices=["tcp", "nixl"], default="tcp")
-    bf.add_argument("--repeats", type=int, default=20)
+    bf.add_argument("--repeats", type=int, default=40)
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_lazy("services.common.fleet_bench", "run_fleet_bench"))
     from loadtests.cli import add_compare_args, add_evaluation_args, add_serve_args

@@ -7,6 +7,11 @@ Threading contract: only the engine thread touches the engine. asyncio code
                                    adding the request so no output can be missed.
 The engine thread iterates while the engine has work and sleeps on the command queue otherwise.
 
+GIL hand-off: after posting anything to the asyncio thread (an iteration's tokens, call() results)
+the engine thread waits, at most HANDOFF_WAIT_S, for the asyncio thread to run it, so that a first
+token is not held behind the next iteration's Python for a switch interval or more, and the
+next iteration is not interrupted by the asyncio thread taking the GIL back.
+
 Backpressure: the engine never waits for a client. Deltas queue per stream and a slow consumer
 receives them coalesced (tokens, text and logprobs concatenated) the next time it reads.
 """
@@ -20,6 +25,11 @@ from typing import Any
 
 from services.engine.engine import LLMEngine
 from services.engine.outputs import RequestOutput
+
+# After posting to the asyncio thread, the engine thread waits up to this long for it to run what
+# was posted (see EngineLoop._hand_off). Bounded, so a busy event loop cannot stall the engine for
+# more than this per iteration.
+HANDOFF_WAIT_S = 0.002
 
 
 class OutputStream:
@@ -71,7 +81,7 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, aio: asyncio.AbstractEventLoop,
-                 idle_wait_s: float = 0.05) -> None:
+                 idle_wait_s: float = 0.05, handoff_wait_s: float = HANDOFF_WAIT_S) -> None:
         self.engine = engine
         self._aio = aio
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -79,6 +89,9 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
+        self._handoff_wait_s = handoff_wait_s
+        self._handed_off = threading.Event()
+        self._answered = False       # a call() result was posted since the last hand-off
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -93,6 +106,7 @@ class EngineLoop:
         fut: asyncio.Future = self._aio.create_future()
 
         def run() -> None:
+            self._answered = True
             try:
                 result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -120,6 +134,9 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished())
+            if self._answered:
+                self._answered = False
+                self._hand_off()
             if self.engine.has_unfinished():
                 self._route(self.engine.step())
 
@@ -147,6 +164,16 @@ class EngineLoop:
                     routed.append((stream, out))
         if routed:
             self._aio.call_soon_threadsafe(_deliver_all, routed)
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Wait (at most handoff_wait_s) until the asyncio thread has run what this thread just
+        posted to it, and the handlers that woke up, as far as their next await (a send).
+        Holding the GIL through the next iteration instead would keep a finished token (or a
+        request's acceptance) waiting for a switch interval or more."""
+        self._handed_off.clear()
+        self._aio.call_soon_threadsafe(self._aio.call_soon, self._handed_off.set)
+        self._handed_off.wait(self._handoff_wait_s)
 
 
 def _deliver_all(routed: list[tuple[OutputStream, RequestOutput]]) -> None:

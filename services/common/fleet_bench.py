@@ -3,6 +3,7 @@
   added TTFT        one ~200-token chat at a time: TTFT through REST (SSE) minus in-process TTFT
   added per token   one 128-token stream at a time: (end - first token) / 127, fleet minus engine
   throughput        32 concurrent 200-in/64-out SSE streams: output tokens/s
+Fleet and engine samples alternate (the engine sits in this process, idle while the fleet serves).
 Medians over repeats; printed, never asserted. KV transfer GB/s: `python -m services.kv_transfer.bench`.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ from services.common.up import start_fleet, worker_threads
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from services.engine.workload import random_prompt
+
+TPOT_REPEATS = 5
 
 
 async def stream_times(address: str, model: str, ids: list[int], n: int) -> list[float]:
@@ -62,35 +65,40 @@ def per_token(times: list[float]) -> float:
     return (last - first) / max(1, tokens - 1)
 
 
-async def fleet_numbers(address: str, prompts: list[list[int]], repeats: int) -> dict:
+async def paired_numbers(address: str, engine: LLMEngine, prompts: list[list[int]],
+                         repeats: int) -> tuple[dict, dict]:
+    """Fleet and engine samples taken in turns (one fleet request, then the same prompt in the
+    engine), so that the machine's drift during the run lands on both sides alike."""
     async with httpx.AsyncClient(base_url=f"http://{address}") as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
     await stream_times(address, model, prompts[0], 4)                          # warm-up
-    ttft = [(await stream_times(address, model, prompts[i % len(prompts)], 16))[0]
-            for i in range(repeats)]
-    tpot = [per_token(await stream_times(address, model, prompts[0], 128)) for _ in range(3)]
+    engine_times(engine, prompts[0], 4)
+    ttft = {"fleet": [], "engine": []}
+    for i in range(repeats):
+        ttft["fleet"].append((await stream_times(address, model, prompts[i % len(prompts)], 16))[0])
+        ttft["engine"].append(engine_times(engine, prompts[i % len(prompts)], 16)[0])
+    tpot = {"fleet": [], "engine": []}
+    for _ in range(TPOT_REPEATS):
+        tpot["fleet"].append(per_token(await stream_times(address, model, prompts[0], 128)))
+        tpot["engine"].append(per_token(engine_times(engine, prompts[0], 128)))
     t0 = time.perf_counter()
     runs = await asyncio.gather(*(stream_times(address, model, p, 64) for p in prompts[:32]))
-    elapsed = time.perf_counter() - t0
-    return {"ttft_s": statistics.median(ttft), "per_token_s": statistics.median(tpot),
-            "concurrent_output_tokens_per_s": sum(r[2] for r in runs) / elapsed}
-
-
-def engine_numbers(model: str, prompts: list[list[int]], repeats: int, threads: int) -> dict:
-    """The in-process engine with the same torch threads as one fleet worker, so that the
-    difference is the serving path, not the core split."""
-    torch.set_num_threads(threads)
-    engine = LLMEngine(engine_config(model, token_budget=2048, chunk_size=512, reject_late=False,
-                                     enable_prefix_caching=False))
-    engine_times(engine, prompts[0], 4)
-    ttft = [engine_times(engine, prompts[i % len(prompts)], 16)[0] for i in range(repeats)]
-    tpot = [per_token(engine_times(engine, prompts[0], 128)) for _ in range(3)]
+    fleet_tps = sum(r[2] for r in runs) / (time.perf_counter() - t0)
     t0 = time.perf_counter()
     outs = engine.generate(prompts[:32], SamplingParams(max_tokens=64, temperature=0,
                                                        ignore_eos=True))
-    elapsed = time.perf_counter() - t0
-    return {"ttft_s": statistics.median(ttft), "per_token_s": statistics.median(tpot),
-            "concurrent_output_tokens_per_s": sum(len(o.token_ids) for o in outs) / elapsed}
+    engine_tps = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+    return tuple({"ttft_s": statistics.median(ttft[side]), "per_token_s": statistics.median(tpot[side]),
+                  "concurrent_output_tokens_per_s": tps}
+                 for side, tps in (("fleet", fleet_tps), ("engine", engine_tps)))
+
+
+def bench_engine(model: str, threads: int) -> LLMEngine:
+    """The in-process engine with the same torch threads as one fleet worker, so that the
+    difference is the serving path, not the core split. It sits idle while the fleet serves."""
+    torch.set_num_threads(threads)
+    return LLMEngine(engine_config(model, token_budget=2048, chunk_size=512, reject_late=False,
+                                   enable_prefix_caching=False))
 
 
 def _redis():
@@ -109,14 +117,15 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
                             http_port=0, grpc_port=0, redis_url=None, api_keys=None,
                             kv_backend=args.kv_backend, kv_cache_mib=256, insecure=False,
                             config=None)
+    engine_model = bench_engine(args.model, worker_threads(up))
     redis, launcher = _redis(), Launcher()
     try:
         endpoints = start_fleet(up, launcher, redis.url)
-        fleet = asyncio.run(fleet_numbers(endpoints["gateway"], prompts, args.repeats))
+        fleet, engine = asyncio.run(paired_numbers(endpoints["gateway"], engine_model, prompts,
+                                                   args.repeats))
     finally:
         launcher.stop_all()
         redis.stop()
-    engine = engine_numbers(args.model, prompts, args.repeats, worker_threads(up))
     result = {"mode": args.mode, "kv_backend": args.kv_backend, "fleet": fleet, "engine": engine,
               "added_ttft_ms": 1e3 * (fleet["ttft_s"] - engine["ttft_s"]),
               "added_per_token_ms": 1e3 * (fleet["per_token_s"] - engine["per_token_s"])}
