@@ -1,4 +1,4 @@
-"""One way to run a service's event loop: uvloop where installed, asyncio's own loop otherwise.
+"""How the services run asyncio and gRPC: uvloop where installed, and one kind of internal channel.
 
 uvloop (libuv) makes each callback, socket read and write cheaper than the selector loop; a
 service relays every token, so this is on the per-token path of the gateway, router and workers.
@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
+
 T = TypeVar("T")
 
 
@@ -19,3 +21,14 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+# Channels between the fleet's own services. grpc's transparent retries are off: the router
+# decides itself what is retried (a prefill, once, before any token), and the retry machinery
+# buffers every call's messages for nothing.
+INTERNAL_CHANNEL_OPTIONS = (("grpc.enable_retries", 0),)
+
+
+def internal_channel(address: str) -> grpc.aio.Channel:
+    """A channel to another kvfleet service on loopback."""
+    return grpc.aio.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)

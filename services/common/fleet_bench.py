@@ -3,6 +3,7 @@
   added TTFT        one ~200-token chat at a time: TTFT through REST (SSE) minus in-process TTFT
   added per token   one 128-token stream at a time: (end - first token) / 127, fleet minus engine
   throughput        32 concurrent 200-in/64-out SSE streams: output tokens/s
+The client keeps its connections open (keep-alive), as the OpenAI client does.
 Fleet and engine samples alternate (the engine sits in this process, idle while the fleet serves).
 Medians over repeats; printed, never asserted. KV transfer GB/s: `python -m services.kv_transfer.bench`.
 """
@@ -18,7 +19,7 @@ import time
 import httpx
 import torch
 
-from services.common.http_client import sse_post
+from services.common.http_client import SSEConnection
 
 from services.common.launcher import Launcher
 from services.common.redis_server import EmbeddedRedis, RedisNotInstalledError, RedisServerProcess
@@ -30,13 +31,13 @@ from services.engine.workload import random_prompt
 TPOT_REPEATS = 5
 
 
-async def stream_times(address: str, model: str, ids: list[int], n: int) -> list[float]:
+async def stream_times(conn: SSEConnection, model: str, ids: list[int], n: int) -> list[float]:
     """One streaming completion: [first token s, last token s, completion tokens]."""
     first = last = None
     tokens = 0
     body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    async for t, event in sse_post(address, "/v1/completions", body):
+    async for t, event in conn.post("/v1/completions", body):
         if event.get("choices"):
             last = t
             first = t if first is None else first
@@ -71,19 +72,23 @@ async def paired_numbers(address: str, engine: LLMEngine, prompts: list[list[int
     engine), so that the machine's drift during the run lands on both sides alike."""
     async with httpx.AsyncClient(base_url=f"http://{address}") as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-    await stream_times(address, model, prompts[0], 4)                          # warm-up
+    pool = [await SSEConnection(address).open() for _ in range(32)]   # keep-alive, like a client
+    conn = pool[0]
+    await stream_times(conn, model, prompts[0], 4)                             # warm-up
     engine_times(engine, prompts[0], 4)
     ttft = {"fleet": [], "engine": []}
     for i in range(repeats):
-        ttft["fleet"].append((await stream_times(address, model, prompts[i % len(prompts)], 16))[0])
+        ttft["fleet"].append((await stream_times(conn, model, prompts[i % len(prompts)], 16))[0])
         ttft["engine"].append(engine_times(engine, prompts[i % len(prompts)], 16)[0])
     tpot = {"fleet": [], "engine": []}
     for _ in range(TPOT_REPEATS):
-        tpot["fleet"].append(per_token(await stream_times(address, model, prompts[0], 128)))
+        tpot["fleet"].append(per_token(await stream_times(conn, model, prompts[0], 128)))
         tpot["engine"].append(per_token(engine_times(engine, prompts[0], 128)))
     t0 = time.perf_counter()
-    runs = await asyncio.gather(*(stream_times(address, model, p, 64) for p in prompts[:32]))
+    runs = await asyncio.gather(*(stream_times(c, model, p, 64) for c, p in zip(pool, prompts)))
     fleet_tps = sum(r[2] for r in runs) / (time.perf_counter() - t0)
+    for c in pool:
+        await c.close()
     t0 = time.perf_counter()
     outs = engine.generate(prompts[:32], SamplingParams(max_tokens=64, temperature=0,
                                                        ignore_eos=True))

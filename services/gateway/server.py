@@ -15,6 +15,7 @@ import grpc
 import uvicorn
 
 from services.common.shutdown import wait_for_stop_signal
+from services.common.aio import internal_channel
 from services.common.fleet_state import FleetState
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway.app import create_app
@@ -57,7 +58,7 @@ async def serve(config: GatewayConfig) -> int:
     model = load_served_model(config.model_dir, config.served_model_name, config.max_model_len,
                               config.quality_version)
     state = FleetState(config.redis_url)
-    channel = grpc.aio.insecure_channel(config.router)
+    channel = internal_channel(config.router)
     core = GatewayCore(config, model, Quotas(state), channel)
 
     grpc_server = grpc.aio.server()
@@ -66,8 +67,9 @@ async def serve(config: GatewayConfig) -> int:
     await grpc_server.start()
 
     sock = bind(config.host, config.http_port)
+    # proxy_headers off: no proxy is trusted, so X-Forwarded-* must not rewrite the client address
     http = _HttpServer(uvicorn.Config(create_app(core), lifespan="off", log_level="warning",
-                                      access_log=False, server_header=False,
+                                      access_log=False, server_header=False, proxy_headers=False,
                                       timeout_graceful_shutdown=GRACE_S))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     while not http.started:

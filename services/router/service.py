@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.aio import internal_channel
 from services.common.fleet_state import FleetState, WorkerRecord
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -45,7 +46,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, state: FleetState, mode: str = "disagg") -> None:
         self.state = state
         self.mode = mode
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.WorkerStub]] = {}
         self._live: dict[str, Touched] = {}
         self._workers: tuple[float, list[WorkerRecord]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
@@ -182,10 +183,12 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     # ----------------------------------------------------------------- helpers
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
-        return pb_grpc.WorkerStub(channel)
+        """One channel and one stub per worker address, made on first use."""
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = internal_channel(address)
+            entry = self._channels[address] = (channel, pb_grpc.WorkerStub(channel))
+        return entry[1]
 
     def _cancel_everywhere(self, rid: str, touched: Touched) -> None:
         asyncio.get_running_loop().create_task(self._cancel_all(rid, touched))
@@ -201,7 +204,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def close(self) -> None:
         if self._refreshing is not None:
             self._refreshing.cancel()
-        await asyncio.gather(*(c.close() for c in self._channels.values()))
+        await asyncio.gather(*(channel.close() for channel, _ in self._channels.values()))
 
 
 def _relayable(code: grpc.StatusCode) -> grpc.StatusCode:
