@@ -15,13 +15,25 @@ def ids(workers) -> list[str]:
     return [w.worker_id for w in workers]
 
 
+def run_router(url: str, ns: str, monkeypatch, mode: str, ttl_s: float, max_age_s: float,
+               scenario) -> None:
+    """scenario(state, router) against real Redis, with the list's ages set for the test."""
+    monkeypatch.setattr(service, "WORKERS_TTL_S", ttl_s)
+    monkeypatch.setattr(service, "WORKERS_MAX_AGE_S", max_age_s)
+
+    async def with_router(fs: FleetState):
+        router = RouterServicer(fs, mode)
+        try:
+            await scenario(fs, router)
+        finally:
+            await router.close()
+
+    run(url, ns, with_router)
+
+
 def test_a_stale_list_is_served_while_a_background_read_replaces_it(any_redis_url, redis_ns,
                                                                      monkeypatch):
-    monkeypatch.setattr(service, "WORKERS_TTL_S", 0.05)
-    monkeypatch.setattr(service, "WORKERS_MAX_AGE_S", 30.0)
-
-    async def scenario(fs: FleetState):
-        router = RouterServicer(fs, "colocated")
+    async def scenario(fs: FleetState, router: RouterServicer):
         await fs.heartbeat(make_record("m0", "mixed"), ttl_s=30)
         assert ids(await router.live_workers()) == ["m0"]            # first call: read at once
         await fs.heartbeat(make_record("m1", "mixed"), ttl_s=30)
@@ -30,18 +42,13 @@ def test_a_stale_list_is_served_while_a_background_read_replaces_it(any_redis_ur
         assert ids(await router.live_workers()) == ["m0"]            # stale: served, read started
         await asyncio.sleep(0.1)
         assert ids(await router.live_workers()) == ["m0", "m1"]      # the read has landed
-        await router.close()
 
-    run(any_redis_url, redis_ns, scenario)
+    run_router(any_redis_url, redis_ns, monkeypatch, "colocated", 0.05, 30.0, scenario)
 
 
 def test_a_list_too_old_or_missing_a_role_is_read_before_placing(any_redis_url, redis_ns,
                                                                  monkeypatch):
-    monkeypatch.setattr(service, "WORKERS_TTL_S", 30.0)
-    monkeypatch.setattr(service, "WORKERS_MAX_AGE_S", 0.05)
-
-    async def scenario(fs: FleetState):
-        router = RouterServicer(fs, "disagg")
+    async def scenario(fs: FleetState, router: RouterServicer):
         await fs.heartbeat(make_record("p0", "prefill"), ttl_s=30)
         assert ids(await router.live_workers()) == ["p0"]
         await fs.heartbeat(make_record("d0", "decode"), ttl_s=30)
@@ -50,6 +57,5 @@ def test_a_list_too_old_or_missing_a_role_is_read_before_placing(any_redis_url, 
         assert ids(await router.live_workers()) == ["d0", "p0"]      # complete and fresh
         await asyncio.sleep(0.1)
         assert ids(await router.live_workers()) == ["d0", "d1", "p0"]   # too old: re-read
-        await router.close()
 
-    run(any_redis_url, redis_ns, scenario)
+    run_router(any_redis_url, redis_ns, monkeypatch, "disagg", 30.0, 0.05, scenario)
