@@ -1,8 +1,11 @@
 """Run an LLMEngine on its own thread and talk to it from asyncio.
 
-Threading contract: only the engine thread touches the engine. asyncio code
-  - `await loop.call(fn, *args)`   runs fn(*args) on the engine thread between iterations;
-  - `loop.submit(fn, *args)`       the same, fire-and-forget (safe in `finally` of a cancelled task);
+Threading contract: only the holder of the engine lock touches the engine: the engine thread
+while it iterates or runs commands, or the asyncio thread inside `call()`. asyncio code
+  - `await loop.call(fn, *args)`   runs fn(*args) inline when the engine is free (idle and no
+                                   command pending), else on the engine thread between iterations;
+  - `loop.submit(fn, *args)`       fn(*args) queued for the engine thread, fire-and-forget (safe in
+                                   `finally` of a cancelled task);
   - `loop.stream(request_id)`      an OutputStream receiving that request's deltas; open it BEFORE
                                    adding the request so no output can be missed.
 The engine thread iterates while the engine has work and sleeps on the command queue otherwise.
@@ -86,7 +89,8 @@ class EngineLoop:
         self._aio = aio
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # guards _streams
+        self._engine_lock = threading.Lock()     # held by whichever thread is in the engine
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
         self._handoff_wait_s = handoff_wait_s
@@ -103,6 +107,16 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """fn(*args, **kwargs) on the engine. Inline, on this thread, when the engine is free (no
+        iteration running, no command queued or running: so commands still run in the order they
+        were issued); otherwise on the engine thread between iterations."""
+        if self._commands.unfinished_tasks == 0 and self._engine_lock.acquire(blocking=False):
+            try:
+                if self._commands.unfinished_tasks == 0:
+                    return fn(*args, **kwargs)
+            finally:
+                self._engine_lock.release()
+                self._commands.put(_wake)        # fn may have given the engine work
         fut: asyncio.Future = self._aio.create_future()
 
         def run() -> None:
@@ -133,25 +147,35 @@ class EngineLoop:
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished())
+            with self._engine_lock:
+                idle = not self.engine.has_unfinished()
+            self._drain_commands(block=idle)
             if self._answered:
                 self._answered = False
                 self._hand_off()
-            if self.engine.has_unfinished():
-                self._route(self.engine.step())
+            with self._engine_lock:
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+            if outputs:
+                self._route(outputs)
 
     def _drain_commands(self, block: bool) -> None:
+        """Run every queued command, under the engine lock; each is marked done (task_done) only
+        after it ran, so call() never runs inline ahead of a command issued before it."""
         try:
             cmd = self._commands.get(timeout=self._idle_wait_s) if block else \
                 self._commands.get_nowait()
         except queue.Empty:
             return
-        while True:
-            cmd()
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        with self._engine_lock:
+            while True:
+                try:
+                    cmd()
+                finally:
+                    self._commands.task_done()
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    return
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         """One wake-up of the asyncio loop per iteration, however many streams got output."""
@@ -174,6 +198,10 @@ class EngineLoop:
         self._handed_off.clear()
         self._aio.call_soon_threadsafe(self._aio.call_soon, self._handed_off.set)
         self._handed_off.wait(self._handoff_wait_s)
+
+
+def _wake() -> None:
+    """A no-op command: wakes the engine thread when it idles on the command queue."""
 
 
 def _deliver_all(routed: list[tuple[OutputStream, RequestOutput]]) -> None:

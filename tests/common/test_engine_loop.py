@@ -4,6 +4,7 @@ each iteration is bounded: an event loop that is busy cannot stall the engine.""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -78,3 +79,21 @@ def test_a_blocked_event_loop_delays_each_iteration_by_at_most_the_hand_off_wait
     outs = run_with_loop(engine, scenario, handoff_wait_s=0.005)
     assert outs[0].finished                      # all 12 tokens were made during the block
     assert len(outs[0].new_token_ids) == 12
+
+
+def test_an_idle_engine_answers_a_call_inline_and_a_busy_one_in_order(engine):
+    """Idle: the call runs on the caller's thread, no hop to the engine thread. Busy with a
+    command issued earlier: the call waits its turn behind it."""
+    async def scenario(loop: EngineLoop):
+        inline_thread = await loop.call(threading.get_ident)
+        order: list[str] = []
+        gate = threading.Event()
+        loop.submit(lambda: (gate.wait(5), order.append("first")))
+        threading.Timer(0.2, gate.set).start()
+        queued_thread = await loop.call(lambda: (order.append("second"), threading.get_ident())[1])
+        return inline_thread, queued_thread, order
+
+    inline_thread, queued_thread, order = run_with_loop(engine, scenario)
+    assert inline_thread == threading.get_ident()
+    assert queued_thread != threading.get_ident()
+    assert order == ["first", "second"]
