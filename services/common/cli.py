@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable
 
@@ -137,7 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM ends a command as Ctrl-C does: its `finally` blocks stop the fleets and servers it
+    # started (the bench and demo commands launch whole fleets). `kvfleet up` and the workers
+    # install their own handlers on top of this one.
+    signal.signal(signal.SIGTERM, _terminate)
     return args.func(args)
+
+
+def _terminate(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

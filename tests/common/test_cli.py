@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +73,29 @@ def test_generate_reports_bad_input_as_a_json_error(tiny_model_dir, args, code):
     assert run.returncode == 2
     err = json.loads(run.stderr.strip().splitlines()[-1])["error"]
     assert err["code"] == code and err["message"]
+
+
+def test_sigterm_to_a_command_that_launched_a_fleet_stops_the_fleet_too(tiny_model_dir):
+    """`kvfleet demo --fleet` mid-run gets SIGTERM (as from a CI timeout or `kill`): it exits,
+    and every process it started exits with it; none is left orphaned."""
+    from tests.common.test_up import _alive, children_of   # noqa: PLC0415
+    from services.common.launcher import wait_until         # noqa: PLC0415
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.common.cli", "demo", "--fleet", "--model",
+         str(tiny_model_dir), "--chats", "400", "--rate", "2", "--documents", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("kvfleet up ("):
+                break
+        kids = children_of(proc.pid)
+        assert len(kids) == 4                                  # prefill, decode, router, gateway
+        os.kill(proc.pid, signal.SIGTERM)
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert "fleet stopped" in rest
+        assert wait_until(lambda: not any(_alive(k) for k in kids), 5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
