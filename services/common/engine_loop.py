@@ -111,12 +111,17 @@ class EngineLoop:
         iteration running, no command queued or running: so commands still run in the order they
         were issued); otherwise on the engine thread between iterations."""
         if self._commands.unfinished_tasks == 0 and self._engine_lock.acquire(blocking=False):
+            work = False
             try:
                 if self._commands.unfinished_tasks == 0:
-                    return fn(*args, **kwargs)
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        work = self.engine.has_unfinished()
             finally:
                 self._engine_lock.release()
-                self._commands.put(_wake)        # fn may have given the engine work
+                if work:
+                    self._commands.put(_wake)    # fn gave the idle engine thread something to do
         fut: asyncio.Future = self._aio.create_future()
 
         def run() -> None:

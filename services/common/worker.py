@@ -2,6 +2,7 @@
 
   decode   Reserve   -> engine.reserve_remote (authoritative: refused if it cannot be backed),
                         returns the KV descriptor the prefill worker writes into
+           ReserveStream -> the same, many over one call (the router's, one per decode worker)
            Decode    -> waits for the KV to land, engine.start_decode, streams tokens
   prefill  Prefill   -> engine prefill, streams the first token at once (TTFT), then writes the
                         prompt's KV into the decode worker's reservation and ends with "prefilled"
@@ -50,24 +51,38 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     # ------------------------------------------------------------ decode role
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         await self._require(context, "decode")
-        rid = request.request_id
         try:
-            blocks = await self.loop.call(
-                self.engine.reserve_remote, list(request.prompt_token_ids),
-                params_from_pb(request.params), request_id=rid,
-                tenant=request.tenant or None, traffic_class=request.traffic_class or None)
+            return await self._reserve(request)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.code}: {e.message}")
+
+    async def ReserveStream(self, requests, context):
+        """Reserve for each request on the stream, one at a time, answers in order."""
+        await self._require(context, "decode")
+        async for request in requests:
+            try:
+                yield await self._reserve(request)
+            except InvalidRequestError as e:
+                yield pb.ReserveResponse(request_id=request.request_id, accepted=False,
+                                         invalid=f"{e.code}: {e.message}")
+
+    async def _reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        rid = request.request_id
+        blocks = await self.loop.call(
+            self.engine.reserve_remote, list(request.prompt_token_ids),
+            params_from_pb(request.params), request_id=rid,
+            tenant=request.tenant or None, traffic_class=request.traffic_class or None)
         if blocks is None:
             stats = await self.loop.call(self.engine.stats)
-            return pb.ReserveResponse(accepted=False, reason=(
+            return pb.ReserveResponse(request_id=rid, accepted=False, reason=(
                 f"cannot back the reservation: {stats.kv_blocks_free - stats.kv_blocks_reserved} "
                 f"blocks available, {stats.num_running} running"))
         handle = self.transport.expect(rid, blocks, self.config.reserve_timeout_s)
         timer = asyncio.get_running_loop().call_later(
             self.config.reserve_timeout_s, self._expire_reservation, rid)
         self._awaiting_kv[rid] = (handle, timer)
-        return pb.ReserveResponse(accepted=True, target=self.transport.descriptor(blocks),
+        return pb.ReserveResponse(request_id=rid, accepted=True,
+                                  target=self.transport.descriptor(blocks),
                                   expires_at_unix_s=time.time() + self.config.reserve_timeout_s)
 
     async def Decode(self, request: pb.DecodeRequest, context):

@@ -1,7 +1,8 @@
 """The Router gRPC service: place, reserve, prefill, relay (DESIGN.md section 3, step 2).
 
 Disaggregated request, in order:
-  1. Reserve on the best decode replica that accepts (its reservations are authoritative);
+  1. Reserve on the best decode replica that accepts (its reservations are authoritative), over
+     the router's long-lived reservation stream to that replica (reserve_stream.py);
   2. Prefill on the best prefill replica, naming the decode target; the first token is relayed to
      the client at once, before the KV transfer finishes; a prefill that fails before any token
      reached the client is retried once on another replica;
@@ -23,6 +24,7 @@ from services.common.fleet_state import FleetState, WorkerRecord
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.placement import rank_decode, rank_prefill
+from services.router.reserve_stream import ReserveStream
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,15 @@ WORKERS_MAX_AGE_S = 1.0  # one older than this (an idle router) is re-read befor
 
 class NoCapacity(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class WorkerLink:
+    """What the router holds per worker: one channel, its stub and (decode) the reservation
+    stream."""
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+    reservations: ReserveStream
 
 
 @dataclass
@@ -46,7 +57,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, state: FleetState, mode: str = "disagg") -> None:
         self.state = state
         self.mode = mode
-        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.WorkerStub]] = {}
+        self._links: dict[str, WorkerLink] = {}
         self._live: dict[str, Touched] = {}
         self._workers: tuple[float, list[WorkerRecord]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
@@ -93,8 +104,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         except NoCapacity as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except grpc.aio.AioRpcError as e:
-            self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
-            await context.abort(_relayable(e.code()), e.details() or str(e.code()))
+            code = _relayable(e.code())
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
+            await context.abort(code, e.details() or str(e.code()))
         finally:
             self._live.pop(rid, None)
             if not done:
@@ -132,7 +145,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         reasons = []
         for w in rank_decode(workers):
             touched.addresses.add(w.grpc_address)
-            resp = await self._stub(w.grpc_address).Reserve(pb.ReserveRequest(
+            resp = await self._link(w.grpc_address).reservations.reserve(pb.ReserveRequest(
                 request_id=request.request_id, tenant=request.tenant,
                 traffic_class=request.traffic_class,
                 prompt_token_ids=request.prompt_token_ids, params=request.params))
@@ -182,13 +195,16 @@ class RouterServicer(pb_grpc.RouterServicer):
             detail=f"{len(workers)} live workers: " + ", ".join(sorted(w.worker_id for w in workers)))
 
     # ----------------------------------------------------------------- helpers
-    def _stub(self, address: str) -> pb_grpc.WorkerStub:
-        """One channel and one stub per worker address, made on first use."""
-        entry = self._channels.get(address)
-        if entry is None:
+    def _link(self, address: str) -> WorkerLink:
+        link = self._links.get(address)
+        if link is None:
             channel = internal_channel(address)
-            entry = self._channels[address] = (channel, pb_grpc.WorkerStub(channel))
-        return entry[1]
+            stub = pb_grpc.WorkerStub(channel)
+            link = self._links[address] = WorkerLink(channel, stub, ReserveStream(stub, address))
+        return link
+
+    def _stub(self, address: str) -> pb_grpc.WorkerStub:
+        return self._link(address).stub
 
     def _cancel_everywhere(self, rid: str, touched: Touched) -> None:
         asyncio.get_running_loop().create_task(self._cancel_all(rid, touched))
@@ -204,7 +220,9 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def close(self) -> None:
         if self._refreshing is not None:
             self._refreshing.cancel()
-        await asyncio.gather(*(channel.close() for channel, _ in self._channels.values()))
+        for link in self._links.values():
+            await link.reservations.close()
+        await asyncio.gather(*(link.channel.close() for link in self._links.values()))
 
 
 def _relayable(code: grpc.StatusCode) -> grpc.StatusCode:

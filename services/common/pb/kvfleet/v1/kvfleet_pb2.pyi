@@ -200,16 +200,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "target", "expires_at_unix_s")
+    __slots__ = ("accepted", "reason", "target", "expires_at_unix_s", "request_id", "invalid")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     target: KVDescriptor
     expires_at_unix_s: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., expires_at_unix_s: _Optional[float] = ...) -> None: ...
+    request_id: str
+    invalid: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., expires_at_unix_s: _Optional[float] = ..., request_id: _Optional[str] = ..., invalid: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params", "target", "decode_worker", "kv_deadline_unix_s")

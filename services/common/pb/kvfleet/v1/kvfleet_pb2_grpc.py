@@ -398,6 +398,11 @@ class WorkerStub:
                 request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.ReserveStream = channel.stream_stream(
+                '/kvfleet.v1.Worker/ReserveStream',
+                request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_stream(
                 '/kvfleet.v1.Worker/Prefill',
                 request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.SerializeToString,
@@ -440,6 +445,15 @@ class WorkerServicer:
 
     def Reserve(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveStream(self, request_iterator, context):
+        """Reserve, many times over one long-lived call (the router keeps one per decode worker): a
+        reservation then costs a message each way instead of a new call. Answered one by one, in
+        order; an invalid request is answered with `invalid` set instead of ending the stream.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -492,6 +506,11 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
+                    request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.FromString,
+                    response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.SerializeToString,
+            ),
+            'ReserveStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReserveStream,
                     request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.FromString,
                     response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.SerializeToString,
             ),
@@ -556,6 +575,33 @@ class Worker:
             request,
             target,
             '/kvfleet.v1.Worker/Reserve',
+            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
+            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Worker/ReserveStream',
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
             options,
