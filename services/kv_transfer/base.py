@@ -97,6 +97,7 @@ class Completion:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.error: str | None = None
+        self.on_wait: Callable[[], None] | None = None   # a backend's hook: someone waits now
         self._event = threading.Event()
         self._lock = threading.Lock()
 
@@ -117,6 +118,8 @@ class Completion:
 
     def wait(self, timeout_s: float) -> None:
         """Return when it succeeded; raise KVTransferError when it failed, or is still running after timeout_s."""
+        if self.on_wait is not None:
+            self.on_wait()
         limit = min(timeout_s, self.deadline - time.monotonic())
         if not self._event.wait(max(0.0, limit)) and not self.done():
             raise KVTransferError(f"{self.what}: still running after wait({timeout_s:g}s)")

@@ -13,7 +13,10 @@ in descriptor.address: "agent=<name>,base=0x..,num_blocks=N,mem=DRAM|VRAM,dev=D"
 
 Without a progress thread both sides must keep calling into their agent while a transfer runs (the source
 stalls until the target polls). A poller thread owned by the transport does that: every POLL_BUSY_S while a
-write or an expect is pending, every POLL_IDLE_S otherwise (so a write that beats its expect() still lands).
+write is pending or someone waits for an expected transfer (the decode worker's Decode call, which comes
+once the prefill is done and its write is about to start), every POLL_IDLE_S otherwise (so a write that
+beats its wait still lands). Polling fast from expect() on instead would spin through the whole prefill,
+taking the GIL 5,000 times a second on a worker that shares the host's cores with the prefill.
 It is the only reader of notifications (get_new_notifs drains them). The agent is not thread-safe in this
 mode (sync NONE), so every agent call holds self._cv's lock.
 """
@@ -25,6 +28,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # else UCX also advertises the e
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO logs go to stdout
 
 import threading  # noqa: E402
+import time  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Sequence  # noqa: E402
@@ -68,6 +72,7 @@ class NixlTransport(PoolTransport):
         self._peers: dict[str, _Peer] = {}
         self._sending: list[_Sending] = []
         self._closed = False
+        self._busy_until = 0.0    # monotonic time up to which expected transfers are polled fast
         self._poller: threading.Thread | None = None
 
     def register(self, kv_cache) -> None:
@@ -93,9 +98,15 @@ class NixlTransport(PoolTransport):
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
         handle = super().expect(transfer_id, block_ids, timeout_s)
-        with self._cv:
-            self._cv.notify()  # poll fast from now on
+        handle.on_wait = lambda: self._hurry(handle.deadline)
         return handle
+
+    def _hurry(self, until: float) -> None:
+        """Someone waits for an expected transfer: it is about to run (the source writes once its
+        prefill is done), so poll fast until it lands or `until`."""
+        with self._cv:
+            self._busy_until = max(self._busy_until, until)
+            self._cv.notify()
 
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
               timeout_s: float, checksum: bool = False) -> Completion:
@@ -184,7 +195,8 @@ class NixlTransport(PoolTransport):
             for message in messages:
                 transfer_id, _, crc = message.decode(errors="replace").partition("\n")
                 self._inbox.finish(transfer_id, checksum=int(crc) if crc else None)
-        return bool(self._sending) or self._inbox.has_pending()
+        return bool(self._sending) or (time.monotonic() < self._busy_until
+                                       and self._inbox.has_pending())
 
     def _settle(self, xfer, handle: Completion, error: str | None, failed_peer: str | None = None) -> None:
         """Finish a write's handle and free its NIXL request; a peer that failed (it may be gone) is dropped

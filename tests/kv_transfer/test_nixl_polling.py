@@ -1,0 +1,51 @@
+"""The nixl target polls its agent fast only while someone waits for an expected transfer: a
+decode worker holding a reservation through a long prefill must not take the GIL thousands of
+times a second for nothing. The transfer still lands, waited for or not."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.kv_transfer.base import KVTransferError
+from tests.kv_transfer.helpers import DST, SRC, Pair, expected_target, new_id
+
+
+@pytest.fixture
+def pair():
+    p = Pair("nixl")
+    yield p
+    p.close()
+
+
+def polls_during(transport, seconds: float) -> int:
+    """How many times the transport's poller asked its agent for notifications meanwhile."""
+    agent = transport._agent
+    calls = [0]
+    original = agent.get_new_notifs
+
+    def counting():
+        calls[0] += 1
+        return original()
+
+    agent.get_new_notifs = counting
+    try:
+        time.sleep(seconds)
+    finally:
+        agent.get_new_notifs = original
+    return calls[0]
+
+
+def test_an_expected_transfer_is_polled_fast_only_once_someone_waits(pair):
+    before = pair.refill(seed=5)
+    tid = new_id()
+    handle = pair.target.expect(tid, DST, timeout_s=30)
+    idle = polls_during(pair.target, 0.3)                    # reserved, the prefill runs elsewhere
+    with pytest.raises(KVTransferError, match="still running"):
+        handle.wait(0.001)                                   # the Decode call starts waiting
+    hurried = polls_during(pair.target, 0.3)
+    pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=30).wait(30)
+    handle.wait(30)
+    assert idle <= 30                                        # ~every 20 ms, not every 0.2 ms
+    assert hurried >= 5 * max(idle, 1)
+    assert pair.target_kv.data.equal(expected_target(before, pair.source_kv.data, SRC, DST))
