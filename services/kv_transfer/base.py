@@ -205,6 +205,12 @@ class Inbox:
             self._prune()
             return bool(self._expected)
 
+    def still_expected(self, transfer_ids: set[str]) -> set[str]:
+        """Those of `transfer_ids` that are expected and have not landed (nor timed out) yet."""
+        with self._cv:
+            self._prune()
+            return {t for t in transfer_ids if t in self._expected}
+
     def close(self) -> None:
         with self._cv:
             entries, self._expected = list(self._expected.values()), {}

@@ -28,7 +28,6 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # else UCX also advertises the e
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO logs go to stdout
 
 import threading  # noqa: E402
-import time  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Sequence  # noqa: E402
@@ -72,7 +71,7 @@ class NixlTransport(PoolTransport):
         self._peers: dict[str, _Peer] = {}
         self._sending: list[_Sending] = []
         self._closed = False
-        self._busy_until = 0.0    # monotonic time up to which expected transfers are polled fast
+        self._awaited: set[str] = set()   # expected transfers someone waits for: polled fast
         self._poller: threading.Thread | None = None
 
     def register(self, kv_cache) -> None:
@@ -98,14 +97,14 @@ class NixlTransport(PoolTransport):
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
         handle = super().expect(transfer_id, block_ids, timeout_s)
-        handle.on_wait = lambda: self._hurry(handle.deadline)
+        handle.on_wait = lambda: self._hurry(transfer_id)
         return handle
 
-    def _hurry(self, until: float) -> None:
+    def _hurry(self, transfer_id: str) -> None:
         """Someone waits for an expected transfer: it is about to run (the source writes once its
-        prefill is done), so poll fast until it lands or `until`."""
+        prefill is done), so poll fast until it lands or times out."""
         with self._cv:
-            self._busy_until = max(self._busy_until, until)
+            self._awaited.add(transfer_id)
             self._cv.notify()
 
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
@@ -195,8 +194,8 @@ class NixlTransport(PoolTransport):
             for message in messages:
                 transfer_id, _, crc = message.decode(errors="replace").partition("\n")
                 self._inbox.finish(transfer_id, checksum=int(crc) if crc else None)
-        return bool(self._sending) or (time.monotonic() < self._busy_until
-                                       and self._inbox.has_pending())
+        self._awaited = self._inbox.still_expected(self._awaited)
+        return bool(self._sending) or bool(self._awaited)
 
     def _settle(self, xfer, handle: Completion, error: str | None, failed_peer: str | None = None) -> None:
         """Finish a write's handle and free its NIXL request; a peer that failed (it may be gone) is dropped

@@ -49,3 +49,13 @@ def test_an_expected_transfer_is_polled_fast_only_once_someone_waits(pair):
     assert idle <= 30                                        # ~every 20 ms, not every 0.2 ms
     assert hurried >= 5 * max(idle, 1)
     assert pair.target_kv.data.equal(expected_target(before, pair.source_kv.data, SRC, DST))
+
+
+def test_after_a_waited_transfer_lands_the_next_expected_one_is_polled_slowly_again(pair):
+    pair.refill(seed=6)
+    first, second = new_id(), new_id()
+    handle = pair.target.expect(first, DST, timeout_s=30)
+    pair.source.write(first, SRC, pair.target.descriptor(DST), timeout_s=30)
+    handle.wait(30)                                          # waited for, landed
+    pair.target.expect(second, DST, timeout_s=30)            # the next reservation: no waiter yet
+    assert polls_during(pair.target, 0.3) <= 30
