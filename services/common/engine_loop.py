@@ -110,18 +110,15 @@ class EngineLoop:
         """fn(*args, **kwargs) on the engine. Inline, on this thread, when the engine is free (no
         iteration running, no command queued or running: so commands still run in the order they
         were issued); otherwise on the engine thread between iterations."""
+        # Only this (the asyncio) thread queues commands, so none can appear between the check
+        # and the call: `unfinished_tasks` only falls meanwhile.
         if self._commands.unfinished_tasks == 0 and self._engine_lock.acquire(blocking=False):
-            work = False
             try:
-                if self._commands.unfinished_tasks == 0:
-                    try:
-                        return fn(*args, **kwargs)
-                    finally:
-                        work = self.engine.has_unfinished()
+                return fn(*args, **kwargs)
             finally:
-                self._engine_lock.release()
-                if work:
+                if self.engine.has_unfinished():
                     self._commands.put(_wake)    # fn gave the idle engine thread something to do
+                self._engine_lock.release()
         fut: asyncio.Future = self._aio.create_future()
 
         def run() -> None:

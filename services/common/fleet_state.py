@@ -104,12 +104,6 @@ local n = tonumber(redis.call('GET', KEYS[1]) or '0')
 if n < tonumber(ARGV[1]) then redis.call('INCR', KEYS[1]) return 1 end
 return 0
 """
-# KEYS[1] streams counter. Never below 0; the key is deleted when it reaches 0. Returns the new count.
-_RELEASE_LUA = """
-local n = tonumber(redis.call('GET', KEYS[1]) or '0')
-if n <= 1 then redis.call('DEL', KEYS[1]) return 0 end
-return redis.call('DECR', KEYS[1])
-"""
 # KEYS[1] window counter; ARGV amount, limit, ttl_ms. All or nothing: a refused charge leaves the
 # counter untouched (checking before INCRBY is the same as INCRBY-then-undo, since a script is atomic).
 _CHARGE_LUA = """
@@ -168,7 +162,6 @@ class FleetState:
         self.ns = namespace
         self._r = aioredis.Redis.from_url(redis_url, decode_responses=True)
         self._acquire = self._r.register_script(_ACQUIRE_LUA)
-        self._release = self._r.register_script(_RELEASE_LUA)
         self._charge = self._r.register_script(_CHARGE_LUA)
         self._prune = self._r.register_script(_PRUNE_LUA)
         self._admit = self._r.register_script(_ADMIT_LUA)
@@ -246,7 +239,8 @@ class FleetState:
         return bool(await self._acquire(keys=[self._tenant_key(tenant, "streams")], args=[int(limit)]))
 
     async def release_stream(self, tenant: str) -> None:
-        await self._release(keys=[self._tenant_key(tenant, "streams")])
+        """Give one stream slot back (never below 0; the key is deleted at 0)."""
+        await self.finish_stream(tenant, 0)
 
     async def streams(self, tenant: str) -> int:
         return int(await self._r.get(self._tenant_key(tenant, "streams")) or 0)
@@ -278,8 +272,8 @@ class FleetState:
 
     async def finish_stream(self, tenant: str, output_tokens: int,
                             now: float | None = None) -> None:
-        """A stream ended: give its slot back and charge the tokens it generated, in one round
-        trip (release_stream + an uncapped charge_tokens)."""
+        """A stream ended: give its slot back (never below 0; the key is deleted at 0) and charge
+        the tokens it generated, uncapped, in one round trip."""
         if output_tokens < 0:
             raise ValueError(f"cannot charge a negative amount ({output_tokens})")
         now = time.time() if now is None else now

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway import openai_schema as schema
-from services.gateway.core import INLINE_BUILD_BYTES, GatewayCore, Session, new_request_id
+from services.gateway.core import GatewayCore, Session, build_generation, new_request_id
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.openai_responses import Collected, Shaper
 from services.gateway.streaming import SSEResponse, openai_events
@@ -118,9 +118,8 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
     body = await read_body(request, core.config.max_body_bytes)
     req = schema.parse(model_cls, body)
     cls = core.config.traffic_class(key.traffic_class)
-    args = (req, key, cls, core.validator, new_request_id(prefix))
-    gen, plan = (build(*args) if len(body) <= INLINE_BUILD_BYTES
-                 else await asyncio.to_thread(build, *args))
+    gen, plan = await build_generation(len(body), build, req, key, cls, core.validator,
+                                       new_request_id(prefix))
     session = await core.open(gen)
     shaper = Shaper(plan, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -24,11 +26,19 @@ from services.gateway.model import ServedModel
 from services.gateway.quota import Quotas
 from services.gateway.validation import Generation, Validator
 
+T = TypeVar("T")
+
 HEALTH_TIMEOUT_S = 2.0
 # A body this small validates and tokenizes in well under a millisecond: done on the event loop,
 # since a hop to a worker thread (and back, under the GIL) costs more than the work. Larger bodies
 # (long prompts: tokenizing 32K tokens of text takes tens of ms) go to a thread.
 INLINE_BUILD_BYTES = 16 * 1024
+
+
+async def build_generation(size: int, build: Callable[..., T], *args) -> T:
+    """build(*args) (validate and tokenize) for a request of `size` bytes: on the event loop when
+    small, in a thread otherwise (INLINE_BUILD_BYTES)."""
+    return build(*args) if size <= INLINE_BUILD_BYTES else await asyncio.to_thread(build, *args)
 
 
 def new_request_id(prefix: str) -> str:

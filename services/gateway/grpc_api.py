@@ -13,14 +13,13 @@ ids can never collide with, or cancel, another's); chunks come back under the cl
 """
 from __future__ import annotations
 
-import asyncio
 import re
 
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
 from services.gateway.config import ApiKey
-from services.gateway.core import (INLINE_BUILD_BYTES, GatewayCore, internal_request_id,
+from services.gateway.core import (GatewayCore, build_generation, internal_request_id,
                                    new_request_id)
 from services.gateway.validation import Generation
 
@@ -34,8 +33,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
             key = self._authenticate(context)
-            gen = (self._generation(request, key) if request.ByteSize() <= INLINE_BUILD_BYTES
-                   else await asyncio.to_thread(self._generation, request, key))
+            gen = await build_generation(request.ByteSize(), self._generation, request, key)
             session = await self.core.open(gen)
         except errors.GatewayError as e:
             await _abort(context, e)

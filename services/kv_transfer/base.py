@@ -200,11 +200,6 @@ class Inbox:
             error = "checksum mismatch: the received blocks differ from the source's"
         handle.finish(error if error is None else f"{handle.what}: {error}")
 
-    def has_pending(self) -> bool:
-        with self._cv:
-            self._prune()
-            return bool(self._expected)
-
     def still_expected(self, transfer_ids: set[str]) -> set[str]:
         """Those of `transfer_ids` that are expected and have not landed (nor timed out) yet."""
         with self._cv:
