@@ -2,12 +2,13 @@
 
   decode   Reserve   -> engine.reserve_remote (authoritative: refused if it cannot be backed),
                         returns the KV descriptor the prefill worker writes into
-           ReserveStream -> the same, many over one call (the router's, one per decode worker)
            Decode    -> waits for the KV to land, engine.start_decode, streams tokens
   prefill  Prefill   -> engine prefill, streams the first token at once (TTFT), then writes the
                         prompt's KV into the decode worker's reservation and ends with "prefilled"
   mixed    Generate  -> co-located: the whole request here
   all      Cancel, Release, Stats, Health
+           Mux       -> Reserve, Prefill, Decode and Generate calls over one long-lived call (the
+                        router keeps one per worker; services/common/mux.py)
 
 Every path that ends a request early (client gone, error, timeout) frees what the request holds on
 this worker: `finally` blocks submit a cancel to the engine thread without awaiting it.
@@ -22,6 +23,7 @@ import grpc
 
 from services.common.convert import chunk_from_output, params_from_pb
 from services.common.engine_loop import EngineLoop
+from services.common.mux import MuxServer, unary
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine
@@ -47,6 +49,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.engine: LLMEngine = loop.engine
         self.transport = transport
         self._awaiting_kv: dict[str, tuple[object, asyncio.TimerHandle]] = {}
+        self._mux = MuxServer({"reserve": unary(self.Reserve), "prefill": self.Prefill,
+                               "decode": self.Decode, "generate": self.Generate})
+
+    async def Mux(self, frames, context):
+        async for replies in self._mux.serve(frames, context):
+            yield replies
 
     # ------------------------------------------------------------ decode role
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -55,16 +63,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return await self._reserve(request)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.code}: {e.message}")
-
-    async def ReserveStream(self, requests, context):
-        """Reserve for each request on the stream, one at a time, answers in order."""
-        await self._require(context, "decode")
-        async for request in requests:
-            try:
-                yield await self._reserve(request)
-            except InvalidRequestError as e:
-                yield pb.ReserveResponse(request_id=request.request_id, accepted=False,
-                                         invalid=f"{e.code}: {e.message}")
 
     async def _reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
         rid = request.request_id

@@ -1,8 +1,9 @@
 """What REST and gRPC share: authenticate, admit (quotas), open the router stream, end it cleanly.
 
 A `Session` is one live generation:
-  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then
-     `Router.Generate(RouteRequest)` started; the session is registered under its request id;
+  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a
+     `Router.Generate(RouteRequest)` call started on the gateway's mux call to the router
+     (services/common/mux.py); the session is registered under its request id;
   2. `first()`, then `next()` until None: the router's TokenChunks; router statuses become GatewayErrors;
   3. `close()`, exactly once whatever happened (finished, client gone, error, Cancel): cancels the
      router call if it still runs (the router then cancels the request on every worker it touched)
@@ -17,6 +18,7 @@ from typing import TypeVar
 
 import grpc
 
+from services.common.mux import MuxCall, MuxChannel
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
@@ -51,10 +53,10 @@ def internal_request_id(client_id: str, tenant: str) -> str:
 
 
 class Session:
-    def __init__(self, core: GatewayCore, gen: Generation, call) -> None:
+    def __init__(self, core: GatewayCore, gen: Generation, call: MuxCall) -> None:
         self.core = core
         self.gen = gen
-        self.call = call                 # grpc.aio UnaryStreamCall of Router.Generate
+        self.call = call                 # Router.Generate, on the mux to the router
         self.output_tokens = 0
         self.prompt_tokens = len(gen.prompt_ids)
         self.aborted = False             # ended by a Cancel call
@@ -104,7 +106,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self.call.cancel()
+        if not self._ended:
+            self.call.cancel()   # the router stops it and cancels it on every worker it touched
         self.core._ended(self)
 
 
@@ -118,6 +121,7 @@ class GatewayCore:
         self.quotas = quotas
         self.channel = channel
         self.router = pb_grpc.RouterStub(channel)
+        self.router_mux = MuxChannel(self.router.Mux, config.router)
         self._live: dict[str, Session] = {}
         self._cleanup: set[asyncio.Task] = set()
 
@@ -129,7 +133,7 @@ class GatewayCore:
             raise errors.bad_request(f"request id {gen.request_id!r} is already in use", "request_id",
                                      "duplicate_request_id")
         await self.quotas.admit(gen.key, len(gen.prompt_ids))
-        call = self.router.Generate(pb.RouteRequest(
+        call = self.router_mux.call("generate", pb.RouteRequest(
             request_id=gen.request_id, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
             prompt_token_ids=gen.prompt_ids, params=gen.params))
         session = self._live[gen.request_id] = Session(self, gen, call)

@@ -86,6 +86,7 @@ async def serve(config: GatewayConfig) -> int:
     await core.close()
     await asyncio.gather(grpc_server.stop(grace=GRACE_S), http_task, return_exceptions=True)
     await core.close()            # releases of requests that ended during the drain
+    await core.router_mux.close()
     await channel.close()
     await state.close()
     return 0

@@ -1,8 +1,10 @@
 """The Router gRPC service: place, reserve, prefill, relay (DESIGN.md section 3, step 2).
 
+Every call to a worker goes over the router's one long-lived mux call to that worker
+(services/common/mux.py), and the gateway's calls come in over its mux call to the router.
+
 Disaggregated request, in order:
-  1. Reserve on the best decode replica that accepts (its reservations are authoritative), over
-     the router's long-lived reservation stream to that replica (reserve_stream.py);
+  1. Reserve on the best decode replica that accepts (its reservations are authoritative);
   2. Prefill on the best prefill replica, naming the decode target; the first token is relayed to
      the client at once, before the KV transfer finishes; a prefill that fails before any token
      reached the client is retried once on another replica;
@@ -20,11 +22,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.aio import internal_channel
+from services.common.mux import MuxChannel, MuxServer
 from services.common.fleet_state import FleetState, WorkerRecord
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.placement import rank_decode, rank_prefill
-from services.router.reserve_stream import ReserveStream
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,11 @@ class NoCapacity(Exception):
 
 @dataclass(frozen=True)
 class WorkerLink:
-    """What the router holds per worker: one channel, its stub and (decode) the reservation
-    stream."""
+    """What the router holds per worker: one channel, its stub (Cancel) and the mux call that
+    carries Reserve, Prefill, Decode and Generate."""
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
-    reservations: ReserveStream
+    mux: MuxChannel
 
 
 @dataclass
@@ -62,6 +64,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._workers: tuple[float, list[WorkerRecord]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
         self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
+        self._mux = MuxServer({"generate": self.Generate})
 
     async def live_workers(self) -> list[WorkerRecord]:
         """Live workers from Redis, at most one read per WORKERS_TTL_S and none on a request's
@@ -89,6 +92,10 @@ class RouterServicer(pb_grpc.RouterServicer):
             log.exception("could not refresh the worker list")
         finally:
             self._refreshing = None
+
+    async def Mux(self, frames, context):
+        async for replies in self._mux.serve(frames, context):
+            yield replies
 
     async def Generate(self, request: pb.RouteRequest, context):
         rid = request.request_id
@@ -119,7 +126,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             raise NoCapacity("no healthy mixed worker")
         target = candidates[0]
         touched.addresses.add(target.grpc_address)
-        async for chunk in self._stub(target.grpc_address).Generate(request):
+        async for chunk in self._mux_to(target.grpc_address).call("generate", request):
             yield chunk
 
     async def _disaggregated(self, request, workers, touched: Touched, context):
@@ -136,16 +143,15 @@ class RouterServicer(pb_grpc.RouterServicer):
             yield chunk
         token = first.token_ids[0]
         logprob = first.logprobs[0].logprob if first.logprobs else 0.0
-        async for chunk in self._stub(decode.grpc_address).Decode(
-                pb.DecodeRequest(request_id=request.request_id, first_token=token,
-                                 first_logprob=logprob)):
+        async for chunk in self._mux_to(decode.grpc_address).call("decode", pb.DecodeRequest(
+                request_id=request.request_id, first_token=token, first_logprob=logprob)):
             yield chunk
 
     async def _reserve(self, request, workers, touched: Touched):
         reasons = []
         for w in rank_decode(workers):
             touched.addresses.add(w.grpc_address)
-            resp = await self._link(w.grpc_address).reservations.reserve(pb.ReserveRequest(
+            resp = await self._mux_to(w.grpc_address).unary("reserve", pb.ReserveRequest(
                 request_id=request.request_id, tenant=request.tenant,
                 traffic_class=request.traffic_class,
                 prompt_token_ids=request.prompt_token_ids, params=request.params))
@@ -165,7 +171,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             touched.addresses.add(w.grpc_address)
             sent = False
             try:
-                async for chunk in self._stub(w.grpc_address).Prefill(pb.PrefillRequest(
+                async for chunk in self._mux_to(w.grpc_address).call("prefill", pb.PrefillRequest(
                         request_id=request.request_id, tenant=request.tenant,
                         traffic_class=request.traffic_class,
                         prompt_token_ids=request.prompt_token_ids, params=request.params,
@@ -200,8 +206,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         if link is None:
             channel = internal_channel(address)
             stub = pb_grpc.WorkerStub(channel)
-            link = self._links[address] = WorkerLink(channel, stub, ReserveStream(stub, address))
+            link = self._links[address] = WorkerLink(channel, stub, MuxChannel(stub.Mux, address))
         return link
+
+    def _mux_to(self, address: str) -> MuxChannel:
+        return self._link(address).mux
 
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
         return self._link(address).stub
@@ -221,7 +230,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if self._refreshing is not None:
             self._refreshing.cancel()
         for link in self._links.values():
-            await link.reservations.close()
+            await link.mux.close()
         await asyncio.gather(*(link.channel.close() for link in self._links.values()))
 
 

@@ -240,6 +240,11 @@ class RouterStub:
                 request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.SerializeToString,
                 response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Mux = channel.stream_stream(
+                '/kvfleet.v1.Router/Mux',
+                request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
+                response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/kvfleet.v1.Router/Cancel',
                 request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelRequest.SerializeToString,
@@ -257,6 +262,13 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Mux(self, request_iterator, context):
+        """many Generate calls over one call
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -280,6 +292,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.FromString,
                     response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.SerializeToString,
+            ),
+            'Mux': grpc.stream_stream_rpc_method_handler(
+                    servicer.Mux,
+                    request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.FromString,
+                    response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -319,6 +336,33 @@ class Router:
             '/kvfleet.v1.Router/Generate',
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.SerializeToString,
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Mux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Router/Mux',
+            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
+            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
             options,
             channel_credentials,
             insecure,
@@ -398,11 +442,6 @@ class WorkerStub:
                 request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
                 _registered_method=True)
-        self.ReserveStream = channel.stream_stream(
-                '/kvfleet.v1.Worker/ReserveStream',
-                request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
-                _registered_method=True)
         self.Prefill = channel.unary_stream(
                 '/kvfleet.v1.Worker/Prefill',
                 request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.SerializeToString,
@@ -438,6 +477,11 @@ class WorkerStub:
                 request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthRequest.SerializeToString,
                 response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Mux = channel.stream_stream(
+                '/kvfleet.v1.Worker/Mux',
+                request_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
+                response_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -445,15 +489,6 @@ class WorkerServicer:
 
     def Reserve(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReserveStream(self, request_iterator, context):
-        """Reserve, many times over one long-lived call (the router keeps one per decode worker): a
-        reservation then costs a message each way instead of a new call. Answered one by one, in
-        order; an invalid request is answered with `invalid` set instead of ending the stream.
-        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -501,16 +536,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Mux(self, request_iterator, context):
+        """Reserve, Prefill, Decode and Generate calls, many over one long-lived call (the router keeps
+        one per worker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.FromString,
-                    response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.SerializeToString,
-            ),
-            'ReserveStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.ReserveStream,
                     request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.FromString,
                     response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.SerializeToString,
             ),
@@ -549,6 +587,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthRequest.FromString,
                     response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthResponse.SerializeToString,
             ),
+            'Mux': grpc.stream_stream_rpc_method_handler(
+                    servicer.Mux,
+                    request_deserializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.FromString,
+                    response_serializer=services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvfleet.v1.Worker', rpc_method_handlers)
@@ -575,33 +618,6 @@ class Worker:
             request,
             target,
             '/kvfleet.v1.Worker/Reserve',
-            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
-            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReserveStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/kvfleet.v1.Worker/ReserveStream',
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
             options,
@@ -793,6 +809,33 @@ class Worker:
             '/kvfleet.v1.Worker/Health',
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthRequest.SerializeToString,
             services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Mux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Worker/Mux',
+            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
+            services_dot_common_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
             options,
             channel_credentials,
             insecure,

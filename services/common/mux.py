@@ -1,0 +1,331 @@
+"""Many calls over one long-lived gRPC call per caller-callee pair (a "mux").
+
+Why: a new gRPC call costs 0.5-1 ms of Python per hop on this 2-core host (call set-up on both
+sides, a handler task, initial metadata, trailers), a message on an open call ~0.2 ms. A
+disaggregated request made three new calls before its first token (gateway -> router -> prefill
+worker, and the first token back up both); a decode step's tokens for 32 streams went as 32
+messages per hop. Over a mux the calls are messages, and frames ready at the same moment travel
+as one message.
+
+Wire (protos: CallFrames up, ReplyFrames down): a call opens with a frame carrying its request (the
+oneof field names the method: generate | reserve | prefill | decode), the callee answers with frames
+carrying the method's messages and ends it with exactly one `end` frame (a gRPC status); a `cancel`
+frame ends it early from the caller's side.
+
+Callee, `MuxServer.serve` (the `Mux` RPC's handler): one task per call runs the method's handler,
+the same async generator `(request, context) -> messages` its plain RPC runs. `context.abort(code,
+details)` ends the call with that status. A cancel frame, or the end of the mux call (caller gone),
+cancels the handler's task, so its `finally` frees what the call held, as when a plain RPC is
+cancelled.
+
+Caller, `MuxChannel.call(kind, request) -> MuxCall`: the surface of a grpc.aio stream call
+(`read()` -> message or grpc.aio.EOF, `cancel()`, `async for`). A call the callee ended with an
+error raises grpc.aio.AioRpcError with its status; a mux call that breaks (callee died) fails every
+call on it with UNAVAILABLE, and the next call opens a new mux call. `read()` after `cancel()`
+raises asyncio.CancelledError, as a cancelled grpc.aio call does.
+
+Flow control: neither side waits for one call's reader. Messages queue per call: at most one
+request's output, which its max_tokens bounds (the engine's per-stream deltas work the same way,
+engine_loop.py). The mux call itself is flow-controlled by HTTP/2 like any gRPC stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import grpc
+
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Frames written as one message are capped near this size (gRPC's default receive limit is 4 MiB;
+# one frame over the cap still goes, alone, as a plain RPC's message would).
+MAX_BATCH_BYTES = 1 << 20
+
+Handler = Callable[[Any, "CallContext"], AsyncIterator[Any]]
+# The ReplyFrame field that carries each message type.
+_REPLY_FIELD = {pb.TokenChunk: "chunk", pb.ReserveResponse: "reserved"}
+
+
+class CallAborted(Exception):
+    """Raised by CallContext.abort: ends the call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class CallContext:
+    """What a handler may use of a grpc.aio ServicerContext on a mux call."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise CallAborted(code, details)
+
+
+def _status(code: grpc.StatusCode, details: str = "") -> pb.CallStatus:
+    return pb.CallStatus(code=code.value[0], details=details)
+
+
+_OK = _status(grpc.StatusCode.OK)
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _drain(queue: asyncio.Queue, first) -> tuple[list, bool]:
+    """`first` and what else is queued now, up to MAX_BATCH_BYTES; True if a None (end) was met.
+    Items are frames, or (frame, future) pairs."""
+    batch, total = [first], _size(first)
+    while total < MAX_BATCH_BYTES and not queue.empty():
+        item = queue.get_nowait()
+        if item is None:
+            return batch, True
+        batch.append(item)
+        total += _size(item)
+    return batch, False
+
+
+def _size(item) -> int:
+    return (item[0] if isinstance(item, tuple) else item).ByteSize()
+
+
+# ------------------------------------------------------------------------------------- callee
+class MuxServer:
+    """The callee's side: `serve` is the Mux RPC handler; `handlers` maps a CallFrame kind to the
+    method's handler."""
+
+    def __init__(self, handlers: Mapping[str, Handler]) -> None:
+        self.handlers = dict(handlers)
+
+    async def serve(self, frames: AsyncIterator[pb.CallFrames], context) -> AsyncIterator[pb.ReplyFrames]:
+        # (frame, future set once the frame is sent), or None: the caller is gone
+        out: asyncio.Queue[tuple[pb.ReplyFrame, asyncio.Future] | None] = asyncio.Queue()
+        calls: dict[int, asyncio.Task] = {}
+        reader = asyncio.get_running_loop().create_task(self._read(frames, out, calls))
+        try:
+            while True:
+                first = await out.get()
+                if first is None:
+                    return
+                batch, ended = _drain(out, first)
+                yield pb.ReplyFrames(frames=[frame for frame, _ in batch])
+                for _, sent in batch:
+                    if not sent.done():
+                        sent.set_result(None)
+                if ended:
+                    return
+        finally:
+            reader.cancel()
+            for task in list(calls.values()):   # the caller is gone: its calls end with it
+                task.cancel()
+
+    async def _read(self, frames, out: asyncio.Queue, calls: dict[int, asyncio.Task]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for message in frames:
+                for frame in message.frames:
+                    kind = frame.WhichOneof("kind")
+                    if kind == "cancel":
+                        task = calls.pop(frame.call_id, None)
+                        if task is not None:
+                            task.cancel()
+                    elif frame.call_id not in calls:
+                        calls[frame.call_id] = loop.create_task(
+                            self._run(frame.call_id, kind, getattr(frame, kind), out, calls))
+        except grpc.aio.AioRpcError:
+            pass                                 # the caller's side broke: end the mux call
+        finally:
+            out.put_nowait(None)
+
+    async def _run(self, call_id: int, kind: str, request, out: asyncio.Queue,
+                   calls: dict[int, asyncio.Task]) -> None:
+        handler = self.handlers.get(kind)
+        loop = asyncio.get_running_loop()
+        status = _OK
+        try:
+            if handler is None:
+                raise CallAborted(grpc.StatusCode.UNIMPLEMENTED, f"no {kind!r} method on this mux")
+            async for message in handler(request, CallContext()):
+                # As a plain RPC's `yield` does, the handler goes on once its message is sent (a
+                # prefill's first token is on the wire before its KV transfer starts); frames other
+                # calls queue meanwhile go in the same message.
+                sent = loop.create_future()
+                out.put_nowait((pb.ReplyFrame(call_id=call_id, **{_REPLY_FIELD[type(message)]: message}),
+                                sent))
+                await sent
+        except CallAborted as e:
+            status = _status(e.code, e.details)
+        except asyncio.CancelledError:
+            calls.pop(call_id, None)
+            raise                                # cancelled by the caller: it expects no end
+        except Exception as e:  # noqa: BLE001 - as grpc does: the call fails, the server lives
+            log.exception("mux call %s (%s) failed", call_id, kind)
+            status = _status(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+        calls.pop(call_id, None)
+        out.put_nowait((pb.ReplyFrame(call_id=call_id, end=status), loop.create_future()))
+
+
+def unary(method: Callable[[Any, Any], Any]) -> Handler:
+    """A unary method (request, context) -> response as a one-message mux handler."""
+    async def handler(request, context):
+        yield await method(request, context)
+    return handler
+
+
+# ------------------------------------------------------------------------------------- caller
+class _Ended:
+    """A call's last queue item: EOF, an error to raise, or the caller's own cancel."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class MuxCall:
+    """One call on a mux: read its messages like a grpc.aio stream call's."""
+
+    def __init__(self, link: _Link, call_id: int) -> None:
+        self._link = link
+        self._id = call_id
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._over = False            # ended by the callee, by a broken mux, or cancelled here
+
+    async def read(self):
+        item = await self._inbox.get()
+        if isinstance(item, _Ended):
+            self._inbox.put_nowait(item)          # every later read ends the same way
+            if item.error is not None:
+                raise item.error
+            return grpc.aio.EOF
+        return item
+
+    def cancel(self) -> bool:
+        """End the call from this side (idempotent; False once it had ended)."""
+        if self._over:
+            return False
+        self._link.cancel(self._id)
+        self._finish(_Ended(asyncio.CancelledError()))
+        return True
+
+    def done(self) -> bool:
+        return self._over
+
+    async def __aiter__(self):
+        try:
+            while (message := await self.read()) is not grpc.aio.EOF:
+                yield message
+        finally:
+            self.cancel()       # left early (break, error, cancelled): the callee frees the call
+
+    def _deliver(self, message) -> None:
+        self._inbox.put_nowait(message)
+
+    def _finish(self, ended: _Ended) -> None:
+        if not self._over:
+            self._over = True
+            self._inbox.put_nowait(ended)
+
+
+class _Link:
+    """One mux call and the calls on it."""
+
+    def __init__(self, open_call: Callable[[], Any], address: str) -> None:
+        self.address = address
+        self.calls: dict[int, MuxCall] = {}
+        self.broken = False
+        self._ids = itertools.count(1)
+        self._outbox: asyncio.Queue[pb.CallFrame] = asyncio.Queue()
+        self._call = open_call()
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write())
+        self._reader = loop.create_task(self._read())
+
+    def open(self, kind: str, request) -> MuxCall:
+        call = MuxCall(self, next(self._ids))
+        self.calls[call._id] = call
+        self._outbox.put_nowait(pb.CallFrame(call_id=call._id, **{kind: request}))
+        return call
+
+    def cancel(self, call_id: int) -> None:
+        if self.calls.pop(call_id, None) is not None and not self.broken:
+            self._outbox.put_nowait(pb.CallFrame(call_id=call_id, cancel=True))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                batch, _ = _drain(self._outbox, await self._outbox.get())
+                await self._call.write(pb.CallFrames(frames=batch))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass                                 # the reader sees the failure and reports it
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._call:
+                for frame in message.frames:
+                    call = self.calls.get(frame.call_id)
+                    if call is None:
+                        continue                 # cancelled here meanwhile
+                    kind = frame.WhichOneof("kind")
+                    if kind != "end":
+                        call._deliver(getattr(frame, kind))
+                        continue
+                    del self.calls[frame.call_id]
+                    code = _CODES.get(frame.end.code, grpc.StatusCode.UNKNOWN)
+                    call._finish(_Ended(None if code == grpc.StatusCode.OK
+                                        else rpc_error(code, frame.end.details)))
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} ended the mux call")
+        except grpc.aio.AioRpcError as e:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                              f"mux call to {self.address} failed: {e.code().name}: {e.details()}")
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"mux call to {self.address} closed")
+        self._break(error)
+
+    def _break(self, error: grpc.aio.AioRpcError) -> None:
+        self.broken = True
+        self._writer.cancel()
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            call._finish(_Ended(error))
+
+    async def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+
+class MuxChannel:
+    """The caller's side: calls to one callee over one mux call, opened on first use and again
+    after one broke. `open_call` starts the Mux RPC (e.g. `WorkerStub(channel).Mux`)."""
+
+    def __init__(self, open_call: Callable[[], Any], address: str) -> None:
+        self._open_call = open_call
+        self._address = address
+        self._link: _Link | None = None
+
+    def call(self, kind: str, request) -> MuxCall:
+        if self._link is None or self._link.broken:
+            self._link = _Link(self._open_call, self._address)
+        return self._link.open(kind, request)
+
+    async def unary(self, kind: str, request):
+        """A one-message call's answer (raises grpc.aio.AioRpcError as the call does)."""
+        call = self.call(kind, request)
+        try:
+            message = await call.read()
+        except BaseException:
+            call.cancel()          # gone before the answer: the callee stops (no-op if it ended)
+            raise
+        if message is grpc.aio.EOF:
+            raise rpc_error(grpc.StatusCode.INTERNAL, f"{kind} on {self._address} gave no answer")
+        return message
+
+    async def close(self) -> None:
+        if self._link is not None:
+            await self._link.close()

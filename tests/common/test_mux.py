@@ -1,0 +1,309 @@
+"""Many calls over one gRPC call (services/common/mux.py), on real gRPC over loopback.
+
+Most stories use a small in-process Router service whose `generate` handler (written here, named
+`story_generate`) echoes the prompt's tokens as chunks and follows instructions hidden in the
+request: abort, raise, or wait until cancelled. The last story reserves KV on a real decode worker
+process over its mux, as the router does.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common import mux
+from services.common.aio import internal_channel
+from services.common.launcher import Launcher
+from services.common.mux import MuxChannel, MuxServer
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+
+
+class StoryRouter(pb_grpc.RouterServicer):
+    """A Router whose Mux runs `story_generate`; it records which calls ran their `finally`."""
+
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+        self.started: dict[str, asyncio.Event] = {}
+        self.release = asyncio.Event()
+        self._mux = MuxServer({"generate": self.story_generate})
+
+    async def Mux(self, frames, context):
+        async for replies in self._mux.serve(frames, context):
+            yield replies
+
+    async def story_generate(self, request: pb.RouteRequest, context):
+        rid = request.request_id
+        self.started.setdefault(rid, asyncio.Event()).set()
+        try:
+            if request.tenant == "abort":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rid} is invalid")
+            if request.tenant == "raise":
+                raise RuntimeError(f"{rid} broke the handler")
+            if request.tenant == "together":
+                await self.release.wait()
+            for token in request.prompt_token_ids:
+                yield pb.TokenChunk(request_id=rid, token_ids=[token])
+            if request.tenant == "hang":
+                await asyncio.Event().wait()
+        finally:
+            self.finished.append(rid)
+
+
+def route(rid: str, tokens=(1, 2, 3), tenant: str = "") -> pb.RouteRequest:
+    return pb.RouteRequest(request_id=rid, tenant=tenant, prompt_token_ids=list(tokens))
+
+
+class CountingCall:
+    """The Mux call as grpc.aio returns it, counting the messages that come back."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.messages = 0
+
+    async def write(self, message):
+        await self.call.write(message)
+
+    def cancel(self):
+        return self.call.cancel()
+
+    async def __aiter__(self):
+        async for message in self.call:
+            self.messages += 1
+            yield message
+
+
+async def serve(servicer: StoryRouter, port: int = 0):
+    server = grpc.aio.server()
+    pb_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def story(scenario):
+    """Run scenario(servicer, mux_channel, address, counting_calls) against a fresh server."""
+    async def main():
+        servicer = StoryRouter()
+        server, address = await serve(servicer)
+        channel = internal_channel(address)
+        stub = pb_grpc.RouterStub(channel)
+        calls: list[CountingCall] = []
+
+        def open_call():
+            calls.append(CountingCall(stub.Mux()))
+            return calls[-1]
+        muxed = MuxChannel(open_call, address)
+        try:
+            return await scenario(servicer, muxed, server, calls)
+        finally:
+            await muxed.close()
+            await channel.close()
+            await server.stop(0)
+    return asyncio.run(main())
+
+
+async def collect(call) -> list[int]:
+    return [t for chunk in [c async for c in call] for t in chunk.token_ids]
+
+
+def test_many_calls_share_one_mux_call_and_each_gets_its_own_messages():
+    async def scenario(servicer, muxed, server, calls):
+        results = await asyncio.gather(*(
+            collect(muxed.call("generate", route(f"r{i}", range(i, i + 5)))) for i in range(20)))
+        assert results == [list(range(i, i + 5)) for i in range(20)]
+        assert len(calls) == 1                         # one gRPC call carried all twenty
+        assert sorted(servicer.finished) == sorted(f"r{i}" for i in range(20))
+    story(scenario)
+
+
+def test_messages_ready_together_travel_as_one_grpc_message():
+    async def scenario(servicer, muxed, server, calls):
+        muxed_calls = [muxed.call("generate", route(f"r{i}", [i], tenant="together"))
+                       for i in range(32)]
+        for i in range(32):                            # all 32 handlers wait at the same point
+            await servicer.started.setdefault(f"r{i}", asyncio.Event()).wait()
+        before = calls[0].messages
+        servicer.release.set()                         # ... and all produce their chunk at once
+        assert [await c.read() for c in muxed_calls] == [
+            pb.TokenChunk(request_id=f"r{i}", token_ids=[i]) for i in range(32)]
+        assert calls[0].messages - before < 8          # not one message per call
+    story(scenario)
+
+
+def test_an_abort_ends_only_its_own_call_with_its_status():
+    async def scenario(servicer, muxed, server, calls):
+        bad = muxed.call("generate", route("bad", tenant="abort"))
+        good = muxed.call("generate", route("good"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await bad.read()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == "bad is invalid"
+        with pytest.raises(grpc.aio.AioRpcError):      # and every later read says the same
+            await bad.read()
+        assert await collect(good) == [1, 2, 3]
+        assert await collect(muxed.call("generate", route("after"))) == [1, 2, 3]
+        assert len(calls) == 1
+    story(scenario)
+
+
+def test_a_handler_that_raises_fails_its_call_as_unknown_and_the_mux_lives():
+    async def scenario(servicer, muxed, server, calls):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(muxed.call("generate", route("boom", tenant="raise")))
+        assert e.value.code() == grpc.StatusCode.UNKNOWN
+        assert "boom broke the handler" in e.value.details()
+        assert await collect(muxed.call("generate", route("after"))) == [1, 2, 3]
+    story(scenario)
+
+
+def test_a_method_the_callee_lacks_is_unimplemented():
+    async def scenario(servicer, muxed, server, calls):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await muxed.unary("reserve", pb.ReserveRequest(request_id="r"))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    story(scenario)
+
+
+def test_cancel_stops_the_handler_and_runs_its_finally():
+    async def scenario(servicer, muxed, server, calls):
+        call = muxed.call("generate", route("slow", [7], tenant="hang"))
+        assert (await call.read()).token_ids == [7]
+        assert call.cancel() and not call.cancel()     # idempotent
+        with pytest.raises(asyncio.CancelledError):
+            await call.read()                          # as a cancelled grpc.aio call
+        for _ in range(200):
+            if "slow" in servicer.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert servicer.finished == ["slow"]
+    story(scenario)
+
+
+def test_leaving_an_async_for_early_cancels_the_call():
+    async def scenario(servicer, muxed, server, calls):
+        async def first_token():
+            async for chunk in muxed.call("generate", route("early", [5], tenant="hang")):
+                return chunk.token_ids[0]
+        assert await first_token() == 5
+        for _ in range(200):
+            if "early" in servicer.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert servicer.finished == ["early"]
+    story(scenario)
+
+
+def test_a_caller_that_goes_away_cancels_every_call_it_had_open():
+    async def scenario(servicer, muxed, server, calls):
+        open_calls = [muxed.call("generate", route(f"h{i}", [i], tenant="hang")) for i in range(5)]
+        for c in open_calls:
+            await c.read()
+        await muxed.close()
+        for _ in range(200):
+            if len(servicer.finished) == 5:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(servicer.finished) == [f"h{i}" for i in range(5)]
+    story(scenario)
+
+
+def test_a_dead_callee_fails_every_open_call_and_the_next_call_opens_a_new_mux():
+    async def scenario(servicer, muxed, server, calls):
+        waiting = [muxed.call("generate", route(f"h{i}", [i], tenant="hang")) for i in range(3)]
+        for c in waiting:
+            await c.read()
+        await server.stop(0)                           # the callee goes away mid-stream
+        for c in waiting:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(c.read(), 5)    # an error, never a hang
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # nothing answers: the call fails fast
+            await asyncio.wait_for(collect(muxed.call("generate", route("x"))), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(calls) == 2
+    story(scenario)
+
+
+def test_after_a_callee_restarts_on_its_address_calls_work_again():
+    async def main():
+        servicer = StoryRouter()
+        server, address = await serve(servicer)
+        channel = internal_channel(address)
+        muxed = MuxChannel(pb_grpc.RouterStub(channel).Mux, address)
+        try:
+            assert await collect(muxed.call("generate", route("a"))) == [1, 2, 3]
+            await server.stop(0)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(collect(muxed.call("generate", route("b"))), 5)
+            server, _ = await serve(StoryRouter(), int(address.rsplit(":", 1)[1]))
+            for _ in range(100):                       # the channel reconnects with backoff
+                try:
+                    assert await collect(muxed.call("generate", route("c"))) == [1, 2, 3]
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            else:
+                pytest.fail("no call succeeded after the callee came back")
+        finally:
+            await muxed.close()
+            await channel.close()
+            await server.stop(0)
+    asyncio.run(main())
+
+
+def test_frames_ready_together_are_cut_into_messages_below_the_size_cap(monkeypatch):
+    monkeypatch.setattr(mux, "MAX_BATCH_BYTES", 1000)
+    queue: asyncio.Queue = asyncio.Queue()
+    frames = [pb.ReplyFrame(call_id=i, chunk=pb.TokenChunk(text="x" * 400)) for i in range(5)]
+    for f in frames[1:]:
+        queue.put_nowait(f)
+    batch, ended = mux._drain(queue, frames[0])
+    assert batch == frames[:3] and not ended           # 3 x ~410 bytes reaches the cap
+    queue.put_nowait(None)
+    batch, ended = mux._drain(queue, queue.get_nowait())
+    assert batch == frames[3:] and ended
+
+
+# ------------------------------------------------------------- a real decode worker's mux
+@pytest.fixture
+def decode_worker(tiny_model_dir):
+    launcher = Launcher()
+    try:
+        yield launcher.start("decode-0", [
+            "services.common.cli", "serve", "decode", "--model", str(tiny_model_dir),
+            "--worker-id", "decode-0", "--kv-cache-mib", "16"])
+    finally:
+        launcher.stop_all()
+
+
+def reserve_request(rid: str, n_prompt: int = 40, max_tokens: int = 8) -> pb.ReserveRequest:
+    return pb.ReserveRequest(request_id=rid, prompt_token_ids=list(range(1, n_prompt + 1)),
+                             params=pb.SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def test_reservations_over_a_decode_workers_mux_each_get_their_own_answer(decode_worker):
+    async def main():
+        channel = internal_channel(decode_worker)
+        stub = pb_grpc.WorkerStub(channel)
+        muxed = MuxChannel(stub.Mux, decode_worker)
+        try:
+            answers = await asyncio.gather(*(muxed.unary("reserve", reserve_request(f"r{i}", 16 + i))
+                                             for i in range(12)))
+            assert all(a.accepted for a in answers)
+            assert [a.request_id for a in answers] == [f"r{i}" for i in range(12)]
+            assert all(len(a.target.block_ids) >= 1 for a in answers)
+            with pytest.raises(grpc.aio.AioRpcError) as e:   # invalid: refused, the mux lives on
+                await muxed.unary("reserve", reserve_request("huge", n_prompt=10**6))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (await muxed.unary("reserve", reserve_request("r-last"))).accepted
+            stats = await stub.Stats(pb.StatsRequest())
+            assert stats.kv_blocks_reserved > 0
+            for rid in [f"r{i}" for i in range(12)] + ["r-last"]:
+                await stub.Cancel(pb.CancelRequest(request_id=rid))
+            assert (await stub.Stats(pb.StatsRequest())).kv_blocks_reserved == 0
+        finally:
+            await muxed.close()
+            await channel.close()
+    asyncio.run(main())
