@@ -19,6 +19,7 @@ from services.common.aio import run
 from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
 from services.common.fleet_state import FleetState, WorkerRecord
+from services.common.mux import MuxListener
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.common.worker import WorkerConfig, WorkerServicer
 from services.engine.config import EngineConfig
@@ -103,10 +104,13 @@ async def serve(args: argparse.Namespace) -> int:
         transport.register(engine.kv_cache)
     loop = EngineLoop(engine, asyncio.get_running_loop())
     loop.start()
+    servicer = WorkerServicer(config, loop, transport)
     server = grpc.aio.server()
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(config, loop, transport), server)
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    mux = MuxListener(servicer.mux)
+    servicer.mux_address = await mux.start(args.host)
     address = f"{args.host}:{port}"
     state = FleetState(args.redis_url) if args.redis_url else None
     beat = (asyncio.create_task(heartbeat_forever(state, loop, config, address,
@@ -119,6 +123,7 @@ async def serve(args: argparse.Namespace) -> int:
         beat.cancel()
         await state.remove_worker(worker_id)
         await state.close()
+    await mux.close()
     await server.stop(grace=1.0)
     loop.stop()
     if transport is not None:

@@ -49,11 +49,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.engine: LLMEngine = loop.engine
         self.transport = transport
         self._awaiting_kv: dict[str, tuple[object, asyncio.TimerHandle]] = {}
-        self._mux = MuxServer({"reserve": unary(self.Reserve), "prefill": self.Prefill,
-                               "decode": self.Decode, "generate": self.Generate})
+        self.mux = MuxServer({"reserve": unary(self.Reserve), "prefill": self.Prefill,
+                              "decode": self.Decode, "generate": self.Generate})
+        self.mux_address = ""        # set once a MuxListener serves self.mux (Health names it)
 
     async def Mux(self, frames, context):
-        async for replies in self._mux.serve(frames, context):
+        async for replies in self.mux.serve(frames, context):
             yield replies
 
     # ------------------------------------------------------------ decode role
@@ -169,7 +170,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return stats_to_pb(self.config, self.engine, await self.loop.call(self.engine.stats))
 
     async def Health(self, request, context) -> pb.HealthResponse:
-        return pb.HealthResponse(status=pb.HealthResponse.SERVING, detail=self.config.role)
+        return pb.HealthResponse(status=pb.HealthResponse.SERVING, detail=self.config.role,
+                                 mux_address=self.mux_address)
 
     async def _add(self, context, request) -> None:
         try:

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import grpc
 
-from services.common.mux import MuxCall, MuxChannel
+from services.common.mux import MuxCall, MuxChannel, connect_to
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
@@ -121,7 +121,7 @@ class GatewayCore:
         self.quotas = quotas
         self.channel = channel
         self.router = pb_grpc.RouterStub(channel)
-        self.router_mux = MuxChannel(self.router.Mux, config.router)
+        self.router_mux = MuxChannel(connect_to(self.router, config.router), config.router)
         self._live: dict[str, Session] = {}
         self._cleanup: set[asyncio.Task] = set()
 

@@ -9,6 +9,7 @@ import grpc
 from services.common.aio import run
 
 from services.common.fleet_state import FleetState
+from services.common.mux import MuxListener
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.common.shutdown import wait_for_stop_signal
 from services.router.service import RouterServicer
@@ -23,8 +24,11 @@ async def serve(args: argparse.Namespace) -> int:
     pb_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    mux = MuxListener(servicer.mux)
+    servicer.mux_address = await mux.start(args.host)
     print(f"READY router {args.host}:{port}", flush=True)
     await wait_for_stop_signal()
+    await mux.close()
     await server.stop(grace=1.0)
     await servicer.close()
     await state.close()

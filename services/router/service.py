@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.aio import internal_channel
-from services.common.mux import MuxChannel, MuxServer
+from services.common.mux import MuxChannel, MuxServer, connect_to
 from services.common.fleet_state import FleetState, WorkerRecord
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -64,7 +64,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._workers: tuple[float, list[WorkerRecord]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
         self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
-        self._mux = MuxServer({"generate": self.Generate})
+        self.mux = MuxServer({"generate": self.Generate})
+        self.mux_address = ""        # set once a MuxListener serves self.mux (Health names it)
 
     async def live_workers(self) -> list[WorkerRecord]:
         """Live workers from Redis, at most one read per WORKERS_TTL_S and none on a request's
@@ -94,7 +95,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             self._refreshing = None
 
     async def Mux(self, frames, context):
-        async for replies in self._mux.serve(frames, context):
+        async for replies in self.mux.serve(frames, context):
             yield replies
 
     async def Generate(self, request: pb.RouteRequest, context):
@@ -198,7 +199,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         ok = self._needed_roles <= {w.role for w in workers}
         return pb.HealthResponse(
             status=pb.HealthResponse.SERVING if ok else pb.HealthResponse.NOT_SERVING,
-            detail=f"{len(workers)} live workers: " + ", ".join(sorted(w.worker_id for w in workers)))
+            detail=f"{len(workers)} live workers: " + ", ".join(sorted(w.worker_id for w in workers)),
+            mux_address=self.mux_address)
 
     # ----------------------------------------------------------------- helpers
     def _link(self, address: str) -> WorkerLink:
@@ -206,7 +208,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         if link is None:
             channel = internal_channel(address)
             stub = pb_grpc.WorkerStub(channel)
-            link = self._links[address] = WorkerLink(channel, stub, MuxChannel(stub.Mux, address))
+            link = self._links[address] = WorkerLink(channel, stub,
+                                                     MuxChannel(connect_to(stub, address), address))
         return link
 
     def _mux_to(self, address: str) -> MuxChannel:

@@ -1,9 +1,10 @@
-"""Many calls over one gRPC call (services/common/mux.py), on real gRPC over loopback.
+"""Many calls over one connection (services/common/mux.py), on real sockets over loopback, over
+both transports: a plain TCP mux connection (what the fleet uses) and the Mux gRPC RPC.
 
 Most stories use a small in-process Router service whose `generate` handler (written here, named
 `story_generate`) echoes the prompt's tokens as chunks and follows instructions hidden in the
-request: abort, raise, or wait until cancelled. The last story reserves KV on a real decode worker
-process over its mux, as the router does.
+request: abort, raise, or wait until cancelled. The last stories reserve KV on a real decode
+worker process over its mux, as the router does.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from services.common import mux
 from services.common.aio import internal_channel
 from services.common.launcher import Launcher
-from services.common.mux import MuxChannel, MuxServer
+from services.common.mux import MuxChannel, MuxListener, MuxServer, connect_to
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 
@@ -27,11 +28,15 @@ class StoryRouter(pb_grpc.RouterServicer):
         self.finished: list[str] = []
         self.started: dict[str, asyncio.Event] = {}
         self.release = asyncio.Event()
-        self._mux = MuxServer({"generate": self.story_generate})
+        self.mux = MuxServer({"generate": self.story_generate})
+        self.mux_address = ""
 
     async def Mux(self, frames, context):
-        async for replies in self._mux.serve(frames, context):
+        async for replies in self.mux.serve(frames, context):
             yield replies
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(status=pb.HealthResponse.SERVING, mux_address=self.mux_address)
 
     async def story_generate(self, request: pb.RouteRequest, context):
         rid = request.request_id
@@ -56,7 +61,7 @@ def route(rid: str, tokens=(1, 2, 3), tenant: str = "") -> pb.RouteRequest:
 
 
 class CountingCall:
-    """The Mux call as grpc.aio returns it, counting the messages that come back."""
+    """A mux stream (TCP or the Mux RPC), counting the messages that come back."""
 
     def __init__(self, call) -> None:
         self.call = call
@@ -74,33 +79,57 @@ class CountingCall:
             yield message
 
 
-async def serve(servicer: StoryRouter, port: int = 0):
-    server = grpc.aio.server()
-    pb_grpc.add_RouterServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
+class StoryServer:
+    """The story Router on gRPC, and (transport "tcp") its MuxListener, as the real services run."""
+
+    def __init__(self, servicer: StoryRouter, transport: str) -> None:
+        self.servicer = servicer
+        self.transport = transport
+
+    async def start(self, port: int = 0, mux_port: int = 0) -> str:
+        self.grpc = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(self.servicer, self.grpc)
+        self.port = self.grpc.add_insecure_port(f"127.0.0.1:{port}")
+        await self.grpc.start()
+        self.listener = MuxListener(self.servicer.mux)
+        if self.transport == "tcp":
+            self.servicer.mux_address = await self.listener.start("127.0.0.1", mux_port)
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        await self.listener.close()
+        await self.grpc.stop(0)
 
 
-def story(scenario):
-    """Run scenario(servicer, mux_channel, address, counting_calls) against a fresh server."""
+class Streams(list):
+    """The mux streams a story's channel connected, and how many times it tried."""
+    attempts = 0
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["tcp", "grpc"])
+
+
+def story(scenario, transport: str):
+    """Run scenario(servicer, mux_channel, server, counting_streams) against a fresh server."""
     async def main():
         servicer = StoryRouter()
-        server, address = await serve(servicer)
+        server = StoryServer(servicer, transport)
+        address = await server.start()
         channel = internal_channel(address)
-        stub = pb_grpc.RouterStub(channel)
-        calls: list[CountingCall] = []
+        connect = connect_to(pb_grpc.RouterStub(channel), address)
+        calls = Streams()
 
-        def open_call():
-            calls.append(CountingCall(stub.Mux()))
+        async def counting_connect():
+            calls.attempts += 1
+            calls.append(CountingCall(await connect()))
             return calls[-1]
-        muxed = MuxChannel(open_call, address)
+        muxed = MuxChannel(counting_connect, address)
         try:
             return await scenario(servicer, muxed, server, calls)
         finally:
             await muxed.close()
             await channel.close()
-            await server.stop(0)
+            await server.stop()
     return asyncio.run(main())
 
 
@@ -108,17 +137,19 @@ async def collect(call) -> list[int]:
     return [t for chunk in [c async for c in call] for t in chunk.token_ids]
 
 
-def test_many_calls_share_one_mux_call_and_each_gets_its_own_messages():
+@TRANSPORTS
+def test_many_calls_share_one_mux_call_and_each_gets_its_own_messages(transport):
     async def scenario(servicer, muxed, server, calls):
         results = await asyncio.gather(*(
             collect(muxed.call("generate", route(f"r{i}", range(i, i + 5)))) for i in range(20)))
         assert results == [list(range(i, i + 5)) for i in range(20)]
         assert len(calls) == 1                         # one gRPC call carried all twenty
         assert sorted(servicer.finished) == sorted(f"r{i}" for i in range(20))
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_messages_ready_together_travel_as_one_grpc_message():
+@TRANSPORTS
+def test_messages_ready_together_travel_as_one_grpc_message(transport):
     async def scenario(servicer, muxed, server, calls):
         muxed_calls = [muxed.call("generate", route(f"r{i}", [i], tenant="together"))
                        for i in range(32)]
@@ -129,10 +160,11 @@ def test_messages_ready_together_travel_as_one_grpc_message():
         assert [await c.read() for c in muxed_calls] == [
             pb.TokenChunk(request_id=f"r{i}", token_ids=[i]) for i in range(32)]
         assert calls[0].messages - before < 8          # not one message per call
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_an_abort_ends_only_its_own_call_with_its_status():
+@TRANSPORTS
+def test_an_abort_ends_only_its_own_call_with_its_status(transport):
     async def scenario(servicer, muxed, server, calls):
         bad = muxed.call("generate", route("bad", tenant="abort"))
         good = muxed.call("generate", route("good"))
@@ -145,28 +177,31 @@ def test_an_abort_ends_only_its_own_call_with_its_status():
         assert await collect(good) == [1, 2, 3]
         assert await collect(muxed.call("generate", route("after"))) == [1, 2, 3]
         assert len(calls) == 1
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_a_handler_that_raises_fails_its_call_as_unknown_and_the_mux_lives():
+@TRANSPORTS
+def test_a_handler_that_raises_fails_its_call_as_unknown_and_the_mux_lives(transport):
     async def scenario(servicer, muxed, server, calls):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await collect(muxed.call("generate", route("boom", tenant="raise")))
         assert e.value.code() == grpc.StatusCode.UNKNOWN
         assert "boom broke the handler" in e.value.details()
         assert await collect(muxed.call("generate", route("after"))) == [1, 2, 3]
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_a_method_the_callee_lacks_is_unimplemented():
+@TRANSPORTS
+def test_a_method_the_callee_lacks_is_unimplemented(transport):
     async def scenario(servicer, muxed, server, calls):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await muxed.unary("reserve", pb.ReserveRequest(request_id="r"))
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_cancel_stops_the_handler_and_runs_its_finally():
+@TRANSPORTS
+def test_cancel_stops_the_handler_and_runs_its_finally(transport):
     async def scenario(servicer, muxed, server, calls):
         call = muxed.call("generate", route("slow", [7], tenant="hang"))
         assert (await call.read()).token_ids == [7]
@@ -178,10 +213,11 @@ def test_cancel_stops_the_handler_and_runs_its_finally():
                 break
             await asyncio.sleep(0.01)
         assert servicer.finished == ["slow"]
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_leaving_an_async_for_early_cancels_the_call():
+@TRANSPORTS
+def test_leaving_an_async_for_early_cancels_the_call(transport):
     async def scenario(servicer, muxed, server, calls):
         async def first_token():
             async for chunk in muxed.call("generate", route("early", [5], tenant="hang")):
@@ -192,10 +228,11 @@ def test_leaving_an_async_for_early_cancels_the_call():
                 break
             await asyncio.sleep(0.01)
         assert servicer.finished == ["early"]
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_a_caller_that_goes_away_cancels_every_call_it_had_open():
+@TRANSPORTS
+def test_a_caller_that_goes_away_cancels_every_call_it_had_open(transport):
     async def scenario(servicer, muxed, server, calls):
         open_calls = [muxed.call("generate", route(f"h{i}", [i], tenant="hang")) for i in range(5)]
         for c in open_calls:
@@ -206,15 +243,16 @@ def test_a_caller_that_goes_away_cancels_every_call_it_had_open():
                 break
             await asyncio.sleep(0.01)
         assert sorted(servicer.finished) == [f"h{i}" for i in range(5)]
-    story(scenario)
+    story(scenario, transport)
 
 
-def test_a_dead_callee_fails_every_open_call_and_the_next_call_opens_a_new_mux():
+@TRANSPORTS
+def test_a_dead_callee_fails_every_open_call_and_the_next_call_opens_a_new_mux(transport):
     async def scenario(servicer, muxed, server, calls):
         waiting = [muxed.call("generate", route(f"h{i}", [i], tenant="hang")) for i in range(3)]
         for c in waiting:
             await c.read()
-        await server.stop(0)                           # the callee goes away mid-stream
+        await server.stop()                            # the callee goes away mid-stream
         for c in waiting:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await asyncio.wait_for(c.read(), 5)    # an error, never a hang
@@ -222,22 +260,24 @@ def test_a_dead_callee_fails_every_open_call_and_the_next_call_opens_a_new_mux()
         with pytest.raises(grpc.aio.AioRpcError) as e:  # nothing answers: the call fails fast
             await asyncio.wait_for(collect(muxed.call("generate", route("x"))), 5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert len(calls) == 2
-    story(scenario)
+        assert calls.attempts == 2                     # the broken mux was not reused
+    story(scenario, transport)
 
 
-def test_after_a_callee_restarts_on_its_address_calls_work_again():
+@TRANSPORTS
+def test_after_a_callee_restarts_on_its_address_calls_work_again(transport):
     async def main():
-        servicer = StoryRouter()
-        server, address = await serve(servicer)
+        server = StoryServer(StoryRouter(), transport)
+        address = await server.start()
         channel = internal_channel(address)
-        muxed = MuxChannel(pb_grpc.RouterStub(channel).Mux, address)
+        muxed = MuxChannel(connect_to(pb_grpc.RouterStub(channel), address), address)
         try:
             assert await collect(muxed.call("generate", route("a"))) == [1, 2, 3]
-            await server.stop(0)
+            await server.stop()
             with pytest.raises(grpc.aio.AioRpcError):
                 await asyncio.wait_for(collect(muxed.call("generate", route("b"))), 5)
-            server, _ = await serve(StoryRouter(), int(address.rsplit(":", 1)[1]))
+            server = StoryServer(StoryRouter(), transport)   # on the same port, a new mux port
+            await server.start(int(address.rsplit(":", 1)[1]))
             for _ in range(100):                       # the channel reconnects with backoff
                 try:
                     assert await collect(muxed.call("generate", route("c"))) == [1, 2, 3]
@@ -249,7 +289,7 @@ def test_after_a_callee_restarts_on_its_address_calls_work_again():
         finally:
             await muxed.close()
             await channel.close()
-            await server.stop(0)
+            await server.stop()
     asyncio.run(main())
 
 
@@ -287,7 +327,7 @@ def test_reservations_over_a_decode_workers_mux_each_get_their_own_answer(decode
     async def main():
         channel = internal_channel(decode_worker)
         stub = pb_grpc.WorkerStub(channel)
-        muxed = MuxChannel(stub.Mux, decode_worker)
+        muxed = MuxChannel(connect_to(stub, decode_worker), decode_worker)
         try:
             answers = await asyncio.gather(*(muxed.unary("reserve", reserve_request(f"r{i}", 16 + i))
                                              for i in range(12)))

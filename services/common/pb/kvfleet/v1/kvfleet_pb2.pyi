@@ -94,7 +94,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "detail")
+    __slots__ = ("status", "detail", "mux_address")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         UNKNOWN: _ClassVar[HealthResponse.Status]
@@ -105,9 +105,11 @@ class HealthResponse(_message.Message):
     NOT_SERVING: HealthResponse.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MUX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     status: HealthResponse.Status
     detail: str
-    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    mux_address: str
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., detail: _Optional[str] = ..., mux_address: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
