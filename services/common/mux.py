@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
@@ -58,7 +59,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 CONNECT_TIMEOUT_S = 5.0
 # Transport failures: every call on the connection fails with UNAVAILABLE.
 _BROKEN = (grpc.aio.AioRpcError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError,
-           ValueError)
+           ValueError, DecodeError)
 
 Handler = Callable[[Any, "CallContext"], AsyncIterator[Any]]
 # The ReplyFrame field that carries each message type.

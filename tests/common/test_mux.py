@@ -306,6 +306,24 @@ def test_frames_ready_together_are_cut_into_messages_below_the_size_cap(monkeypa
     assert batch == frames[3:] and ended
 
 
+def test_garbage_on_the_mux_port_drops_that_connection_only():
+    async def scenario(servicer, muxed, server, calls):
+        assert await collect(muxed.call("generate", route("before"))) == [1, 2, 3]
+        host, port = servicer.mux_address.rsplit(":", 1)
+        for garbage in (b"\x00\x00\x00\x05hello",               # not a CallFrames
+                        (1 << 30).to_bytes(4, "big"),            # a 1 GiB message announced
+                        b"\x00\x00"):                            # cut off mid-header
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(garbage)
+            if garbage == b"\x00\x00":
+                writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), 5) == b""   # dropped, nothing answered
+            writer.close()
+        assert await collect(muxed.call("generate", route("after"))) == [1, 2, 3]
+        assert len(calls) == 1                         # the good connection never noticed
+    story(scenario, "tcp")
+
+
 # ------------------------------------------------------------- a real decode worker's mux
 @pytest.fixture
 def decode_worker(tiny_model_dir):
