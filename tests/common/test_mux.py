@@ -133,6 +133,23 @@ def story(scenario, transport: str):
     return asyncio.run(main())
 
 
+async def finished(servicer: StoryRouter, n: int, within_s: float = 2.0) -> list[str]:
+    """The calls whose handler ran its `finally`, once n have (or within_s has passed)."""
+    for _ in range(int(within_s / 0.01)):
+        if len(servicer.finished) >= n:
+            break
+        await asyncio.sleep(0.01)
+    return servicer.finished
+
+
+async def hanging_calls(muxed: MuxChannel, n: int) -> list:
+    """n calls h0..h{n-1}, each past its first chunk and then waiting until cancelled."""
+    calls = [muxed.call("generate", route(f"h{i}", [i], tenant="hang")) for i in range(n)]
+    for c in calls:
+        await c.read()
+    return calls
+
+
 async def collect(call) -> list[int]:
     return [t for chunk in [c async for c in call] for t in chunk.token_ids]
 
@@ -208,11 +225,7 @@ def test_cancel_stops_the_handler_and_runs_its_finally(transport):
         assert call.cancel() and not call.cancel()     # idempotent
         with pytest.raises(asyncio.CancelledError):
             await call.read()                          # as a cancelled grpc.aio call
-        for _ in range(200):
-            if "slow" in servicer.finished:
-                break
-            await asyncio.sleep(0.01)
-        assert servicer.finished == ["slow"]
+        assert await finished(servicer, 1) == ["slow"]
     story(scenario, transport)
 
 
@@ -223,35 +236,23 @@ def test_leaving_an_async_for_early_cancels_the_call(transport):
             async for chunk in muxed.call("generate", route("early", [5], tenant="hang")):
                 return chunk.token_ids[0]
         assert await first_token() == 5
-        for _ in range(200):
-            if "early" in servicer.finished:
-                break
-            await asyncio.sleep(0.01)
-        assert servicer.finished == ["early"]
+        assert await finished(servicer, 1) == ["early"]
     story(scenario, transport)
 
 
 @TRANSPORTS
 def test_a_caller_that_goes_away_cancels_every_call_it_had_open(transport):
     async def scenario(servicer, muxed, server, calls):
-        open_calls = [muxed.call("generate", route(f"h{i}", [i], tenant="hang")) for i in range(5)]
-        for c in open_calls:
-            await c.read()
+        await hanging_calls(muxed, 5)
         await muxed.close()
-        for _ in range(200):
-            if len(servicer.finished) == 5:
-                break
-            await asyncio.sleep(0.01)
-        assert sorted(servicer.finished) == [f"h{i}" for i in range(5)]
+        assert sorted(await finished(servicer, 5)) == [f"h{i}" for i in range(5)]
     story(scenario, transport)
 
 
 @TRANSPORTS
 def test_a_dead_callee_fails_every_open_call_and_the_next_call_opens_a_new_mux(transport):
     async def scenario(servicer, muxed, server, calls):
-        waiting = [muxed.call("generate", route(f"h{i}", [i], tenant="hang")) for i in range(3)]
-        for c in waiting:
-            await c.read()
+        waiting = await hanging_calls(muxed, 3)
         await server.stop()                            # the callee goes away mid-stream
         for c in waiting:
             with pytest.raises(grpc.aio.AioRpcError) as e:
