@@ -109,8 +109,9 @@ def _size(item) -> int:
 
 # ------------------------------------------------------------------------------------- callee
 class MuxServer:
-    """The callee's side: `serve` is the Mux RPC handler; `handlers` maps a CallFrame kind to the
-    method's handler."""
+    """The callee's side. `serve(frames, context)` turns one connection's incoming CallFrames into
+    its outgoing ReplyFrames: the Mux RPC's handler, and MuxListener's for each TCP connection.
+    `handlers` maps a CallFrame kind to the method's handler."""
 
     def __init__(self, handlers: Mapping[str, Handler]) -> None:
         self.handlers = dict(handlers)
