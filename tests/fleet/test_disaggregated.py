@@ -10,9 +10,10 @@ import pytest
 
 from services.common.launcher import wait_until
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from tests.fleet.fleet_helpers import route_request, running_fleet
+from tests.fleet.fleet_helpers import listening_sockets, route_request, running_fleet
 
 PROMPT = [4080, 39, 72, 311, 464, 68] + list(range(600, 660))   # 66 tokens: 5 blocks of 16
 
@@ -98,6 +99,23 @@ def test_bad_request_is_invalid_argument(fleet):
         list(fleet.router_stub().Generate(route_request("bad", [1, 999999], 4)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "token" in info.value.details()
+
+
+def test_every_service_names_its_mux_listener_and_nothing_listens_off_loopback(fleet):
+    list(fleet.router_stub().Generate(route_request("warm", PROMPT, 4)))   # KV has moved
+    with grpc.insecure_channel(fleet.router) as ch:
+        addresses = [pb_grpc.RouterStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address]
+    for name in ALL:
+        with grpc.insecure_channel(fleet.workers[name]) as ch:
+            addresses.append(pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address)
+    pids = [child.proc.pid for child in fleet.launcher.children.values()]
+    listening = listening_sockets(pids)
+    assert listening, "found no listening socket at all: the /proc parsing is broken"
+    for address in addresses:                      # each names a loopback mux listener of its own
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1" and ("127.0.0.1", int(port)) in listening
+    assert len(set(addresses)) == 5
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}   # gRPC, mux and KV receivers alike
 
 
 def test_a_killed_decode_worker_ends_the_stream_with_an_error_and_the_fleet_goes_on(fleet):
