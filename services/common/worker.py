@@ -12,6 +12,11 @@
 
 Every path that ends a request early (client gone, error, timeout) frees what the request holds on
 this worker: `finally` blocks submit a cancel to the engine thread without awaiting it.
+
+A KV write, once started, runs to its end (done, failed, or its deadline) even if the Prefill call
+that started it is cancelled: a prefill worker's Cancel answers only once the request's write is
+over, so that whoever then frees the decode reservation it writes into (the router cancels prefill
+workers first, decode workers after) cannot hand those blocks to another request mid-write.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.engine: LLMEngine = loop.engine
         self.transport = transport
         self._awaiting_kv: dict[str, tuple[object, asyncio.TimerHandle]] = {}
+        self._writes: dict[str, object] = {}    # prefill: request id -> its KV write's handle
         self.mux = MuxServer({"reserve": unary(self.Reserve), "prefill": self.Prefill,
                               "decode": self.Decode, "generate": self.Generate})
         self.mux_address = ""        # set once a MuxListener serves self.mux (Health names it)
@@ -137,7 +143,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if timeout <= 0:
             raise TimeoutError(f"the decode reservation for {rid} expires before KV could move")
         blocks = await self.loop.call(self._prompt_blocks, rid, len(target.block_ids))
-        handle = self.transport.write(rid, blocks, target, timeout)
+        self._writes = {r: h for r, h in self._writes.items() if not h.done()}
+        handle = self._writes[rid] = self.transport.write(rid, blocks, target, timeout)
         await asyncio.to_thread(handle.wait, timeout)
 
     def _prompt_blocks(self, rid: str, n: int) -> list[int]:
@@ -160,14 +167,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if entry is not None:
             entry[1].cancel()
         cancelled = await self.loop.call(self.engine.cancel, request.request_id)
-        return pb.CancelResponse(cancelled=bool(cancelled or entry))
+        write = self._writes.get(request.request_id)   # (pruned once done, at the next write)
+        if write is not None and not write.done():
+            try:                       # bounded: a write ends by its deadline, done or failed
+                await asyncio.to_thread(write.wait, self.config.transfer_timeout_s)
+            except Exception:  # noqa: BLE001 - failed or timed out: either way it writes no more
+                pass
+        return pb.CancelResponse(cancelled=bool(cancelled or entry or write))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         response = await self.Cancel(pb.CancelRequest(request_id=request.request_id), context)
         return pb.ReleaseResponse(released=response.cancelled)
 
     async def Stats(self, request, context) -> pb.WorkerStats:
-        return stats_to_pb(self.config, self.engine, await self.loop.call(self.engine.stats))
+        stats = stats_to_pb(self.config, self.engine, await self.loop.call(self.engine.stats))
+        stats.kv_writes_in_flight = sum(not h.done() for h in self._writes.values())
+        return stats
 
     async def Health(self, request, context) -> pb.HealthResponse:
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, detail=self.config.role,

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 2   # the first try and one retry elsewhere
 WORKERS_TTL_S = 0.1      # a worker list this old is re-read from Redis in the background
 WORKERS_MAX_AGE_S = 1.0  # one older than this (an idle router) is re-read before placing
+CANCEL_TIMEOUT_S = 2.0
+# A prefill worker's Cancel waits for the request's KV write to end, at most until the decode
+# reservation's deadline (WorkerConfig.reserve_timeout_s, 30 s by default).
+CANCEL_WRITER_TIMEOUT_S = 35.0
 
 
 class NoCapacity(Exception):
@@ -50,9 +54,11 @@ class WorkerLink:
 
 @dataclass
 class Touched:
-    """Workers a live request has touched, so a cancel reaches all of them."""
+    """Workers a live request has touched, so a cancel reaches all of them. `kv_targets` are
+    the decode workers among them (reservations a prefill worker may be writing KV into)."""
 
     addresses: set[str] = field(default_factory=set)
+    kv_targets: set[str] = field(default_factory=set)
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -138,7 +144,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 break
             first = chunk if chunk.token_ids else first
             if chunk.finished:          # ended at the prefill worker (EOS, length, rejected):
-                await self._cancel_all(request.request_id, Touched({decode.grpc_address}))
+                await self._cancel_all(request.request_id,
+                                       Touched({decode.grpc_address}, {decode.grpc_address}))
                 yield chunk             # the decode reservation is freed before the client hears
                 return
             yield chunk
@@ -152,6 +159,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         reasons = []
         for w in rank_decode(workers):
             touched.addresses.add(w.grpc_address)
+            touched.kv_targets.add(w.grpc_address)
             resp = await self._mux_to(w.grpc_address).unary("reserve", pb.ReserveRequest(
                 request_id=request.request_id, tenant=request.tenant,
                 traffic_class=request.traffic_class,
@@ -222,12 +230,17 @@ class RouterServicer(pb_grpc.RouterServicer):
         asyncio.get_running_loop().create_task(self._cancel_all(rid, touched))
 
     async def _cancel_all(self, rid: str, touched: Touched) -> None:
-        async def one(address: str) -> None:
+        """Cancel on every worker touched: prefill (and mixed) workers first, whose Cancel answers
+        once a KV write of the request is over; only then decode workers, which free the
+        reservation that write went into."""
+        async def one(address: str, timeout_s: float) -> None:
             try:
-                await self._stub(address).Cancel(pb.CancelRequest(request_id=rid), timeout=2.0)
+                await self._stub(address).Cancel(pb.CancelRequest(request_id=rid), timeout=timeout_s)
             except grpc.aio.AioRpcError:
-                pass   # a dead worker holds nothing any more
-        await asyncio.gather(*(one(a) for a in touched.addresses))
+                pass   # a dead worker holds nothing any more (a hung one: its reservation expires)
+        sources = touched.addresses - touched.kv_targets
+        await asyncio.gather(*(one(a, CANCEL_WRITER_TIMEOUT_S) for a in sources))
+        await asyncio.gather(*(one(a, CANCEL_TIMEOUT_S) for a in touched.kv_targets))
 
     async def close(self) -> None:
         if self._refreshing is not None:

@@ -22,10 +22,11 @@ class Fleet:
         self.workers: dict[str, str] = {}
         self.router = ""
 
-    def worker(self, name: str, role: str, model: str, kv_backend: str = "tcp") -> str:
+    def worker(self, name: str, role: str, model: str, kv_backend: str = "tcp",
+               extra_args: tuple[str, ...] = ()) -> str:
         args = ["services.common.cli", "serve", role, "--model", model, "--worker-id", name,
                 "--redis-url", self.redis_url, "--kv-backend", kv_backend, "--kv-cache-mib", "64",
-                "--heartbeat-s", "0.3"]
+                "--heartbeat-s", "0.3", *extra_args]
         self.workers[name] = self.launcher.start(name, args)
         return self.workers[name]
 
@@ -44,8 +45,9 @@ class Fleet:
 
 @contextmanager
 def running_fleet(redis_base_url: str, model: str, mode: str, prefill: int = 1, decode: int = 1,
-                  kv_backend: str = "tcp"):
-    """Yields a Fleet; always stops every process it started."""
+                  kv_backend: str = "tcp", worker_args: tuple[str, ...] = ()):
+    """Yields a Fleet; always stops every process it started. `worker_args`: more flags for
+    every worker."""
     launcher = Launcher()
     fleet = Fleet(launcher, f"{redis_base_url.rsplit('/', 1)[0]}/{next(_db) % 16}")
     import redis
@@ -53,12 +55,12 @@ def running_fleet(redis_base_url: str, model: str, mode: str, prefill: int = 1, 
     try:
         if mode == "colocated":
             for i in range(decode):
-                fleet.worker(f"mixed-{i}", "mixed", model)
+                fleet.worker(f"mixed-{i}", "mixed", model, extra_args=worker_args)
         else:
             for i in range(prefill):
-                fleet.worker(f"prefill-{i}", "prefill", model, kv_backend)
+                fleet.worker(f"prefill-{i}", "prefill", model, kv_backend, worker_args)
             for i in range(decode):
-                fleet.worker(f"decode-{i}", "decode", model, kv_backend)
+                fleet.worker(f"decode-{i}", "decode", model, kv_backend, worker_args)
         fleet.start_router(mode)
         yield fleet
     finally:
