@@ -142,6 +142,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             timeout = min(timeout, deadline - time.time() - DEADLINE_MARGIN_S)
         if timeout <= 0:
             raise TimeoutError(f"the decode reservation for {rid} expires before KV could move")
+        # A request cancelled before this point has no blocks any more: the write below refuses
+        # an empty block list, so a Cancel that found no write in flight leaves none to come.
         blocks = await self.loop.call(self._prompt_blocks, rid, len(target.block_ids))
         self._writes = {r: h for r, h in self._writes.items() if not h.done()}
         handle = self._writes[rid] = self.transport.write(rid, blocks, target, timeout)
