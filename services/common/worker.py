@@ -7,8 +7,8 @@
                         prompt's KV into the decode worker's reservation and ends with "prefilled"
   mixed    Generate  -> co-located: the whole request here
   all      Cancel, Release, Stats, Health
-           Mux       -> Reserve, Prefill, Decode and Generate calls over one long-lived call (the
-                        router keeps one per worker; services/common/mux.py)
+           Mux       -> Reserve, Prefill, Decode, Generate and Cancel calls over one long-lived
+                        connection (the router keeps one per worker; services/common/mux.py)
 
 Every path that ends a request early (client gone, error, timeout) frees what the request holds on
 this worker: `finally` blocks submit a cancel to the engine thread without awaiting it.
@@ -56,7 +56,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._awaiting_kv: dict[str, tuple[object, asyncio.TimerHandle]] = {}
         self._writes: dict[str, object] = {}    # prefill: request id -> its KV write's handle
         self.mux = MuxServer({"reserve": unary(self.Reserve), "prefill": self.Prefill,
-                              "decode": self.Decode, "generate": self.Generate})
+                              "decode": self.Decode, "generate": self.Generate,
+                              "release": unary(self.Cancel)})
         self.mux_address = ""        # set once a MuxListener serves self.mux (Health names it)
 
     async def Mux(self, frames, context):

@@ -45,10 +45,9 @@ class NoCapacity(Exception):
 
 @dataclass(frozen=True)
 class WorkerLink:
-    """What the router holds per worker: one channel, its stub (Cancel) and the mux call that
-    carries Reserve, Prefill, Decode and Generate."""
+    """What the router holds per worker: the gRPC channel (Health, to find the mux listener) and
+    the mux connection that carries Reserve, Prefill, Decode, Generate and Cancel."""
     channel: grpc.aio.Channel
-    stub: pb_grpc.WorkerStub
     mux: MuxChannel
 
 
@@ -215,16 +214,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         link = self._links.get(address)
         if link is None:
             channel = internal_channel(address)
-            stub = pb_grpc.WorkerStub(channel)
-            link = self._links[address] = WorkerLink(channel, stub,
-                                                     MuxChannel(connect_to(stub, address), address))
+            mux = MuxChannel(connect_to(pb_grpc.WorkerStub(channel), address), address)
+            link = self._links[address] = WorkerLink(channel, mux)
         return link
 
     def _mux_to(self, address: str) -> MuxChannel:
         return self._link(address).mux
-
-    def _stub(self, address: str) -> pb_grpc.WorkerStub:
-        return self._link(address).stub
 
     def _cancel_everywhere(self, rid: str, touched: Touched) -> None:
         asyncio.get_running_loop().create_task(self._cancel_all(rid, touched))
@@ -234,9 +229,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         once a KV write of the request is over; only then decode workers, which free the
         reservation that write went into."""
         async def one(address: str, timeout_s: float) -> None:
+            # over the mux, after the request's own frames (a Reserve still on its way is then
+            # always seen before its Cancel)
             try:
-                await self._stub(address).Cancel(pb.CancelRequest(request_id=rid), timeout=timeout_s)
-            except grpc.aio.AioRpcError:
+                await asyncio.wait_for(self._mux_to(address).unary(
+                    "release", pb.CancelRequest(request_id=rid)), timeout_s)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError):
                 pass   # a dead worker holds nothing any more (a hung one: its reservation expires)
         sources = touched.addresses - touched.kv_targets
         await asyncio.gather(*(one(a, CANCEL_WRITER_TIMEOUT_S) for a in sources))

@@ -366,3 +366,23 @@ def test_reservations_over_a_decode_workers_mux_each_get_their_own_answer(decode
             await muxed.close()
             await channel.close()
     asyncio.run(main())
+
+
+def test_a_release_sent_right_behind_a_reserve_always_frees_it(decode_worker):
+    """The router's Cancel travels on the same connection as the request's Reserve, so it can
+    never overtake it: a reservation made just before its Cancel is always freed."""
+    async def main():
+        channel = internal_channel(decode_worker)
+        stub = pb_grpc.WorkerStub(channel)
+        muxed = MuxChannel(connect_to(stub, decode_worker), decode_worker)
+        try:
+            for i in range(20):
+                reserve = muxed.call("reserve", reserve_request(f"q{i}"))   # its frame is queued
+                released = await muxed.unary("release", pb.CancelRequest(request_id=f"q{i}"))
+                assert (await reserve.read()).accepted and released.cancelled
+            stats = await stub.Stats(pb.StatsRequest())
+            assert stats.kv_blocks_used == 0 and stats.kv_blocks_reserved == 0
+        finally:
+            await muxed.close()
+            await channel.close()
+    asyncio.run(main())

@@ -294,20 +294,22 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ...) -> None: ...
 
 class CallFrame(_message.Message):
-    __slots__ = ("call_id", "generate", "reserve", "prefill", "decode", "cancel")
+    __slots__ = ("call_id", "generate", "reserve", "prefill", "decode", "cancel", "release")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     generate: RouteRequest
     reserve: ReserveRequest
     prefill: PrefillRequest
     decode: DecodeRequest
     cancel: bool
-    def __init__(self, call_id: _Optional[int] = ..., generate: _Optional[_Union[RouteRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    release: CancelRequest
+    def __init__(self, call_id: _Optional[int] = ..., generate: _Optional[_Union[RouteRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., release: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
 
 class CallFrames(_message.Message):
     __slots__ = ("frames",)
@@ -324,16 +326,18 @@ class CallStatus(_message.Message):
     def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class ReplyFrame(_message.Message):
-    __slots__ = ("call_id", "chunk", "reserved", "end")
+    __slots__ = ("call_id", "chunk", "reserved", "end", "released")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     chunk: TokenChunk
     reserved: ReserveResponse
     end: CallStatus
-    def __init__(self, call_id: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., reserved: _Optional[_Union[ReserveResponse, _Mapping]] = ..., end: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+    released: CancelResponse
+    def __init__(self, call_id: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., reserved: _Optional[_Union[ReserveResponse, _Mapping]] = ..., end: _Optional[_Union[CallStatus, _Mapping]] = ..., released: _Optional[_Union[CancelResponse, _Mapping]] = ...) -> None: ...
 
 class ReplyFrames(_message.Message):
     __slots__ = ("frames",)
