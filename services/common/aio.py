@@ -23,6 +23,9 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
+# The hosts a kvfleet service (router, worker, mux listener) may bind or connect to in this build.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 # Channels between the fleet's own services. grpc's transparent retries are off: the router
 # decides itself what is retried (a prefill, once, before any token), and the retry machinery
 # buffers every call's messages for nothing.

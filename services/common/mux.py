@@ -48,6 +48,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from services.common.aio import LOOPBACK
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -231,9 +232,6 @@ class MuxCall:
         self._finish(_Ended(asyncio.CancelledError()))
         return True
 
-    def done(self) -> bool:
-        return self._over
-
     async def __aiter__(self):
         try:
             while (message := await self.read()) is not grpc.aio.EOF:
@@ -362,7 +360,7 @@ def connect_to(stub, address: str) -> Callable[[], Awaitable[Any]]:
         if not health.mux_address:
             return stub.Mux()
         host, port = health.mux_address.rsplit(":", 1)
-        if host not in _LOOPBACK:
+        if host not in LOOPBACK:
             raise ConnectionRefusedError(f"{address} names a mux address off loopback: "
                                          f"{health.mux_address}")
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)),
@@ -392,9 +390,6 @@ class _Connecting:
 
 
 # ---------------------------------------------------------------------------------- TCP transport
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
 def _encode(message) -> bytes:
     body = message.SerializeToString()
     return len(body).to_bytes(4, "big") + body
@@ -450,7 +445,7 @@ class MuxListener:
 
     async def start(self, host: str, port: int = 0) -> str:
         """Listen; returns the address ("host:port") to name in Health."""
-        if host not in _LOOPBACK:
+        if host not in LOOPBACK:
             raise ValueError(f"the mux listens on loopback only; got {host}")
         self._server = await asyncio.start_server(self._connection, host, port)
         return f"{host}:{self._server.sockets[0].getsockname()[1]}"

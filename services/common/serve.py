@@ -15,7 +15,7 @@ import time
 import grpc
 import torch
 
-from services.common.aio import run
+from services.common.aio import LOOPBACK, run
 from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
 from services.common.fleet_state import FleetState, WorkerRecord
@@ -27,7 +27,6 @@ from services.engine.config_file import load_engine_config
 from services.engine.engine import LLMEngine
 from dataclasses import replace
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SWITCH_INTERVAL_S = 0.0005
 
 

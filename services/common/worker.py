@@ -33,6 +33,7 @@ from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine
 from services.engine.errors import InvalidRequestError
+from services.kv_transfer.base import TransferHandle
 
 
 DEADLINE_MARGIN_S = 1.0   # a KV write ends this long before the reservation it targets expires
@@ -54,7 +55,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.engine: LLMEngine = loop.engine
         self.transport = transport
         self._awaiting_kv: dict[str, tuple[object, asyncio.TimerHandle]] = {}
-        self._writes: dict[str, object] = {}    # prefill: request id -> its KV write's handle
+        self._writes: dict[str, TransferHandle] = {}   # prefill: request id -> its KV write
         self.mux = MuxServer({"reserve": unary(self.Reserve), "prefill": self.Prefill,
                               "decode": self.Decode, "generate": self.Generate,
                               "release": unary(self.Cancel)})
@@ -67,17 +68,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     # ------------------------------------------------------------ decode role
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         await self._require(context, "decode")
+        rid = request.request_id
         try:
-            return await self._reserve(request)
+            blocks = await self.loop.call(
+                self.engine.reserve_remote, list(request.prompt_token_ids),
+                params_from_pb(request.params), request_id=rid,
+                tenant=request.tenant or None, traffic_class=request.traffic_class or None)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.code}: {e.message}")
-
-    async def _reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
-        rid = request.request_id
-        blocks = await self.loop.call(
-            self.engine.reserve_remote, list(request.prompt_token_ids),
-            params_from_pb(request.params), request_id=rid,
-            tenant=request.tenant or None, traffic_class=request.traffic_class or None)
         if blocks is None:
             stats = await self.loop.call(self.engine.stats)
             return pb.ReserveResponse(request_id=rid, accepted=False, reason=(

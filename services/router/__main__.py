@@ -6,7 +6,7 @@ import sys
 
 import grpc
 
-from services.common.aio import run
+from services.common.aio import LOOPBACK, run
 
 from services.common.fleet_state import FleetState
 from services.common.mux import MuxListener
@@ -16,7 +16,7 @@ from services.router.service import RouterServicer
 
 
 async def serve(args: argparse.Namespace) -> int:
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.host not in LOOPBACK:
         raise SystemExit(f"the router binds to loopback only in this build; got --host {args.host}")
     state = FleetState(args.redis_url)
     servicer = RouterServicer(state, args.mode)

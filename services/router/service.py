@@ -1,7 +1,7 @@
 """The Router gRPC service: place, reserve, prefill, relay (DESIGN.md section 3, step 2).
 
-Every call to a worker goes over the router's one long-lived mux call to that worker
-(services/common/mux.py), and the gateway's calls come in over its mux call to the router.
+Every call to a worker goes over the router's one long-lived mux connection to that worker
+(services/common/mux.py), and the gateway's calls come in over its mux connection to the router.
 
 Disaggregated request, in order:
   1. Reserve on the best decode replica that accepts (its reservations are authoritative);
@@ -53,10 +53,11 @@ class WorkerLink:
 
 @dataclass
 class Touched:
-    """Workers a live request has touched, so a cancel reaches all of them. `kv_targets` are
-    the decode workers among them (reservations a prefill worker may be writing KV into)."""
+    """Workers a live request has touched, so a cancel reaches all of them: `sources` (prefill
+    and mixed workers) and `kv_targets` (decode workers, whose reservations a prefill worker may
+    be writing KV into)."""
 
-    addresses: set[str] = field(default_factory=set)
+    sources: set[str] = field(default_factory=set)
     kv_targets: set[str] = field(default_factory=set)
 
 
@@ -131,7 +132,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if not candidates:
             raise NoCapacity("no healthy mixed worker")
         target = candidates[0]
-        touched.addresses.add(target.grpc_address)
+        touched.sources.add(target.grpc_address)
         async for chunk in self._mux_to(target.grpc_address).call("generate", request):
             yield chunk
 
@@ -143,8 +144,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 break
             first = chunk if chunk.token_ids else first
             if chunk.finished:          # ended at the prefill worker (EOS, length, rejected):
-                await self._cancel_all(request.request_id,
-                                       Touched({decode.grpc_address}, {decode.grpc_address}))
+                await self._cancel_all(request.request_id, Touched(kv_targets={decode.grpc_address}))
                 yield chunk             # the decode reservation is freed before the client hears
                 return
             yield chunk
@@ -157,7 +157,6 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _reserve(self, request, workers, touched: Touched):
         reasons = []
         for w in rank_decode(workers):
-            touched.addresses.add(w.grpc_address)
             touched.kv_targets.add(w.grpc_address)
             resp = await self._mux_to(w.grpc_address).unary("reserve", pb.ReserveRequest(
                 request_id=request.request_id, tenant=request.tenant,
@@ -176,7 +175,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if not candidates:
             raise NoCapacity("no healthy prefill worker")
         for attempt, w in enumerate(candidates[:PREFILL_ATTEMPTS]):
-            touched.addresses.add(w.grpc_address)
+            touched.sources.add(w.grpc_address)
             sent = False
             try:
                 async for chunk in self._mux_to(w.grpc_address).call("prefill", pb.PrefillRequest(
@@ -236,8 +235,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                     "release", pb.CancelRequest(request_id=rid)), timeout_s)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError):
                 pass   # a dead worker holds nothing any more (a hung one: its reservation expires)
-        sources = touched.addresses - touched.kv_targets
-        await asyncio.gather(*(one(a, CANCEL_WRITER_TIMEOUT_S) for a in sources))
+        await asyncio.gather(*(one(a, CANCEL_WRITER_TIMEOUT_S) for a in touched.sources))
         await asyncio.gather(*(one(a, CANCEL_TIMEOUT_S) for a in touched.kv_targets))
 
     async def close(self) -> None:
