@@ -17,10 +17,17 @@ next iteration is not interrupted by the asyncio thread taking the GIL back.
 
 Backpressure: the engine never waits for a client. Deltas queue per stream and a slow consumer
 receives them coalesced (tokens, text and logprobs concatenated) the next time it reads.
+
+Failure: an exception out of an iteration (or out of the loop itself) is never silent. The loop
+records it (`failure`), logs it with its traceback, and ends its thread; on the asyncio thread
+every open stream then raises EngineFailed, every waiting and later `call()` raises it too, and
+`on_failure` runs (the worker process marks itself NOT_SERVING, stops heartbeating and exits
+non-zero, so `kvfleet up` restarts it). Nothing that waited on the engine hangs.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -29,10 +36,16 @@ from typing import Any
 from services.engine.engine import LLMEngine
 from services.engine.outputs import RequestOutput
 
+log = logging.getLogger(__name__)
+
 # After posting to the asyncio thread, the engine thread waits up to this long for it to run what
 # was posted (see EngineLoop._hand_off). Bounded, so a busy event loop cannot stall the engine for
 # more than this per iteration.
 HANDOFF_WAIT_S = 0.002
+
+
+class EngineFailed(RuntimeError):
+    """The engine loop died (see EngineLoop.failure); nothing more runs on this engine."""
 
 
 class OutputStream:
@@ -42,14 +55,22 @@ class OutputStream:
         self._aio = aio
         self._pending: list[RequestOutput] = []
         self._event = asyncio.Event()
+        self._failure: EngineFailed | None = None
 
     def deliver(self, out: RequestOutput) -> None:       # asyncio thread
         self._pending.append(out)
         self._event.set()
 
+    def fail(self, error: EngineFailed) -> None:         # asyncio thread
+        self._failure = error
+        self._event.set()
+
     async def next(self) -> RequestOutput:
-        """The deltas that arrived since the last read, merged into one."""
+        """The deltas that arrived since the last read, merged into one. Raises EngineFailed once
+        the engine died (deltas that arrived before are still read first)."""
         while not self._pending:
+            if self._failure is not None:
+                raise self._failure
             self._event.clear()
             await self._event.wait()
         outs, self._pending = self._pending, []
@@ -84,8 +105,12 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, aio: asyncio.AbstractEventLoop,
-                 idle_wait_s: float = 0.05, handoff_wait_s: float = HANDOFF_WAIT_S) -> None:
+                 idle_wait_s: float = 0.05, handoff_wait_s: float = HANDOFF_WAIT_S,
+                 on_failure: Callable[[EngineFailed], None] | None = None) -> None:
         self.engine = engine
+        self.failure: EngineFailed | None = None   # set once, by the engine thread, on failure
+        self._on_failure = on_failure
+        self._waiting: set[asyncio.Future] = set()   # call() results not yet settled
         self._aio = aio
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
@@ -110,6 +135,8 @@ class EngineLoop:
         """fn(*args, **kwargs) on the engine. Inline, on this thread, when the engine is free (no
         iteration running, no command queued or running: so commands still run in the order they
         were issued); otherwise on the engine thread between iterations."""
+        if self.failure is not None:
+            raise self.failure
         # Only this (the asyncio) thread queues commands, so none can appear between the check
         # and the call: `unfinished_tasks` only falls meanwhile.
         if self._commands.unfinished_tasks == 0 and self._engine_lock.acquire(blocking=False):
@@ -131,13 +158,20 @@ class EngineLoop:
                 self._aio.call_soon_threadsafe(_settle, fut, result, None)
 
         self._commands.put(run)
-        return await fut
+        self._waiting.add(fut)
+        try:
+            return await fut
+        finally:
+            self._waiting.discard(fut)
 
     def submit(self, fn: Callable[..., Any], *args, **kwargs) -> None:
         self._commands.put(lambda: fn(*args, **kwargs))
 
     def stream(self, request_id: str) -> OutputStream:
         stream = OutputStream(self._aio)
+        if self.failure is not None:
+            stream.fail(self.failure)
+            return stream
         with self._lock:
             self._streams[request_id] = stream
         return stream
@@ -148,6 +182,33 @@ class EngineLoop:
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._iterate()
+        except BaseException as e:  # noqa: BLE001 - an engine failure must never be silent
+            self._fail(e)
+
+    def _fail(self, cause: BaseException) -> None:
+        log.critical("engine loop failed; failing every request it holds", exc_info=cause)
+        failure = EngineFailed(f"the engine failed: {type(cause).__name__}: {cause}")
+        failure.__cause__ = cause
+        self.failure = failure          # from here call() and stream() fail at once
+        try:
+            self._aio.call_soon_threadsafe(self._fail_waiters, failure)
+        except RuntimeError:
+            pass                        # the event loop is closed: the process is ending anyway
+
+    def _fail_waiters(self, failure: EngineFailed) -> None:
+        """Asyncio thread: every open stream and every waiting call() raises `failure`."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.fail(failure)
+        for fut in list(self._waiting):
+            _settle(fut, None, failure)
+        if self._on_failure is not None:
+            self._on_failure(failure)
+
+    def _iterate(self) -> None:
         while not self._stop.is_set():
             with self._engine_lock:
                 idle = not self.engine.has_unfinished()

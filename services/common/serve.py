@@ -15,6 +15,7 @@ import time
 import grpc
 import torch
 
+from services.common import faults
 from services.common.aio import LOOPBACK, run
 from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
@@ -28,6 +29,7 @@ from services.engine.engine import LLMEngine
 from dataclasses import replace
 
 SWITCH_INTERVAL_S = 0.0005
+ENGINE_FAILED_EXIT = 70     # EX_SOFTWARE: the engine loop died; the supervisor restarts the worker
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None:
@@ -96,12 +98,14 @@ async def serve(args: argparse.Namespace) -> int:
     config = WorkerConfig(worker_id, args.role, args.kv_backend,
                           reserve_timeout_s=args.reserve_timeout_s)
     engine = LLMEngine(engine_config_for(args))
+    faults.install(engine)
     transport = None
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
         transport = make_transport(args.kv_backend, worker_id)
         transport.register(engine.kv_cache)
-    loop = EngineLoop(engine, asyncio.get_running_loop())
+    failed = asyncio.Event()     # the engine died: shut down and exit non-zero (restarted)
+    loop = EngineLoop(engine, asyncio.get_running_loop(), on_failure=lambda _: failed.set())
     loop.start()
     servicer = WorkerServicer(config, loop, transport)
     server = grpc.aio.server()
@@ -117,7 +121,10 @@ async def serve(args: argparse.Namespace) -> int:
                                                   every_s=args.heartbeat_s))
             if state else None)
     print(f"READY {worker_id} {address}", flush=True)
-    await wait_for_stop_signal()
+    await wait_for_stop_signal(failed)
+    if failed.is_set():
+        print(f"worker {worker_id}: {loop.failure}; exiting with status {ENGINE_FAILED_EXIT}",
+              file=sys.stderr, flush=True)
     if beat:
         beat.cancel()
         await state.remove_worker(worker_id)
@@ -127,7 +134,7 @@ async def serve(args: argparse.Namespace) -> int:
     loop.stop()
     if transport is not None:
         transport.close()
-    return 0
+    return ENGINE_FAILED_EXIT if failed.is_set() else 0
 
 
 def main(role: str | None = None, argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.convert import chunk_from_output, params_from_pb
-from services.common.engine_loop import EngineLoop
+from services.common.engine_loop import EngineFailed, EngineLoop
 from services.common.mux import MuxServer, unary
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -76,6 +76,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 tenant=request.tenant or None, traffic_class=request.traffic_class or None)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.code}: {e.message}")
+        except EngineFailed as e:
+            await _engine_failed(context, e)
         if blocks is None:
             stats = await self.loop.call(self.engine.stats)
             return pb.ReserveResponse(request_id=rid, accepted=False, reason=(
@@ -103,6 +105,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await self.loop.call(self.engine.start_decode, rid, request.first_token)
             async for out in stream:
                 yield chunk_from_output(out, self.config.worker_id)
+        except EngineFailed as e:
+            await _engine_failed(context, e)
         except Exception as e:  # noqa: BLE001 - transfer failures end the stream with a status
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV for {rid} did not arrive: {e}")
         finally:
@@ -130,6 +134,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await self._transfer(rid, request.target, request.kv_deadline_unix_s)
             yield pb.TokenChunk(request_id=rid, finished=True, finish_reason="prefilled",
                                 served_by=self.config.worker_id)
+        except EngineFailed as e:
+            await _engine_failed(context, e)
         finally:
             self._end(rid)
 
@@ -159,6 +165,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await self._add(context, request)
             async for out in stream:
                 yield chunk_from_output(out, self.config.worker_id)
+        except EngineFailed as e:
+            await _engine_failed(context, e)
         finally:
             self._end(request.request_id)
 
@@ -167,7 +175,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         entry = self._awaiting_kv.pop(request.request_id, None)
         if entry is not None:
             entry[1].cancel()
-        cancelled = await self.loop.call(self.engine.cancel, request.request_id)
+        try:
+            cancelled = await self.loop.call(self.engine.cancel, request.request_id)
+        except EngineFailed:
+            cancelled = False          # a dead engine holds nothing any more
         write = self._writes.get(request.request_id)   # (pruned once done, at the next write)
         if write is not None and not write.done():
             try:                       # bounded: a write ends by its deadline, done or failed
@@ -181,11 +192,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.ReleaseResponse(released=response.cancelled)
 
     async def Stats(self, request, context) -> pb.WorkerStats:
-        stats = stats_to_pb(self.config, self.engine, await self.loop.call(self.engine.stats))
+        try:
+            engine_stats = await self.loop.call(self.engine.stats)
+        except EngineFailed as e:
+            await _engine_failed(context, e)
+        stats = stats_to_pb(self.config, self.engine, engine_stats)
         stats.kv_writes_in_flight = sum(not h.done() for h in self._writes.values())
         return stats
 
     async def Health(self, request, context) -> pb.HealthResponse:
+        if self.loop.failure is not None:
+            return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
+                                     detail=f"{self.config.role}: {self.loop.failure}",
+                                     mux_address=self.mux_address)
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, detail=self.config.role,
                                  mux_address=self.mux_address)
 
@@ -209,6 +228,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.config.worker_id} has role {self.config.role}; "
                                 f"this call needs a {role} worker")
+
+
+async def _engine_failed(context, e: EngineFailed) -> None:
+    """A call that met a dead engine: UNAVAILABLE, so the router retries a prefill elsewhere
+    and the gateway answers 503 (or an SSE error event once tokens were sent)."""
+    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
 
 def stats_to_pb(config: WorkerConfig, engine: LLMEngine, s) -> pb.WorkerStats:

@@ -217,6 +217,7 @@ class LLMEngine:
         if rid in self._states:
             raise DuplicateRequestError(f"request id {rid!r} is already in use")
         ids, tenant_cfg, cls = self.validator.validate(prompt, params, tenant, traffic_class)
+        params = clamp_to_output_cap(params, cls)
         eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
@@ -274,6 +275,16 @@ class LLMEngine:
         self._counters["rejections"] += len(plan.rejected)
         prep = self._chunk_build_s + self.runner.last_prepare_s if plan.chunks else 0.0
         self._last = (step_s, sched_s, prep)
+
+
+def clamp_to_output_cap(params: SamplingParams, cls) -> SamplingParams:
+    """max_tokens past the class's output cap is clamped to it (the request then ends with
+    finish_reason "length" at the cap). This is what makes the reservation, which covers
+    min(max_tokens, output_cap) output tokens under `reserve` (admission.bounded_output), cover
+    every token the request can ever decode."""
+    if params.max_tokens <= cls.output_cap:
+        return params
+    return replace(params, max_tokens=cls.output_cap)
 
 
 def _has_tokenizer(model_dir: str) -> bool:

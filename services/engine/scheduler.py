@@ -35,6 +35,10 @@ from services.engine.fairness import DeficitRoundRobin, class_budget, effective_
 from services.engine.request import Request, Status
 
 
+class ReservationOverrun(RuntimeError):
+    """A `reserve`-policy request needed KV past its reservation: a broken invariant, not input."""
+
+
 @dataclass
 class ScheduledChunk:
     """Compute `num_tokens` tokens of `request` from position `start_pos`."""
@@ -245,7 +249,12 @@ class Scheduler:
             return True
         short = missing - self.pool.reserved(req.request_id)
         if short > 0:
-            assert self.config.admission == "predict", "reservation must cover a reserve-policy request"
+            if self.config.admission != "predict":
+                # By construction never: max_tokens is clamped to the class output cap before a
+                # request is made (engine.clamp_to_output_cap), and the reservation covers
+                # prompt + min(max_tokens, cap). The engine loop fails the worker loudly if it is.
+                raise ReservationOverrun(
+                    f"{req.request_id} needs {short} blocks past its reservation under `reserve`")
             if not self._grow(req, short, out):
                 return False
         self.pool.allocate(req.request_id, missing)

@@ -97,11 +97,12 @@ class RequestValidator:
             raise errors.ContextLengthError(
                 f"prompt has {n} tokens; class {cls.name!r} allows at most "
                 f"{cls.max_prompt_tokens} prompt tokens")
-        if n + p.max_tokens > self.max_model_len:
+        out = min(p.max_tokens, cls.output_cap)   # max_tokens is clamped to the cap (engine.py)
+        if n + out > self.max_model_len:
             raise errors.ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"asks for {n + p.max_tokens} ({n} in the prompt, {p.max_tokens} in the output)")
-        bound = min(p.max_tokens, cls.output_cap) if self.config.role != "prefill" else 0
+                f"asks for {n + out} ({n} in the prompt, {out} in the output)")
+        bound = out if self.config.role != "prefill" else 0
         need = cdiv(n + bound, self.pool.block_size)
         limit = min(self.pool.num_blocks, tenant.max_reserved_blocks or self.pool.num_blocks)
         if need > limit:

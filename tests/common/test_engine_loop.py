@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.common.engine_loop import EngineLoop
+from services.common.engine_loop import EngineFailed, EngineLoop
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
@@ -97,3 +97,37 @@ def test_an_idle_engine_answers_a_call_inline_and_a_busy_one_in_order(engine):
     assert inline_thread == threading.get_ident()
     assert queued_thread != threading.get_ident()
     assert order == ["first", "second"]
+
+
+def test_an_engine_failure_fails_every_waiter_and_is_reported_once(tiny_model_dir):
+    """[H2]: an exception out of step() must never leave a stream or a call() hanging."""
+    engine = LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=16))
+    calls = {"n": 0}
+    real_step = engine.step
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = failing_step
+    reported: list[EngineFailed] = []
+
+    async def scenario(loop: EngineLoop):
+        streams = [loop.stream(f"f{i}") for i in range(3)]
+        for i in range(3):
+            await loop.call(engine.add_request, [1, 2, 3], GREEDY, request_id=f"f{i}")
+        for stream in streams:
+            with pytest.raises(EngineFailed, match="injected step failure"):
+                async for _ in stream:
+                    pass
+        with pytest.raises(EngineFailed):
+            await loop.call(engine.stats)
+        late = loop.stream("late")          # a stream opened after the failure fails at once
+        with pytest.raises(EngineFailed):
+            await asyncio.wait_for(late.next(), 5)
+        return loop.failure
+
+    failure = run_with_loop(engine, scenario, on_failure=reported.append)
+    assert isinstance(failure, EngineFailed) and reported == [failure]
