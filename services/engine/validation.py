@@ -79,7 +79,7 @@ class RequestValidator:
                     "this model has no tokenizer.json: send prompt token ids instead of text")
             if not prompt:
                 raise errors.EmptyPromptError("prompt is empty; send at least one token")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_user_text(prompt)   # "<|eot_id|>" typed is text
         ids = list(prompt)
         if not ids:
             raise errors.EmptyPromptError("prompt is empty; send at least one token")
