@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import grpc
 
+from services.common.fleet_state import StreamLease
 from services.common.mux import MuxCall, MuxChannel, connect_to
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -123,20 +124,33 @@ class GatewayCore:
         self.router = pb_grpc.RouterStub(channel)
         self.router_mux = MuxChannel(connect_to(self.router, config.router), config.router)
         self._live: dict[str, Session] = {}
+        self._opening: set[str] = set()          # request ids whose quota admission is under way
+        self._leases: dict[str, StreamLease] = {}   # request id -> its stream slot, while live
         self._cleanup: set[asyncio.Task] = set()
 
     def authenticate(self, authorization: str | None) -> ApiKey:
         return self.keys.authenticate(authorization)
 
     async def open(self, gen: Generation) -> Session:
-        if gen.request_id in self._live:
-            raise errors.bad_request(f"request id {gen.request_id!r} is already in use", "request_id",
+        rid = gen.request_id
+        if rid in self._live or rid in self._opening:
+            raise errors.bad_request(f"request id {rid!r} is already in use", "request_id",
                                      "duplicate_request_id")
-        await self.quotas.admit(gen.key, len(gen.prompt_ids))
-        call = self.router_mux.call("generate", pb.RouteRequest(
-            request_id=gen.request_id, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
-            prompt_token_ids=gen.prompt_ids, params=gen.params))
-        session = self._live[gen.request_id] = Session(self, gen, call)
+        self._opening.add(rid)       # a second open of this id waits for nothing: it is refused
+        try:
+            lease = await self.quotas.admit(gen.key, len(gen.prompt_ids))
+        finally:
+            self._opening.discard(rid)
+        try:
+            call = self.router_mux.call("generate", pb.RouteRequest(
+                request_id=rid, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
+                prompt_token_ids=gen.prompt_ids, params=gen.params))
+        except BaseException:
+            self._finish_soon(lease, 0)
+            raise
+        # invariant: a live session's lease is in _leases until _ended gives it back
+        self._leases[rid] = lease
+        session = self._live[rid] = Session(self, gen, call)
         return session
 
     def cancel(self, request_id: str, tenant: str) -> bool:
@@ -150,8 +164,13 @@ class GatewayCore:
 
     def _ended(self, session: Session) -> None:
         self._live.pop(session.request_id, None)
-        task = asyncio.get_running_loop().create_task(
-            self.quotas.finish(session.gen.key, session.output_tokens))
+        lease = self._leases.pop(session.request_id, None)
+        if lease is not None:
+            self._finish_soon(lease, session.output_tokens)
+
+    def _finish_soon(self, lease: StreamLease, output_tokens: int) -> None:
+        """Give the slot back in a task of its own (so it also runs from a cancelled task)."""
+        task = asyncio.get_running_loop().create_task(self.quotas.finish(lease, output_tokens))
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
@@ -162,9 +181,11 @@ class GatewayCore:
         except grpc.aio.AioRpcError as e:
             return False, f"router {self.config.router} unreachable: {e.code().name}"
         try:
-            await asyncio.wait_for(self.quotas.state.streams("-"), HEALTH_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - any failure means no quotas, so no service
-            return False, f"quota store unreachable: {e!r}"
+            problem = await asyncio.wait_for(self.quotas.check(), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            problem = "quota store unavailable (Redis): no answer in time"
+        if problem:
+            return False, problem
         return resp.status == pb.HealthResponse.SERVING, f"router: {resp.detail}"
 
     async def close(self) -> None:

@@ -1,22 +1,29 @@
-"""Assemble and run the gateway: the model's tokenizer, quotas (Redis), a router channel, the gRPC
-server, then the HTTP server; print `GRPC <addr>` and `READY gateway <addr>`; stop on a signal.
+"""Assemble and run the gateway: the model's tokenizer, quotas (Redis) and their lease renewer, a
+router channel, the gRPC server, then the HTTP server; print `GRPC <addr>` and `READY gateway <addr>`;
+stop on a signal.
+
+Each gateway process has an id (`gateway_id()`), the prefix of the stream-slot leases it holds
+(services/gateway/quota.py). The lease TTL is `KVFLEET_STREAM_LEASE_TTL_S` (default 10 s; renewed
+every TTL/5): the longest a dead gateway's slots stay taken.
 
 Shutdown: stop taking connections, end every live request as aborted (their quota slots are
-released), let the servers drain for a moment, close the channels.
+released), let the servers drain for a moment, stop renewing leases, close the channels.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import uuid
 
 import grpc
 import uvicorn
 
 from services.common.shutdown import wait_for_stop_signal
 from services.common.aio import internal_channel
-from services.common.fleet_state import FleetState
+from services.common.fleet_state import FleetState, LeaseTerms
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
@@ -28,6 +35,18 @@ from services.gateway.quota import Quotas
 log = logging.getLogger(__name__)
 
 GRACE_S = 2.0
+LEASE_TTL_ENV = "KVFLEET_STREAM_LEASE_TTL_S"
+
+
+def gateway_id() -> str:
+    """Unique per process start: a restarted gateway never renews its predecessor's leases."""
+    return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def lease_terms() -> LeaseTerms:
+    """The stream-slot lease terms, from the environment (the only setting read from it)."""
+    ttl = os.environ.get(LEASE_TTL_ENV)
+    return LeaseTerms.with_ttl(float(ttl)) if ttl else LeaseTerms()
 
 
 class _HttpServer(uvicorn.Server):
@@ -59,7 +78,9 @@ async def serve(config: GatewayConfig) -> int:
                               config.quality_version)
     state = FleetState(config.redis_url)
     channel = internal_channel(config.router)
-    core = GatewayCore(config, model, Quotas(state), channel)
+    quotas = Quotas(state, gateway_id(), lease_terms())
+    core = GatewayCore(config, model, quotas, channel)
+    renewer = asyncio.create_task(quotas.renew_forever())
 
     grpc_server = grpc.aio.server()
     pb_grpc.add_GatewayServicer_to_server(GatewayServicer(core), grpc_server)
@@ -79,13 +100,16 @@ async def serve(config: GatewayConfig) -> int:
         await asyncio.sleep(0.01)
     print(f"GRPC {host_port(config.host, grpc_port)}", flush=True)
     print(f"READY gateway {host_port(config.host, sock.getsockname()[1])}", flush=True)
-    log.info("serving %s (%s) with router %s", model.name, model.quality_version, config.router)
+    log.info("serving %s (%s) with router %s; gateway id %s, stream leases %s", model.name,
+             model.quality_version, config.router, quotas.holder, quotas.terms)
 
     await wait_for_stop_signal()
     http.should_exit = True
     await core.close()
     await asyncio.gather(grpc_server.stop(grace=GRACE_S), http_task, return_exceptions=True)
     await core.close()            # releases of requests that ended during the drain
+    renewer.cancel()
+    await asyncio.gather(renewer, return_exceptions=True)
     await core.router_mux.close()
     await channel.close()
     await state.close()
