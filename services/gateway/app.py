@@ -5,6 +5,7 @@
   GET  /v1/models, /v1/models/{id}
   POST /tokenize               vLLM's: {"model", "prompt"} -> {"count", "max_model_len", "tokens"}
   GET  /health                 the router's health and the quota store's (no key needed)
+  GET  /openapi.json           the OpenAPI document of these (request bodies with their ranges)
 
 A generation request, in order: (GenerationFastPath, past FastAPI's layers) API key -> body (size
 limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread when the body is large)
@@ -21,8 +22,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from services.gateway import openai_schema as schema
 from services.gateway.core import GatewayCore, Session, build_generation, new_request_id
@@ -60,15 +64,19 @@ class GenerationFastPath:
             response = await handler(request)
         except GatewayError as e:
             response = await _gateway_error(request, e)
+        except ClientGone as e:
+            response = await _client_gone(request, e)
         except Exception as e:  # noqa: BLE001 - the client gets a 500, the log the traceback
             response = await _internal_error(request, e)
         await response(scope, receive, send)
 
 
 def create_app(core: GatewayCore) -> GenerationFastPath:
-    app = FastAPI(title="kvfleet gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvfleet gateway", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     started = int(time.time())
     app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
 
@@ -78,9 +86,12 @@ def create_app(core: GatewayCore) -> GenerationFastPath:
     async def chat_completions(request: Request) -> Response:
         return await _generate(core, request, schema.ChatCompletionRequest, schema.chat, "chatcmpl")
 
-    # also routed in the app, so that other methods on these paths get its 405
-    app.post("/v1/completions")(completions)
-    app.post("/v1/chat/completions")(chat_completions)
+    # also routed in the app, so that other methods on these paths get its 405, and documented
+    # there (the fast path serves their POSTs and parses the bodies itself)
+    app.post("/v1/completions", **_documented(schema.CompletionRequest))(completions)
+    app.post("/v1/chat/completions", **_documented(schema.ChatCompletionRequest))(chat_completions)
+    app.openapi = lambda: _openapi(app, (schema.CompletionRequest, schema.ChatCompletionRequest,
+                                         schema.TokenizeRequest))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -93,14 +104,15 @@ def create_app(core: GatewayCore) -> GenerationFastPath:
         core.validator.check_model(model_id)
         return _model_card(core, started)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **_documented(schema.TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         core.authenticate(request.headers.get("authorization"))
         req = schema.parse(schema.TokenizeRequest, await read_body(request, core.config.max_body_bytes))
         core.validator.check_model(req.model)
         if core.model.tokenizer is None:
             raise bad_request("this model has no tokenizer: send prompt token ids", "prompt")
-        ids = await asyncio.to_thread(core.model.tokenizer.encode, req.prompt, req.add_special_tokens)
+        ids = await asyncio.to_thread(core.model.tokenizer.encode_user_text, req.prompt,
+                                      req.add_special_tokens)
         return {"count": len(ids), "max_model_len": core.model.max_model_len, "tokens": ids}
 
     @app.get("/health")
@@ -172,15 +184,19 @@ async def _disconnected(request: Request) -> None:
 
 async def read_body(request: Request, limit: int) -> str:
     """The body as text, refused (413) as soon as it is known to exceed `limit` bytes: from its
-    Content-Length before reading any of it, or while reading a chunked body."""
+    Content-Length before reading any of it, or while reading a chunked body. A client that goes
+    away before the end of its body is ClientGone."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise _too_large(declared, limit)
     buf = bytearray()
-    async for part in request.stream():
-        buf += part
-        if len(buf) > limit:
-            raise _too_large(f"more than {len(buf)}", limit)
+    try:
+        async for part in request.stream():
+            buf += part
+            if len(buf) > limit:
+                raise _too_large(f"more than {len(buf)}", limit)
+    except ClientDisconnect:
+        raise ClientGone(f"after {len(buf)} bytes of its body") from None
     try:
         return buf.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -197,6 +213,47 @@ def _model_card(core: GatewayCore, created: int) -> dict:
     return {"id": core.model.name, "object": "model", "created": created, "owned_by": "kvfleet",
             "max_model_len": core.model.max_model_len,
             "quality_version": core.model.quality_version}
+
+
+def _documented(body: type[BaseModel]) -> dict:
+    """Route options stating the JSON body `body` (its schema is added by `_openapi`) and the
+    error answers."""
+    ref = {"$ref": f"#/components/schemas/{body.__name__}"}
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": ref}}}},
+            "responses": {200: {"description": "the answer (a completion: JSON, or an SSE stream "
+                                               "of chunks when `stream` is true)"},
+                          **{s: {"description": d, **error} for s, d in _ERRORS.items()}}}
+
+
+_ERRORS = {400: "invalid request: the message names the field and its limits",
+           401: "missing or unknown API key", 404: "unknown model", 413: "body too large",
+           429: "quota or overload, with Retry-After", 503: "no capacity or fleet unavailable"}
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _openapi(app: FastAPI, bodies: tuple[type[BaseModel], ...]) -> dict:
+    """FastAPI's document, plus the generation bodies and OpenAI's error shape as components."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for body in bodies:
+            own = body.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(own.pop("$defs", {}))
+            schemas[body.__name__] = own
+        schemas["Error"] = _ERROR_SCHEMA
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+async def _client_gone(request: Request, e: ClientGone) -> Response:
+    """Nobody is left to answer: a line in the log, no traceback."""
+    log.info("client went away %s on %s", e, request.url.path)
+    return Response(status_code=CLIENT_CLOSED)
 
 
 async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:

@@ -10,10 +10,18 @@ Differences from proto3 defaults, stated once: `model` empty means the served mo
 `traffic_class` empty means the key's class, any other class than the key's is refused.
 A client-chosen `request_id` is namespaced by tenant on the way to the router (so one tenant's
 ids can never collide with, or cancel, another's); chunks come back under the client's id.
+
+A request protobuf cannot parse (a string field holding invalid UTF-8, a truncated message) is
+INVALID_ARGUMENT saying so: the methods are registered with deserializers that hand such a
+request to the method as `Undecodable` (`add_to_server`), where grpc alone would answer UNKNOWN.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.message import DecodeError, Message
 
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -24,14 +32,50 @@ from services.gateway.core import (GatewayCore, build_generation, internal_reque
 from services.gateway.validation import Generation
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+SERVICE = "kvfleet.v1.Gateway"
+
+
+class Undecodable:
+    """A request body that did not parse as its message; `message` says why."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient(message_cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def deserialize(raw: bytes) -> Message | Undecodable:
+        try:
+            return message_cls.FromString(raw)
+        except DecodeError as e:
+            return Undecodable(f"the request is not a valid {message_cls.DESCRIPTOR.full_name} "
+                               f"(string fields must hold valid UTF-8): {e}")
+    return deserialize
+
+
+def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
+    """What the generated add_GatewayServicer_to_server does, with lenient deserializers."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, _lenient(pb.GenerateRequest), pb.TokenChunk.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            servicer.Cancel, _lenient(pb.CancelRequest), pb.CancelResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, _lenient(pb.ListModelsRequest),
+            pb.ListModelsResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            servicer.Health, _lenient(pb.HealthRequest), pb.HealthResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class GatewayServicer(pb_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
 
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def Generate(self, request: pb.GenerateRequest | Undecodable, context):
         try:
+            _check_decoded(request)
             key = self._authenticate(context)
             gen = await build_generation(request.ByteSize(), self._generation, request, key)
             session = await self.core.open(gen)
@@ -49,17 +93,19 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         finally:
             session.close()
 
-    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        key = await self._authenticate_or_abort(context)
+    async def Cancel(self, request: pb.CancelRequest | Undecodable, context) -> pb.CancelResponse:
+        key = await self._authenticate_or_abort(request, context)
         return pb.CancelResponse(cancelled=self.core.cancel(request.request_id, key.tenant))
 
     async def ListModels(self, request, context) -> pb.ListModelsResponse:
-        await self._authenticate_or_abort(context)
+        await self._authenticate_or_abort(request, context)
         m = self.core.model
         return pb.ListModelsResponse(models=[pb.ModelCard(
             id=m.name, max_model_len=m.max_model_len, quality_version=m.quality_version)])
 
     async def Health(self, request, context) -> pb.HealthResponse:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         serving, detail = await self.core.health()
         return pb.HealthResponse(status=pb.HealthResponse.SERVING if serving else
                                  pb.HealthResponse.NOT_SERVING, detail=detail)
@@ -69,8 +115,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         metadata = {k: v for k, v in context.invocation_metadata() or ()}
         return self.core.authenticate(metadata.get("authorization"))
 
-    async def _authenticate_or_abort(self, context) -> ApiKey:
+    async def _authenticate_or_abort(self, request, context) -> ApiKey:
         try:
+            _check_decoded(request)
             return self._authenticate(context)
         except errors.GatewayError as e:
             await _abort(context, e)
@@ -92,7 +139,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         which = request.WhichOneof("prompt")
         if which is None:
             raise errors.bad_request("missing prompt: set text or token_ids", "prompt")
-        ids = v.encode_text(request.text) if which == "text" else v.check_ids(list(request.token_ids.ids))
+        ids = (v.encode_text(request.text, cls) if which == "text"
+               else v.check_ids(list(request.token_ids.ids)))
         params = pb.SamplingParams()
         params.CopyFrom(request.params)
         if params.max_tokens == 0:
@@ -106,6 +154,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         m = self.core.model
         return (("x-kvfleet-model", m.name), ("x-kvfleet-quality-version", m.quality_version),
                 ("x-request-id", request_id))
+
+
+def _check_decoded(request: Message | Undecodable) -> None:
+    if isinstance(request, Undecodable):
+        raise errors.bad_request(request.message, None, "invalid_protobuf")
 
 
 async def _abort(context, e: errors.GatewayError) -> None:

@@ -7,12 +7,15 @@ a hash of its config.json, so two gateways in front of the same weights report t
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.engine.model.config import ModelConfig
 from services.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,13 @@ def load_served_model(model_dir: str, name: str, max_model_len: int | None = Non
     mc = ModelConfig.from_dir(model_dir)
     context = min(mc.max_position_embeddings, max_model_len or mc.max_position_embeddings)
     has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
+    tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer else None
+    if tokenizer is not None:   # computed here once, not on the first request
+        log.info("tokenizer: a token covers at most %s bytes of text", tokenizer.max_bytes_per_token)
     return ServedModel(name=name, path=model_dir, max_model_len=context,
                        vocab_size=mc.vocab_size,
                        quality_version=quality_version or _fingerprint(model_dir, mc.torch_dtype),
-                       tokenizer=Tokenizer.from_dir(model_dir) if has_tokenizer else None)
+                       tokenizer=tokenizer)
 
 
 def _fingerprint(model_dir: str, dtype: str) -> str:

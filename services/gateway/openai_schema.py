@@ -3,23 +3,50 @@ translation into a validated `Generation` plus a `ResponsePlan` saying how to sh
 
 Accepted beyond OpenAI's fields, as vLLM does: `top_k`, `ignore_eos`. Accepted only at their
 no-op values: n=1, best_of=1, presence/frequency_penalty 0, empty logit_bias, no suffix.
+
+Every number has its range in the schema (so the OpenAPI document states it): an integer never
+exceeds the protobuf field it is copied into (uint32 max_tokens, int32 top_k, int64 seed), and a
+value out of range is a 400 naming the field and the range.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.config import TrafficClass
 from services.gateway import errors
 from services.gateway.config import ApiKey
-from services.gateway.validation import Generation, Validator
+from services.gateway.validation import (MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE,
+                                         Generation, Validator)
 
+INT32_MAX = (1 << 31) - 1
+UINT32_MAX = (1 << 32) - 1
 INT64 = (-(1 << 63), (1 << 63) - 1)
 COMPLETION_DEFAULT_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
+
+MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]            # SamplingParams.max_tokens: uint32
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]                 # int32; -1 and 0 mean off
+Seed = Annotated[int, Field(ge=INT64[0], le=INT64[1])]            # int64
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]           # uint32, the engine's limit
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+AtLeastOne = Annotated[int, Field(ge=1)]                          # n, best_of: compared, never copied
+# prompt and stop are checked by their validators; these say what they take, for the document
+PromptJson = WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                "maximum": UINT32_MAX}}]})
+StopJson = WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}},
+    {"type": "null"}]})
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+_RANGE_CODES = {"max_tokens": "invalid_max_tokens", "max_completion_tokens": "invalid_max_tokens"}
 
 
 class _Strict(BaseModel):
@@ -32,17 +59,17 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: Any = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: Annotated[Any, StopJson] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int | None = None
+    n: AtLeastOne | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -68,10 +95,10 @@ class TokenizeRequest(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: Any
+    prompt: Annotated[Any, PromptJson]
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Logprobs | None = None
+    best_of: AtLeastOne | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -109,7 +136,7 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
 
 
 def parse(model: type[_Strict], body: bytes) -> Any:
@@ -127,7 +154,25 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         if err["type"] == "extra_forbidden":
             raise errors.bad_request(f"unknown or unsupported field `{loc}`", loc,
                                      "unsupported_field") from None
+        if err["type"] in _RANGE_ERRORS and loc in _ranges(model):
+            raise errors.bad_request(f"`{loc}` must be in {_ranges(model)[loc]}, got {err['input']}",
+                                     loc, _RANGE_CODES.get(loc, "invalid_value")) from None
         raise errors.bad_request(f"`{loc}`: {msg}" if loc else msg, loc or None) from None
+
+
+@functools.cache
+def _ranges(model: type[_Strict]) -> dict[str, str]:
+    """Each bounded field's range as the OpenAPI document states it, e.g. "[-1, 2147483647]"."""
+    found = {}
+    for name, prop in model.model_json_schema()["properties"].items():
+        for s in (prop, *prop.get("anyOf", ())):
+            if {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"} & s.keys():
+                low = (f"[{s['minimum']}" if "minimum" in s else
+                       f"({s['exclusiveMinimum']}" if "exclusiveMinimum" in s else "(-inf")
+                high = (f"{s['maximum']}]" if "maximum" in s else
+                        f"{s['exclusiveMaximum']})" if "exclusiveMaximum" in s else "inf)")
+                found[name] = f"{low}, {high}"
+    return found
 
 
 @dataclass(frozen=True)
@@ -151,7 +196,7 @@ def completion(req: CompletionRequest, key: ApiKey, cls: TrafficClass, v: Valida
         if value not in ok:
             raise errors.bad_request(f"{name} is not supported (got {value!r})", name, "unsupported_value")
     if isinstance(req.prompt, str):
-        ids = v.encode_text(req.prompt)
+        ids = v.encode_text(req.prompt, cls)
         echo_text = req.prompt
     else:
         ids = v.check_ids(req.prompt)
@@ -159,7 +204,7 @@ def completion(req: CompletionRequest, key: ApiKey, cls: TrafficClass, v: Valida
     max_tokens = v.max_tokens(_requested_max(req), len(ids), cls, COMPLETION_DEFAULT_MAX_TOKENS)
     params = _params(req, max_tokens)
     if req.logprobs is not None:
-        params.logprobs = _nonneg(req.logprobs, "logprobs")
+        params.logprobs = req.logprobs
         if req.echo:
             params.prompt_logprobs = params.logprobs
     v.check_params(params)
@@ -176,12 +221,12 @@ def chat(req: ChatCompletionRequest, key: ApiKey, cls: TrafficClass, v: Validato
         raise errors.bad_request("messages must hold at least one message", "messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise errors.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    ids = v.check_ids(v.encode_chat([m.as_template_input() for m in req.messages]), "messages")
+    ids = v.check_ids(v.encode_chat([m.as_template_input() for m in req.messages], cls), "messages")
     max_tokens = v.max_tokens(_requested_max(req), len(ids), cls, None,
                               "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     params = _params(req, max_tokens)
     if req.logprobs:
-        params.logprobs = _nonneg(req.top_logprobs or 0, "top_logprobs")
+        params.logprobs = req.top_logprobs or 0
     v.check_params(params)
     plan = ResponsePlan("chat", request_id, v.model.name, int(time.time()), req.stream,
                         _include_usage(req), req.logprobs)
@@ -198,10 +243,6 @@ def _check_common(req: _Common, v: Validator) -> None:
             raise errors.bad_request(f"{name} is not supported (only 0)", name, "unsupported_value")
     if req.logit_bias:
         raise errors.bad_request("logit_bias is not supported", "logit_bias", "unsupported_value")
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise errors.bad_request(f"top_p must be in (0, 1], got {req.top_p}", "top_p", "invalid_value")
-    if req.seed is not None and not INT64[0] <= req.seed <= INT64[1]:
-        raise errors.bad_request("seed must fit in a signed 64-bit integer", "seed", "invalid_value")
     if req.stream_options is not None and not req.stream:
         raise errors.bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -212,12 +253,6 @@ def _requested_max(req: _Common) -> int | None:
         raise errors.bad_request(f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; "
                                  "send one of them", "max_tokens")
     return a if a is not None else b
-
-
-def _nonneg(n: int, name: str) -> int:
-    if n < 0:
-        raise errors.bad_request(f"{name} must be between 0 and 20, got {n}", name, "invalid_value")
-    return n
 
 
 def _params(req: _Common, max_tokens: int) -> pb.SamplingParams:

@@ -22,13 +22,13 @@ import grpc
 import uvicorn
 
 from services.common.shutdown import wait_for_stop_signal
+from services.common import fleet_token
 from services.common.aio import internal_channel
 from services.common.fleet_state import FleetState, LeaseTerms
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
-from services.gateway.grpc_api import GatewayServicer
+from services.gateway.grpc_api import GatewayServicer, add_to_server
 from services.gateway.model import load_served_model
 from services.gateway.quota import Quotas
 
@@ -77,13 +77,14 @@ async def serve(config: GatewayConfig) -> int:
     model = load_served_model(config.model_dir, config.served_model_name, config.max_model_len,
                               config.quality_version)
     state = FleetState(config.redis_url)
-    channel = internal_channel(config.router)
+    # its calls to the router carry the fleet token: without one, refuse to start
+    channel = internal_channel(config.router, fleet_token.active().require("gateway"))
     quotas = Quotas(state, gateway_id(), lease_terms())
     core = GatewayCore(config, model, quotas, channel)
     renewer = asyncio.create_task(quotas.renew_forever())
 
     grpc_server = grpc.aio.server()
-    pb_grpc.add_GatewayServicer_to_server(GatewayServicer(core), grpc_server)
+    add_to_server(GatewayServicer(core), grpc_server)
     grpc_port = grpc_server.add_insecure_port(host_port(config.host, config.grpc_port))
     await grpc_server.start()
 

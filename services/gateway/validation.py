@@ -42,23 +42,44 @@ class Validator:
         if name != self.model.name:
             raise errors.model_not_found(name, self.model.name)
 
-    def encode_text(self, text: str, param: str = "prompt") -> list[int]:
+    def encode_text(self, text: str, cls: TrafficClass, param: str = "prompt") -> list[int]:
+        """A text prompt's ids: plain text (a typed `<|eot_id|>` is text, not the control token),
+        the tokenizer's bos added."""
         if not text:
             raise errors.bad_request(f"{param} is empty; send at least one token", param, "empty_prompt")
-        if self.model.tokenizer is None:
+        tok = self.model.tokenizer
+        if tok is None:
             raise errors.bad_request("this model has no tokenizer: send prompt token ids", param)
-        return self.model.tokenizer.encode(text)
+        self._check_text_bytes(len(text.encode("utf-8")), cls, param)
+        return tok.encode_user_text(text)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], cls: TrafficClass) -> list[int]:
+        """The chat template's ids; special tokens only where the template writes them, the
+        messages' text as plain text."""
         tok = self.model.tokenizer
         if tok is None or tok.chat_template is None:
             raise errors.bad_request(f"model `{self.model.name}` has no chat template; "
                                      "use /v1/completions", "messages")
+        # templates trim message text: only what is left of it must become tokens
+        self._check_text_bytes(sum(len(m["content"].strip().encode("utf-8")) for m in messages),
+                               cls, "messages")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            return tok.encode_chat(messages, add_generation_prompt=True)   # holds the bos
         except jinja2.TemplateError as e:
             raise errors.bad_request(f"messages do not fit the chat template: {e}", "messages") from None
-        return tok.encode(text, add_special_tokens=False)   # the template holds the bos
+
+    def _check_text_bytes(self, n_bytes: int, cls: TrafficClass, param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot fit the prompt limit: no token covers
+        more than `max_bytes_per_token` bytes, so n_bytes > limit * that means > limit tokens."""
+        per_token = self.model.tokenizer.max_bytes_per_token
+        limit = min(cls.max_prompt_tokens, self.model.max_model_len - 1)
+        if per_token is None or n_bytes <= limit * per_token:
+            return
+        raise errors.context_too_long(
+            f"{param} holds {n_bytes} bytes of text; at most {limit * per_token} bytes can fit: "
+            f"traffic class {cls.name!r} allows at most {limit} prompt tokens (model context "
+            f"{self.model.max_model_len}) and no token of this model covers more than "
+            f"{per_token} bytes", param)
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         if not ids:
