@@ -98,7 +98,7 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
         new_text="".join(o.new_text for o in outs),
         new_logprobs=[lp for o in outs for lp in o.new_logprobs],
         finished=last.finished, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-        error=last.error,
+        error=last.error, retry_after_s=last.retry_after_s,
         prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens)
 

@@ -3,9 +3,9 @@ and whether its predicted start already breaks its class TTFT target (DESIGN.md 
 Pure helpers, no state changes."""
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.engine.config import SchedulerConfig, Tenant
 from services.engine.fairness import effective_priority
@@ -50,12 +50,17 @@ def tenant_allows(tenant: Tenant, active_seqs: int, committed_blocks: int, new_b
 
 @dataclass
 class RateEstimator:
-    """Exponential moving average of prefill tokens per second of engine time."""
+    """Tokens per second of engine time: an exponential moving average (`rate`, what stats and
+    heartbeats report) and the best of the last `window` samples (`optimistic`, what late
+    rejection uses: a step slowed by a neighbour on a shared core, a cold start or a small batch
+    must not make a request look late that the engine would serve in time)."""
 
     alpha: float = 0.2
     min_samples: int = 3
+    window: int = 32
     rate: float | None = None
     samples: int = 0
+    recent: deque = field(default_factory=deque)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -63,17 +68,37 @@ class RateEstimator:
         r = tokens / seconds
         self.rate = r if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * r
         self.samples += 1
+        self.recent.append(r)
+        if len(self.recent) > self.window:
+            self.recent.popleft()
+
+    @property
+    def optimistic(self) -> float | None:
+        return max(self.recent) if self.recent else None
 
     @property
     def ready(self) -> bool:
         return self.rate is not None and self.samples >= self.min_samples
 
 
-def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rate: float,
-                  now: float, weights: Mapping[str, float]) -> list[tuple[Request, str]]:
-    """Queued requests whose predicted start already breaks their class TTFT target.
+@dataclass(frozen=True)
+class LateRequest:
+    """A queued request refused because it would clearly miss its TTFT target."""
 
-    Predicted start = time waited + (prefill tokens ahead) / measured rate, where "ahead" follows
+    request: Request
+    reason: str
+    retry_after_s: float   # when the backlog ahead of it will have drained enough to meet it
+
+
+def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rate: float,
+                  now: float, weights: Mapping[str, float],
+                  factor: float = 2.0) -> list[LateRequest]:
+    """Queued requests that would clearly miss their class TTFT target: predicted TTFT over
+    `factor` times the target. Conservative on purpose (docs/engine.md, "Late rejection"): the
+    target is a p99 and the prediction is rough, so a request is refused only when even an
+    optimistic `rate` (the best recent one) puts it far past the target, never on a near miss.
+
+    Predicted TTFT = time waited + (prefill tokens ahead + its own) / rate, where "ahead" follows
     the scheduler's own order:
       - the uncomputed prompt tokens of admitted requests of the same or a higher class priority
         (prefill goes by priority, so a chat never waits behind an admitted document's prefill);
@@ -97,7 +122,7 @@ def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rat
         queue[r.traffic_class.name][r.tenant] += r.num_uncomputed_tokens
     own_before: dict[tuple[str, str], int] = defaultdict(int)     # accepted earlier, same tenant
     class_before: dict[str, int] = defaultdict(int)               # accepted earlier, per class
-    late: list[tuple[Request, str]] = []
+    late: list[LateRequest] = []
     for req in order:
         cls, tenant = req.traffic_class.name, req.tenant
         own = own_before[cls, tenant]
@@ -105,13 +130,15 @@ def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rat
                      for t, tokens in queue[cls].items() if t != tenant)
         ahead = (sum(n for p, n in admitted.items() if p >= req.traffic_class.priority)
                  + sum(n for c, n in class_before.items() if c != cls) + own + int(others))
-        start = now - req.arrival_time + ahead / rate
+        waited = now - req.arrival_time
+        ttft = waited + (ahead + req.num_uncomputed_tokens) / rate
         target = req.traffic_class.ttft_target_s
-        if start > target and req.num_output_tokens == 0:
-            late.append((req, (
-                f"predicted time to first token start {start:.2f}s already exceeds the "
-                f"{req.traffic_class.name} class target {target:.2f}s ({ahead} prefill tokens "
-                f"queued ahead at {rate:.0f} tokens/s); retry later")))
+        if ttft > factor * target and req.num_output_tokens == 0:
+            late.append(LateRequest(req, (
+                f"predicted time to first token {ttft:.2f}s is over {factor:g}x the "
+                f"{req.traffic_class.name} class target {target:.2f}s ({waited:.2f}s waited, "
+                f"{ahead} prefill tokens queued ahead at up to {rate:.0f} tokens/s)"),
+                retry_after_s=max(0.0, ahead / rate - target)))
             queue[cls][tenant] -= req.num_uncomputed_tokens
             continue
         own_before[cls, tenant] += req.num_uncomputed_tokens

@@ -64,7 +64,8 @@ class SchedulerConfig:
     admission: AdmissionPolicy = "reserve"
     role: WorkerRole = "mixed"
     drr_quantum: int = 128        # tokens credited per unit of tenant weight per DRR round
-    reject_late: bool = True      # reject queued requests whose predicted start breaks the TTFT target
+    reject_late: bool = True      # reject queued requests predicted to clearly miss their TTFT target
+    reject_late_factor: float = 2.0   # ... clearly: predicted TTFT over this many times the target
     interactive_class: str = "interactive"
     classes: tuple[TrafficClass, ...] = (INTERACTIVE, DOCUMENT, BATCH)
     tenants: tuple[Tenant, ...] = (Tenant("default"),)
@@ -76,6 +77,8 @@ class SchedulerConfig:
                              f"({self.max_running}) so every running decode fits in one iteration")
         if self.chunk_size < 1 or self.max_running < 1:
             raise ValueError("chunk_size and max_running must be >= 1")
+        if not self.reject_late_factor >= 1.0:
+            raise ValueError(f"reject_late_factor must be >= 1, got {self.reject_late_factor}")
         if self.max_prefill_attention < 0:
             raise ValueError("max_prefill_attention must be >= 0 (0 = no cap)")
         if self.admission not in ("reserve", "predict"):

@@ -21,6 +21,7 @@ class RequestOutput:
     finish_reason: str | None = None     # stop | length | abort | rejected | prefilled
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None              # why it was rejected
+    retry_after_s: float | None = None    # rejected: when a retry could meet the target
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the prompt completes
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -107,8 +108,8 @@ class OutputState:
             new_text=self.text[self.emitted_chars:max(visible, self.emitted_chars)],
             new_logprobs=self.pending_logprobs, finished=finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            error=req.reject_reason, num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens)
+            error=req.reject_reason, retry_after_s=req.retry_after_s,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens)
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and (
                 req.num_output_tokens > 0 or finished):
             out.prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True

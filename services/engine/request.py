@@ -50,6 +50,7 @@ class Request:
     first_token_time: float | None = None
     stop_reason: str | int | None = None   # the stop string or token that ended it
     reject_reason: str | None = None
+    retry_after_s: float | None = None     # with reject_reason: when a retry could meet the target
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # hash chain over its leading full blocks
     num_registered_blocks: int = 0  # leading blocks already registered in the prefix cache

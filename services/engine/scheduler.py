@@ -9,7 +9,7 @@ Each iteration, with token budget B:
      `max_prefill_attention` (query, key) pairs, so a chunk deep in a long prompt is shorter;
   4. admission reserves KV blocks for prompt + bounded output and respects per-tenant caps;
   5. EOS, stop, limit or cancel frees the pages in the same iteration (`finish`);
-  6. a queued request whose predicted start already breaks its TTFT target is rejected.
+  6. a queued request predicted to miss its TTFT target by far (`reject_late_factor`) is rejected.
 
 Lifecycle (who changes what):
   add -> queue[class][tenant] (WAITING) -> _admit: pool.reserve, RUNNING -> chunks until the known
@@ -428,12 +428,14 @@ class Scheduler:
         if not waiting:
             return []
         in_progress = [r for r in queued if r.status == Status.RUNNING]
-        late = late_requests(waiting, in_progress, self.prefill_rate.rate, now,
-                             {t.name: t.weight for t in self.config.tenants})
-        for req, reason in late:
-            req.reject_reason = reason
-            self.finish(req, Status.FINISHED_REJECTED)
-        return [r for r, _ in late]
+        late = late_requests(waiting, in_progress, self.prefill_rate.optimistic, now,
+                             {t.name: t.weight for t in self.config.tenants},
+                             self.config.reject_late_factor)
+        for item in late:
+            item.request.reject_reason = item.reason
+            item.request.retry_after_s = item.retry_after_s
+            self.finish(item.request, Status.FINISHED_REJECTED)
+        return [item.request for item in late]
 
     # ------------------------------------------------------------------- stats
     @property

@@ -114,7 +114,9 @@ def test_cancel_frees_every_block_immediately(engine):
     ([1] * 9000, SamplingParams(), {}, errors.ContextLengthError),   # interactive max prompt 8K
     ("hi", SamplingParams(max_tokens=0), {}, errors.InvalidMaxTokensError),
     ("hi", SamplingParams(max_tokens=-3), {}, errors.InvalidMaxTokensError),
-    ("hi", SamplingParams(max_tokens=10**9), {}, errors.ContextLengthError),
+    # prompt + max_tokens (clamped to the class output cap first) past the 40,960-token context
+    ([1] * 40_000, SamplingParams(max_tokens=1000), {"traffic_class": "document"},
+     errors.ContextLengthError),
     ([5, 4096], SamplingParams(), {}, errors.TokenOutOfVocabError),
     ([5, -1], SamplingParams(), {}, errors.TokenOutOfVocabError),
     ("hi", SamplingParams(), {"tenant": "nobody"}, errors.UnknownTenantError),

@@ -189,17 +189,40 @@ def test_cancel_frees_everything_wherever_the_request_is():
     assert sched.pool.num_used == 0 and sched.pool.num_reserved == 0 and not sched.has_work
 
 
-def test_a_queued_request_that_would_miss_its_ttft_target_is_rejected_with_a_reason():
+def test_a_queued_request_that_would_clearly_miss_its_ttft_target_is_rejected_with_a_reason():
     sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=4000)
     for _ in range(5):
         sched.prefill_rate.observe(1000, 1.0)             # measured: 1000 prefill tokens/s
-    big = add(sched, 1500, tenant="b", max_tokens=1)     # 1.5 s of prefill queued
-    late = add(sched, 10, tenant="b")                    # would start after 1.5 s > 1.0 s target
+    big = [add(sched, 1000, tenant="b", max_tokens=1) for _ in range(2)]  # 2 s of prefill queued
+    late = add(sched, 10, tenant="b")                    # first token after 2.01 s > 2 x 1.0 s
     out = sched.schedule()
-    assert out.rejected == [late] or late in out.rejected
+    assert out.rejected == [late]
     assert late.status == Status.FINISHED_REJECTED
-    assert "exceeds the interactive class target" in late.reject_reason
-    assert big.status == Status.RUNNING
+    assert "is over 2x the interactive class target" in late.reject_reason
+    assert late.retry_after_s == pytest.approx(2000 / 1000 - 1.0)   # the backlog drained enough
+    assert big[0].status == Status.RUNNING and not big[1].is_finished
+
+
+def test_a_near_miss_is_served_not_rejected():
+    """[H2]: the target is a p99 and the prediction is rough: a request predicted past the target
+    but within reject_late_factor of it is served (32 concurrent chats were refused at 1.02 s
+    predicted while the served ones had TTFT p99 0.5 s)."""
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=4000)
+    for _ in range(5):
+        sched.prefill_rate.observe(1000, 1.0)
+    add(sched, 1500, tenant="b", max_tokens=1)           # 1.5 s of prefill queued
+    near = add(sched, 10, tenant="b")                    # 1.51 s: past 1.0 s, within 2 x
+    assert near not in sched.schedule().rejected and near.status != Status.FINISHED_REJECTED
+
+
+def test_late_rejection_trusts_the_best_recent_prefill_rate():
+    """One slow step (a neighbour on a shared core) must not make queued requests look late."""
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=4000)
+    for rate in (1000, 1000, 1000, 100):                  # the last step ran 10x slower
+        sched.prefill_rate.observe(rate, 1.0)
+    add(sched, 1500, tenant="b", max_tokens=1)
+    near = add(sched, 10, tenant="b")
+    assert near not in sched.schedule().rejected
 
 
 def test_a_chat_is_not_rejected_for_a_documents_prefill_it_will_overtake():
@@ -229,8 +252,9 @@ def test_a_quiet_tenant_is_not_rejected_behind_a_flooding_tenants_queue():
     out = sched.schedule()
     assert quiet not in out.rejected and quiet.status != Status.FINISHED_REJECTED
     # b's k-th request starts after its k earlier ones plus c's 100 tokens, served in turn
-    assert out.rejected == flood[10:]
-    assert all("exceeds the interactive class target" in r.reject_reason for r in out.rejected)
+    # predicted TTFT of b's k-th: (100 k own + 100 of c + its own 100) / 1000 > 2 x 1.0 s
+    assert out.rejected == flood[19:]
+    assert all("over 2x the interactive class target" in r.reject_reason for r in out.rejected)
 
 
 def test_predict_policy_grows_and_preempts_the_lowest_priority_newest():
