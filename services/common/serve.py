@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from services.common.aio import LOOPBACK, run
 from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
 from services.common.fleet_state import FleetState, WorkerRecord
+from services.common.outage import UNREACHABLE, Backoff, Outage
 from services.common.mux import MuxListener
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.common.worker import WorkerConfig, WorkerServicer
@@ -27,6 +29,8 @@ from services.engine.config import EngineConfig
 from services.engine.config_file import load_engine_config
 from services.engine.engine import LLMEngine
 from dataclasses import replace
+
+log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005
 ENGINE_FAILED_EXIT = 70     # EX_SOFTWARE: the engine loop died; the supervisor restarts the worker
@@ -70,20 +74,39 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
 
 async def heartbeat_forever(state: FleetState, loop: EngineLoop, config: WorkerConfig,
                             address: str, ttl_s: float, every_s: float) -> None:
-    engine = loop.engine
+    """Publish this worker's record every `every_s` until cancelled. A failed beat (Redis down, or
+    anything else) never ends the loop: it is retried with capped, jittered backoff (one warning
+    per outage, one info line on recovery), and the first beat that lands re-registers the worker,
+    also into an empty new Redis."""
+    redis = Outage(f"worker {config.worker_id} heartbeat", log,
+                   Backoff(base_s=min(every_s, 0.5), cap_s=max(every_s, 2.0)))
+    broken = False                 # the last beat failed on something other than Redis
     while True:
-        s = await loop.call(engine.stats)
-        await state.heartbeat(WorkerRecord(
-            worker_id=config.worker_id, role=config.role, grpc_address=address,
-            kv_backend=config.kv_backend, block_size=engine.pool.block_size,
-            kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
-            kv_blocks_reserved=s.kv_blocks_reserved, kv_blocks_used=s.kv_blocks_used,
-            running=s.num_running, queued=s.num_queued,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            prefill_tokens_per_s=s.prefill_tokens_per_s,
-            decode_tokens_per_s=s.decode_tokens_per_s, model=engine.config.model,
-            max_model_len=engine.max_model_len, updated_at=time.time()), ttl_s)
-        await asyncio.sleep(every_s)
+        try:
+            await redis.call(state.heartbeat, await _worker_record(loop, config, address), ttl_s)
+            delay, broken = every_s, False
+        except UNREACHABLE:
+            delay = max(redis.retry_in(), 0.05)
+        except Exception:  # noqa: BLE001 - a bad beat must not end the worker's registration
+            if not broken:         # one traceback per streak, not one per beat
+                log.exception("worker %s: heartbeat failed", config.worker_id)
+            delay, broken = every_s, True
+        await asyncio.sleep(delay)
+
+
+async def _worker_record(loop: EngineLoop, config: WorkerConfig, address: str) -> WorkerRecord:
+    engine = loop.engine
+    s = await loop.call(engine.stats)
+    return WorkerRecord(
+        worker_id=config.worker_id, role=config.role, grpc_address=address,
+        kv_backend=config.kv_backend, block_size=engine.pool.block_size,
+        kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
+        kv_blocks_reserved=s.kv_blocks_reserved, kv_blocks_used=s.kv_blocks_used,
+        running=s.num_running, queued=s.num_queued,
+        queued_prefill_tokens=s.queued_prefill_tokens,
+        prefill_tokens_per_s=s.prefill_tokens_per_s,
+        decode_tokens_per_s=s.decode_tokens_per_s, model=engine.config.model,
+        max_model_len=engine.max_model_len, updated_at=time.time())
 
 
 async def serve(args: argparse.Namespace) -> int:

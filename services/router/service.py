@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import grpc
 from services.common.aio import internal_channel
 from services.common.mux import MuxChannel, MuxServer, connect_to
 from services.common.fleet_state import FleetState, WorkerRecord
+from services.common.outage import UNREACHABLE, Outage
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.placement import rank_decode, rank_prefill
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 2   # the first try and one retry elsewhere
 WORKERS_TTL_S = 0.1      # a worker list this old is re-read from Redis in the background
 WORKERS_MAX_AGE_S = 1.0  # one older than this (an idle router) is re-read before placing
+WORKERS_STALE_OK_S = 5.0  # while Redis is down, a list this young is still served
 CANCEL_TIMEOUT_S = 2.0
 # A prefill worker's Cancel waits for the request's KV write to end, at most until the decode
 # reservation's deadline (WorkerConfig.reserve_timeout_s, 30 s by default).
@@ -41,6 +44,18 @@ CANCEL_WRITER_TIMEOUT_S = 35.0
 
 class NoCapacity(Exception):
     pass
+
+
+class WorkerListUnavailable(grpc.aio.AioRpcError):
+    """Redis is down and the last worker list is too old to place on. An AioRpcError with
+    UNAVAILABLE, so Generate relays it like a failed worker (the gateway answers 503); the details
+    and the `retry-after` trailing metadata carry when the router tries Redis again."""
+
+    def __init__(self, cause: BaseException, retry_in_s: float) -> None:
+        retry_s = max(1, math.ceil(retry_in_s))
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                         grpc.aio.Metadata(("retry-after", str(retry_s))),
+                         details=f"worker list unavailable (Redis: {cause}); retry after {retry_s} s")
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._live: dict[str, Touched] = {}
         self._workers: tuple[float, list[WorkerRecord]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
+        self.redis = Outage("router worker list", log)
         self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
         self.mux = MuxServer({"generate": self.Generate})
         self.mux_address = ""        # set once a MuxListener serves self.mux (Health names it)
@@ -78,24 +94,35 @@ class RouterServicer(pb_grpc.RouterServicer):
         path while the list is younger than WORKERS_MAX_AGE_S: a stale list is served while a
         background read replaces it. A worker that died since is caught by its failing RPC
         (retry / UNAVAILABLE), and the list is then re-read by the next request; a list that lacks a
-        role this mode needs is re-read at once."""
+        role this mode needs is re-read at once.
+
+        Redis down: the last list read is served while it is younger than WORKERS_STALE_OK_S;
+        past that the request fails at once with WorkerListUnavailable (UNAVAILABLE, with a retry
+        hint), never waiting on Redis (`self.redis` refuses until its backoff is over)."""
         at, workers = self._workers
         age = time.monotonic() - at
         if age > WORKERS_MAX_AGE_S or not self._needed_roles <= {w.role for w in workers}:
-            return await self._read_workers()
+            try:
+                return await self._read_workers()
+            except UNREACHABLE as e:
+                if age <= WORKERS_STALE_OK_S:
+                    return workers
+                raise WorkerListUnavailable(e, self.redis.retry_in()) from None
         if age > WORKERS_TTL_S and self._refreshing is None:
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh_workers())
         return workers
 
     async def _read_workers(self) -> list[WorkerRecord]:
-        workers = await self.state.live_workers()
+        workers = await self.redis.call(self.state.live_workers)
         self._workers = (time.monotonic(), workers)
         return workers
 
     async def _refresh_workers(self) -> None:
         try:
             await self._read_workers()
-        except Exception:  # noqa: BLE001 - the next request retries; a dead Redis shows there
+        except UNREACHABLE:
+            pass         # self.redis logged it (once per outage); the next request retries
+        except Exception:  # noqa: BLE001 - the next request retries
             log.exception("could not refresh the worker list")
         finally:
             self._refreshing = None
@@ -201,7 +228,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         return pb.CancelResponse(cancelled=True)
 
     async def Health(self, request, context) -> pb.HealthResponse:
-        workers = await self.state.live_workers()
+        """SERVING when the worker list, read now, has every role this mode needs. Redis down:
+        NOT_SERVING at once, naming why (no wait on Redis while its backoff runs)."""
+        try:
+            workers = await self._read_workers()
+        except UNREACHABLE as e:
+            return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
+                                     detail=f"worker list unavailable: {e}",
+                                     mux_address=self.mux_address)
         ok = self._needed_roles <= {w.role for w in workers}
         return pb.HealthResponse(
             status=pb.HealthResponse.SERVING if ok else pb.HealthResponse.NOT_SERVING,
