@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.common import fleet_token
+
 T = TypeVar("T")
 
 
@@ -32,6 +34,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 INTERNAL_CHANNEL_OPTIONS = (("grpc.enable_retries", 0),)
 
 
-def internal_channel(address: str) -> grpc.aio.Channel:
-    """A channel to another kvfleet service on loopback."""
-    return grpc.aio.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)
+def internal_channel(address: str, auth: fleet_token.FleetAuth | None = None) -> grpc.aio.Channel:
+    """A channel to another kvfleet service on loopback; every call on it carries the fleet token
+    (`auth`, else this process's: fleet_token.active())."""
+    auth = auth if auth is not None else fleet_token.active()
+    return grpc.aio.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS,
+                                     interceptors=fleet_token.client_interceptors(auth))

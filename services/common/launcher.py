@@ -16,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from services.common import fleet_token
+
 
 @dataclass
 class Child:
@@ -32,7 +34,9 @@ class LaunchError(RuntimeError):
 
 class Launcher:
     def __init__(self, env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # one fleet token for every child (and a restarted one): the environment's, or a new one
+        self.env = {**env, **fleet_token.child_env(env)}
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvfleet-logs-")
         self.children: dict[str, Child] = {}
 

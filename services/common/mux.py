@@ -20,6 +20,14 @@ asyncio socket (`uvloop`, same processes). The rest stays on gRPC: discovery (He
 the plain RPCs, which serve the same handlers. The router's Cancel of a request (`release`) goes
 on the mux, behind the request's own frames, so it can never overtake a Reserve on its way.
 
+Fleet token (fleet_token.py): the Mux RPC is guarded like every gRPC call, by its metadata. On a
+TCP connection the caller's first message is a handshake, HANDSHAKE_MAGIC + the token; the callee
+answers it with one CallStatus (OK, or UNAUTHENTICATED and why) and, refused, closes the
+connection: no frame on it is ever read. A connection that sends no handshake within
+HANDSHAKE_TIMEOUT_S is closed. The caller waits for the answer before its first frame (one round
+trip per connection, which lives as long as both processes do); a refusal fails its calls with
+UNAVAILABLE naming UNAUTHENTICATED and the reason.
+
 Callee, `MuxServer.serve` (the `Mux` RPC's handler): one task per call runs the method's handler,
 the same async generator `(request, context) -> messages` its plain RPC runs. `context.abort(code,
 details)` ends the call with that status. A cancel frame, or the end of the mux call (caller gone),
@@ -48,6 +56,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from services.common import fleet_token
 from services.common.aio import LOOPBACK
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
@@ -59,6 +68,10 @@ MAX_BATCH_BYTES = 1 << 20
 # A TCP mux message longer than this is a broken peer: the connection is dropped.
 MAX_MESSAGE_BYTES = 64 << 20
 CONNECT_TIMEOUT_S = 5.0
+# A TCP mux connection's first message: this, then the fleet token (at most MAX_HANDSHAKE_BYTES).
+HANDSHAKE_MAGIC = b"kvfleet-mux/1 token="
+MAX_HANDSHAKE_BYTES = 1024
+HANDSHAKE_TIMEOUT_S = CONNECT_TIMEOUT_S
 # Transport failures: every call on the connection fails with UNAVAILABLE.
 _BROKEN = (grpc.aio.AioRpcError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError,
            ValueError, DecodeError)
@@ -352,9 +365,13 @@ class MuxChannel:
             await self._link.close()
 
 
-def connect_to(stub, address: str) -> Callable[[], Awaitable[Any]]:
-    """How to reach a kvfleet service's mux (`stub`: its RouterStub or WorkerStub): ask its Health
-    for the TCP mux address; a service that names none gets the Mux RPC."""
+def connect_to(stub, address: str,
+               auth: fleet_token.FleetAuth | None = None) -> Callable[[], Awaitable[Any]]:
+    """How to reach a kvfleet service's mux (`stub`: its RouterStub or WorkerStub, on an
+    internal_channel): ask its Health for the TCP mux address, connect and present the fleet token
+    (`auth`, else this process's); a service that names no address gets the Mux RPC."""
+    auth = auth if auth is not None else fleet_token.active()
+
     async def connect():
         health = await stub.Health(pb.HealthRequest(), timeout=CONNECT_TIMEOUT_S)
         if not health.mux_address:
@@ -365,8 +382,28 @@ def connect_to(stub, address: str) -> Callable[[], Awaitable[Any]]:
                                          f"{health.mux_address}")
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)),
                                                 CONNECT_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(_handshake(reader, writer, auth, address), CONNECT_TIMEOUT_S)
+        except BaseException:
+            writer.close()
+            raise
         return TcpStream(reader, writer)
     return connect
+
+
+async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     auth: fleet_token.FleetAuth, address: str) -> None:
+    """The caller's side: present the token; raise AioRpcError unless the callee answers OK."""
+    body = HANDSHAKE_MAGIC + auth.presented()
+    writer.write(len(body).to_bytes(4, "big") + body)
+    await writer.drain()
+    answer = await _read_message(reader, pb.CallStatus)
+    if answer is None:
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                        f"{address} closed the mux connection during its handshake")
+    if answer.code != grpc.StatusCode.OK.value[0]:
+        raise rpc_error(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN),
+                        f"{address} refused the mux connection: {answer.details}")
 
 
 class _Connecting:
@@ -409,6 +446,15 @@ async def _read_message(reader: asyncio.StreamReader, cls):
     return cls.FromString(await reader.readexactly(size))
 
 
+async def _read_handshake(reader: asyncio.StreamReader) -> bytes | None:
+    """The token a connection's first message presents; None if that message is no handshake."""
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    if size > MAX_HANDSHAKE_BYTES:
+        return None                    # not read: the connection is refused and closed
+    body = await reader.readexactly(size)
+    return body[len(HANDSHAKE_MAGIC):] if body.startswith(HANDSHAKE_MAGIC) else None
+
+
 def _no_delay(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -436,10 +482,12 @@ class TcpStream:
 
 
 class MuxListener:
-    """Serves a MuxServer to TCP mux connections on `host` (loopback), beside the gRPC server."""
+    """Serves a MuxServer to TCP mux connections on `host` (loopback), beside the gRPC server, to
+    callers that present the fleet token (`auth`, else this process's)."""
 
-    def __init__(self, mux: MuxServer) -> None:
+    def __init__(self, mux: MuxServer, auth: fleet_token.FleetAuth | None = None) -> None:
         self.mux = mux
+        self._auth = auth if auth is not None else fleet_token.active()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -462,6 +510,8 @@ class MuxListener:
                 log.warning("mux connection dropped: %s: %s", type(e).__name__, e)
 
         try:
+            if not await self._admit(reader, writer):
+                return
             async for replies in self.mux.serve(frames(), None):
                 writer.write(_encode(replies))
                 await writer.drain()   # a caller that stops reading holds the senders here
@@ -470,6 +520,23 @@ class MuxListener:
         finally:
             self._writers.discard(writer)
             writer.close()
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The connection's handshake: True if it presented the fleet token. Either way the
+        caller hears a CallStatus, unless it broke off or stayed silent (dropped)."""
+        try:
+            presented = await asyncio.wait_for(_read_handshake(reader), HANDSHAKE_TIMEOUT_S)
+        except _BROKEN as e:
+            log.warning("mux connection dropped before its handshake: %s", type(e).__name__)
+            return False
+        refusal = ("its first message is not a fleet-token handshake" if presented is None
+                   else self._auth.refusal(presented))
+        if refusal is not None:
+            log.warning("mux connection refused: %s", refusal)
+        writer.write(_encode(_OK if refusal is None else _status(
+            grpc.StatusCode.UNAUTHENTICATED, f"kvfleet internal call: {refusal}")))
+        await writer.drain()
+        return refusal is None
 
     async def close(self) -> None:
         if self._server is not None:

@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from services.common import faults
+from services.common import fleet_token
 from services.common.aio import LOOPBACK, run
 from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
@@ -52,6 +53,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
                    help="torch intra-op threads (0: torch's default); several workers on one "
                         "host should split the cores between them")
     p.add_argument("--reserve-timeout-s", type=float, default=30.0)
+    fleet_token.add_args(p)
     if role is not None:
         p.set_defaults(role=role)
 
@@ -112,6 +114,7 @@ async def _worker_record(loop: EngineLoop, config: WorkerConfig, address: str) -
 async def serve(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK:
         raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
+    auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
     # The engine thread and the asyncio gRPC thread share the GIL. At Python's default 5 ms switch
@@ -131,11 +134,11 @@ async def serve(args: argparse.Namespace) -> int:
     loop = EngineLoop(engine, asyncio.get_running_loop(), on_failure=lambda _: failed.set())
     loop.start()
     servicer = WorkerServicer(config, loop, transport)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
-    mux = MuxListener(servicer.mux)
+    mux = MuxListener(servicer.mux, auth)
     servicer.mux_address = await mux.start(args.host)
     address = f"{args.host}:{port}"
     state = FleetState(args.redis_url) if args.redis_url else None

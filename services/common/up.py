@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from services.common import fleet_token
 from services.common.launcher import Launcher
 from services.common.redis_server import EmbeddedRedis
 from services.engine.engine import resolve_model_dir
@@ -94,6 +95,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"  OpenAI REST  http://{endpoints['gateway']}/v1")
         print(f"  gRPC         {endpoints['gateway-grpc']}")
         print(f"  redis        {args.redis_url or redis.url}")
+        print(f"  fleet token  {fleet_token.origin()}")   # where from; the token is never shown
         for name, addr in endpoints.items():
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")

@@ -22,6 +22,7 @@ import grpc
 import uvicorn
 
 from services.common.shutdown import wait_for_stop_signal
+from services.common import fleet_token
 from services.common.aio import internal_channel
 from services.common.fleet_state import FleetState, LeaseTerms
 from services.gateway.app import create_app
@@ -76,7 +77,8 @@ async def serve(config: GatewayConfig) -> int:
     model = load_served_model(config.model_dir, config.served_model_name, config.max_model_len,
                               config.quality_version)
     state = FleetState(config.redis_url)
-    channel = internal_channel(config.router)
+    # its calls to the router carry the fleet token: without one, refuse to start
+    channel = internal_channel(config.router, fleet_token.active().require("gateway"))
     quotas = Quotas(state, gateway_id(), lease_terms())
     core = GatewayCore(config, model, quotas, channel)
     renewer = asyncio.create_task(quotas.renew_forever())

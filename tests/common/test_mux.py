@@ -3,8 +3,9 @@ both transports: a plain TCP mux connection (what the fleet uses) and the Mux gR
 
 Most stories use a small in-process Router service whose `generate` handler (written here, named
 `story_generate`) echoes the prompt's tokens as chunks and follows instructions hidden in the
-request: abort, raise, or wait until cancelled. The last stories reserve KV on a real decode
-worker process over its mux, as the router does.
+request: abort, raise, or wait until cancelled. Its servers ask for a fleet token (`AUTH`), as the
+real services do, and the handshake stories show what a TCP caller without it gets. The last
+stories reserve KV on a real decode worker process over its mux, as the router does.
 """
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import asyncio
 import grpc
 import pytest
 
-from services.common import mux
+from services.common import fleet_token, mux
 from services.common.aio import internal_channel
+from services.common.fleet_token import FleetAuth
 from services.common.launcher import Launcher
 from services.common.mux import MuxChannel, MuxListener, MuxServer, connect_to
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+
+
+AUTH = FleetAuth(fleet_token.generate())       # the story fleet's token
+WRONG = FleetAuth(fleet_token.generate())
 
 
 class StoryRouter(pb_grpc.RouterServicer):
@@ -87,11 +93,11 @@ class StoryServer:
         self.transport = transport
 
     async def start(self, port: int = 0, mux_port: int = 0) -> str:
-        self.grpc = grpc.aio.server()
+        self.grpc = grpc.aio.server(interceptors=fleet_token.server_interceptors(AUTH))
         pb_grpc.add_RouterServicer_to_server(self.servicer, self.grpc)
         self.port = self.grpc.add_insecure_port(f"127.0.0.1:{port}")
         await self.grpc.start()
-        self.listener = MuxListener(self.servicer.mux)
+        self.listener = MuxListener(self.servicer.mux, AUTH)
         if self.transport == "tcp":
             self.servicer.mux_address = await self.listener.start("127.0.0.1", mux_port)
         return f"127.0.0.1:{self.port}"
@@ -109,14 +115,15 @@ class Streams(list):
 TRANSPORTS = pytest.mark.parametrize("transport", ["tcp", "grpc"])
 
 
-def story(scenario, transport: str):
-    """Run scenario(servicer, mux_channel, server, counting_streams) against a fresh server."""
+def story(scenario, transport: str, channel_auth: FleetAuth = AUTH, mux_auth: FleetAuth = AUTH):
+    """Run scenario(servicer, mux_channel, server, counting_streams) against a fresh server, as a
+    caller whose gRPC calls present `channel_auth` and whose mux handshake presents `mux_auth`."""
     async def main():
         servicer = StoryRouter()
         server = StoryServer(servicer, transport)
         address = await server.start()
-        channel = internal_channel(address)
-        connect = connect_to(pb_grpc.RouterStub(channel), address)
+        channel = internal_channel(address, channel_auth)
+        connect = connect_to(pb_grpc.RouterStub(channel), address, mux_auth)
         calls = Streams()
 
         async def counting_connect():
@@ -270,8 +277,8 @@ def test_after_a_callee_restarts_on_its_address_calls_work_again(transport):
     async def main():
         server = StoryServer(StoryRouter(), transport)
         address = await server.start()
-        channel = internal_channel(address)
-        muxed = MuxChannel(connect_to(pb_grpc.RouterStub(channel), address), address)
+        channel = internal_channel(address, AUTH)
+        muxed = MuxChannel(connect_to(pb_grpc.RouterStub(channel), address, AUTH), address)
         try:
             assert await collect(muxed.call("generate", route("a"))) == [1, 2, 3]
             await server.stop()
@@ -307,6 +314,25 @@ def test_frames_ready_together_are_cut_into_messages_below_the_size_cap(monkeypa
     assert batch == frames[3:] and ended
 
 
+def handshake(token: bytes) -> bytes:
+    body = mux.HANDSHAKE_MAGIC + token
+    return len(body).to_bytes(4, "big") + body
+
+
+def call_frames(*frames: pb.CallFrame) -> bytes:
+    return mux._encode(pb.CallFrames(frames=list(frames)))
+
+
+async def answer_and_end(reader: asyncio.StreamReader) -> tuple[pb.CallStatus | None, bytes]:
+    """The handshake's answer (None if there was none), and what came after it until the end."""
+    status = await asyncio.wait_for(mux._read_message(reader, pb.CallStatus), 5)
+    try:
+        rest = await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:
+        rest = b""
+    return status, rest
+
+
 def test_garbage_on_the_mux_port_drops_that_connection_only():
     async def scenario(servicer, muxed, server, calls):
         assert await collect(muxed.call("generate", route("before"))) == [1, 2, 3]
@@ -315,24 +341,77 @@ def test_garbage_on_the_mux_port_drops_that_connection_only():
                         (1 << 30).to_bytes(4, "big"),            # a 1 GiB message announced
                         b"\x00\x00"):                            # cut off mid-header
             reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(garbage)
+            writer.write(handshake(AUTH.presented()) + garbage)
             if garbage == b"\x00\x00":
                 writer.write_eof()
-            assert await asyncio.wait_for(reader.read(), 5) == b""   # dropped, nothing answered
+            status, rest = await answer_and_end(reader)
+            assert status.code == grpc.StatusCode.OK.value[0]
+            assert rest == b""                                   # dropped, nothing answered
             writer.close()
         assert await collect(muxed.call("generate", route("after"))) == [1, 2, 3]
         assert len(calls) == 1                         # the good connection never noticed
     story(scenario, "tcp")
 
 
+def test_a_tcp_mux_connection_serves_nothing_until_it_presents_the_fleet_token(monkeypatch):
+    """Its first message must be the handshake with the token: a caller that starts with a call,
+    presents a wrong or no token, is answered UNAUTHENTICATED and closed; a silent one is closed
+    after HANDSHAKE_TIMEOUT_S. No handler ever starts."""
+    monkeypatch.setattr(mux, "HANDSHAKE_TIMEOUT_S", 0.3)
+
+    async def scenario(servicer, muxed, server, calls):
+        host, port = servicer.mux_address.rsplit(":", 1)
+        generate = call_frames(pb.CallFrame(call_id=1, generate=route("sneaky")))
+        for opening, why in ((generate, "not a fleet-token handshake"),
+                             (handshake(WRONG.presented()) + generate, "wrong fleet token"),
+                             (handshake(b""), "no fleet token presented")):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(opening)
+            status, rest = await answer_and_end(reader)
+            assert status.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert why in status.details and rest == b""
+            writer.close()
+        reader, writer = await asyncio.open_connection(host, int(port))   # says nothing at all
+        assert await answer_and_end(reader) == (None, b"")
+        writer.close()
+        assert servicer.started == {} and servicer.finished == []
+        assert await collect(muxed.call("generate", route("owner"))) == [1, 2, 3]
+    story(scenario, "tcp")
+
+
+@TRANSPORTS
+def test_a_caller_with_a_wrong_token_fails_at_once_with_unauthenticated_in_the_error(transport):
+    """The gRPC calls (Health, the Mux RPC) carry a wrong token: refused by the interceptor."""
+    async def scenario(servicer, muxed, server, calls):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(collect(muxed.call("generate", route("x"))), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "UNAUTHENTICATED" in e.value.details() and "wrong fleet token" in e.value.details()
+        assert servicer.started == {}
+    story(scenario, transport, channel_auth=WRONG, mux_auth=WRONG)
+
+
+def test_a_mux_handshake_with_a_wrong_token_fails_the_calls_at_once():
+    """Health passes (the right token on gRPC), the TCP handshake presents a wrong one."""
+    async def scenario(servicer, muxed, server, calls):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(collect(muxed.call("generate", route("x"))), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "refused the mux connection" in e.value.details()
+        assert "UNAUTHENTICATED" in e.value.details() and "wrong fleet token" in e.value.details()
+        assert servicer.started == {}
+    story(scenario, "tcp", mux_auth=WRONG)
+
+
 # ------------------------------------------------------------- a real decode worker's mux
 @pytest.fixture
 def decode_worker(tiny_model_dir):
+    """(address, the fleet token its launcher gave it)."""
     launcher = Launcher()
     try:
         yield launcher.start("decode-0", [
             "services.common.cli", "serve", "decode", "--model", str(tiny_model_dir),
-            "--worker-id", "decode-0", "--kv-cache-mib", "16"])
+            "--worker-id", "decode-0", "--kv-cache-mib", "16"]), FleetAuth.from_env(launcher.env)
     finally:
         launcher.stop_all()
 
@@ -344,9 +423,10 @@ def reserve_request(rid: str, n_prompt: int = 40, max_tokens: int = 8) -> pb.Res
 
 def test_reservations_over_a_decode_workers_mux_each_get_their_own_answer(decode_worker):
     async def main():
-        channel = internal_channel(decode_worker)
+        address, auth = decode_worker
+        channel = internal_channel(address, auth)
         stub = pb_grpc.WorkerStub(channel)
-        muxed = MuxChannel(connect_to(stub, decode_worker), decode_worker)
+        muxed = MuxChannel(connect_to(stub, address, auth), address)
         try:
             answers = await asyncio.gather(*(muxed.unary("reserve", reserve_request(f"r{i}", 16 + i))
                                              for i in range(12)))
@@ -372,9 +452,10 @@ def test_a_release_sent_right_behind_a_reserve_always_frees_it(decode_worker):
     """The router's Cancel travels on the same connection as the request's Reserve, so it can
     never overtake it: a reservation made just before its Cancel is always freed."""
     async def main():
-        channel = internal_channel(decode_worker)
+        address, auth = decode_worker
+        channel = internal_channel(address, auth)
         stub = pb_grpc.WorkerStub(channel)
-        muxed = MuxChannel(connect_to(stub, decode_worker), decode_worker)
+        muxed = MuxChannel(connect_to(stub, address, auth), address)
         try:
             for i in range(20):
                 reserve = muxed.call("reserve", reserve_request(f"q{i}"))   # its frame is queued

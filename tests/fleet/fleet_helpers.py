@@ -1,6 +1,8 @@
-"""A real fleet on 127.0.0.1 for tests: redis-server, workers and router as processes."""
+"""A real fleet on 127.0.0.1 for tests: redis-server, workers and router as processes. Their
+Launcher hands them one fleet token; `Fleet.channel` makes channels whose calls carry it."""
 from __future__ import annotations
 
+import collections
 import ipaddress
 import itertools
 import os
@@ -8,6 +10,7 @@ from contextlib import contextmanager
 
 import grpc
 
+from services.common.fleet_token import FleetAuth
 from services.common.launcher import Launcher
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -21,6 +24,11 @@ class Fleet:
         self.redis_url = redis_url
         self.workers: dict[str, str] = {}
         self.router = ""
+        self.auth = FleetAuth.from_env(launcher.env)      # the token its processes ask for
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A channel to one of the fleet's services, presenting the fleet token on every call."""
+        return token_channel(address, self.auth)
 
     def worker(self, name: str, role: str, model: str, kv_backend: str = "tcp",
                extra_args: tuple[str, ...] = ()) -> str:
@@ -36,11 +44,46 @@ class Fleet:
         return self.router
 
     def router_stub(self) -> pb_grpc.RouterStub:
-        return pb_grpc.RouterStub(grpc.insecure_channel(self.router))
+        return pb_grpc.RouterStub(self.channel(self.router))
 
     def stats(self, name: str) -> pb.WorkerStats:
-        with grpc.insecure_channel(self.workers[name]) as ch:
+        with self.channel(self.workers[name]) as ch:
             return pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                  "wait_for_ready", "compression")),
+               grpc.ClientCallDetails):
+    pass
+
+
+class _Present(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+               grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """What internal_channel does for grpc.aio, for a test's blocking channel."""
+
+    def __init__(self, auth: FleetAuth) -> None:
+        self._metadata = auth.metadata()
+
+    def _with_token(self, d):
+        return _Details(d.method, d.timeout, (*(d.metadata or ()), *self._metadata),
+                        d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
+
+
+def token_channel(address: str, auth: FleetAuth) -> grpc.Channel:
+    """A blocking channel whose calls present `auth`'s token (a wrong one, or none, for tests)."""
+    return grpc.intercept_channel(grpc.insecure_channel(address), _Present(auth))
 
 
 @contextmanager

@@ -48,7 +48,7 @@ def test_a_prefill_workers_cancel_waits_for_its_kv_write_to_end(redis_url, tiny_
             assert wait_until(lambda: fleet.stats("prefill-0").kv_writes_in_flight == 1, 10)
             assert chunks and len(chunks[0].token_ids) == 1   # the first token went out anyway
 
-            with grpc.insecure_channel(fleet.workers["prefill-0"]) as ch:
+            with fleet.channel(fleet.workers["prefill-0"]) as ch:
                 started = time.monotonic()
                 pb_grpc.WorkerStub(ch).Cancel(pb.CancelRequest(request_id="held"), timeout=30)
                 waited = time.monotonic() - started

@@ -103,10 +103,10 @@ def test_bad_request_is_invalid_argument(fleet):
 
 def test_every_service_names_its_mux_listener_and_nothing_listens_off_loopback(fleet):
     list(fleet.router_stub().Generate(route_request("warm", PROMPT, 4)))   # KV has moved
-    with grpc.insecure_channel(fleet.router) as ch:
+    with fleet.channel(fleet.router) as ch:
         addresses = [pb_grpc.RouterStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address]
     for name in ALL:
-        with grpc.insecure_channel(fleet.workers[name]) as ch:
+        with fleet.channel(fleet.workers[name]) as ch:
             addresses.append(pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address)
     pids = [child.proc.pid for child in fleet.launcher.children.values()]
     listening = listening_sockets(pids)

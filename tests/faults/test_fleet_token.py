@@ -1,0 +1,206 @@
+"""Internal calls are authenticated: a process on the host that calls the router or a worker
+directly, skipping the gateway (its API keys and quotas), gets UNAUTHENTICATED and is served
+nothing, whether it speaks gRPC or the plain TCP mux. The fleet itself, which `Launcher` hands
+one token, serves end to end; the token shows up in no log and no command line.
+
+A real disaggregated fleet on 127.0.0.1 (redis-server, prefill, decode, router), shared by the
+module.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from contextlib import ExitStack
+
+import grpc
+import pytest
+
+from services.common import fleet_token, mux
+from services.common.fleet_token import FleetAuth, FleetTokenError
+from services.common.launcher import Launcher
+from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from tests.fleet.fleet_helpers import route_request, running_fleet, token_channel
+
+PROMPT = list(range(1, 40))
+NO_TOKEN = FleetAuth()                       # a caller that presents none
+WRONG = FleetAuth(fleet_token.generate())    # a caller that guesses
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url, tiny_model_dir):
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg") as f:
+        yield f
+
+
+def reserve(rid: str) -> pb.ReserveRequest:
+    return pb.ReserveRequest(request_id=rid, prompt_token_ids=PROMPT,
+                             params=pb.SamplingParams(max_tokens=8, temperature=0))
+
+
+def frames(**call) -> pb.CallFrames:
+    return pb.CallFrames(frames=[pb.CallFrame(call_id=1, **call)])
+
+
+def nothing_held(fleet) -> bool:
+    return all(fleet.stats(name).kv_blocks_reserved == 0 and fleet.stats(name).num_running == 0
+               for name in fleet.workers)
+
+
+# ------------------------------------------------------------------------------------- gRPC
+@pytest.mark.parametrize("caller", [NO_TOKEN, WRONG], ids=["no-token", "wrong-token"])
+def test_every_grpc_method_of_the_router_and_the_workers_asks_for_the_fleet_token(fleet, caller):
+    with ExitStack() as stack:
+        def stub(kind, address):
+            return kind(stack.enter_context(token_channel(address, caller)))
+        router = stub(pb_grpc.RouterStub, fleet.router)
+        decode = stub(pb_grpc.WorkerStub, fleet.workers["decode-0"])
+        prefill = stub(pb_grpc.WorkerStub, fleet.workers["prefill-0"])
+        calls = {
+            "router Health": lambda: router.Health(pb.HealthRequest(), timeout=5),
+            "router Generate": lambda: list(router.Generate(route_request("in", PROMPT, 4), timeout=5)),
+            "router Mux": lambda: list(router.Mux(
+                iter([frames(generate=route_request("in", PROMPT, 4))]), timeout=5)),
+            "router Cancel": lambda: router.Cancel(pb.CancelRequest(request_id="in"), timeout=5),
+            "decode Health": lambda: decode.Health(pb.HealthRequest(), timeout=5),
+            "decode Stats": lambda: decode.Stats(pb.StatsRequest(), timeout=5),
+            "decode Reserve": lambda: decode.Reserve(reserve("in"), timeout=5),
+            "decode Mux": lambda: list(decode.Mux(iter([frames(reserve=reserve("in"))]), timeout=5)),
+            "decode Cancel": lambda: decode.Cancel(pb.CancelRequest(request_id="in"), timeout=5),
+            "prefill Health": lambda: prefill.Health(pb.HealthRequest(), timeout=5),
+            "prefill Prefill": lambda: list(prefill.Prefill(pb.PrefillRequest(), timeout=5)),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            why = "wrong fleet token" if caller is WRONG else "no fleet token presented"
+            assert why in e.value.details(), (name, e.value.details())
+    assert nothing_held(fleet)                       # no Reserve or Generate got through
+
+
+# ---------------------------------------------------------------------------------- TCP mux
+def mux_addresses(fleet) -> dict[str, str]:
+    found = {}
+    with fleet.channel(fleet.router) as ch:
+        found["router"] = pb_grpc.RouterStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address
+    for name, address in fleet.workers.items():
+        with fleet.channel(address) as ch:
+            found[name] = pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address
+    return found
+
+
+def handshake(token: bytes) -> bytes:
+    body = mux.HANDSHAKE_MAGIC + token
+    return len(body).to_bytes(4, "big") + body
+
+
+def exchange(address: str, opening: bytes) -> tuple[pb.CallStatus | None, bytes]:
+    """Send `opening` on a new TCP connection; the handshake's answer and all that followed,
+    up to the end of the connection (which must come within 5 s: no hang)."""
+    host, port = address.rsplit(":", 1)
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(opening)
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass                                     # closed with our frames unread: dropped
+    if len(received) < 4:
+        return None, received
+    size = int.from_bytes(received[:4], "big")
+    return pb.CallStatus.FromString(received[4:4 + size]), received[4 + size:]
+
+
+def test_a_raw_tcp_connection_to_a_mux_listener_without_the_token_is_dropped_unserved(fleet):
+    addresses = mux_addresses(fleet)
+    openings = {
+        "a call, no handshake": mux._encode(frames(reserve=reserve("raw"))),
+        "a routed call, no handshake": mux._encode(frames(generate=route_request("raw", PROMPT, 4))),
+        "a wrong token": handshake(WRONG.presented()),
+        "an empty token": handshake(b""),
+    }
+    for name, address in addresses.items():
+        for what, opening in openings.items():
+            status, rest = exchange(address, opening)
+            assert status is not None and rest == b"", (name, what, rest)
+            assert status.code == grpc.StatusCode.UNAUTHENTICATED.value[0], (name, what)
+            assert "kvfleet internal call" in status.details
+    assert nothing_held(fleet)
+
+    # the same probe with the token is served: the refusals above were the token's doing
+    decode = addresses["decode-0"]
+    host, port = decode.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        reader = sock.makefile("rb")
+        sock.sendall(handshake(fleet.auth.presented()) + mux._encode(frames(reserve=reserve("probe"))))
+        status = pb.CallStatus.FromString(reader.read(int.from_bytes(reader.read(4), "big")))
+        assert status.code == grpc.StatusCode.OK.value[0]
+        replies = pb.ReplyFrames.FromString(reader.read(int.from_bytes(reader.read(4), "big")))
+        assert replies.frames[0].reserved.accepted
+        sock.sendall(mux._encode(pb.CallFrames(frames=[pb.CallFrame(
+            call_id=2, release=pb.CancelRequest(request_id="probe"))])))
+        while not any(f.WhichOneof("kind") == "released" for f in replies.frames):
+            replies = pb.ReplyFrames.FromString(reader.read(int.from_bytes(reader.read(4), "big")))
+        reader.close()
+    assert nothing_held(fleet)
+
+
+# ------------------------------------------------------------------------- the fleet itself
+def test_the_fleet_serves_end_to_end_with_its_token_and_shows_it_nowhere(fleet):
+    chunks = list(fleet.router_stub().Generate(route_request("own", PROMPT, 6, ignore_eos=True),
+                                               timeout=60))
+    assert sum(len(c.token_ids) for c in chunks) == 6
+    token = fleet.auth.token
+    for child in fleet.launcher.children.values():
+        with open(f"/proc/{child.proc.pid}/cmdline", "rb") as f:
+            assert token.encode() not in f.read(), child.name
+        assert not any(token in line for line in child.lines), child.name
+    for log in os.listdir(fleet.launcher.log_dir):
+        with open(os.path.join(fleet.launcher.log_dir, log), errors="replace") as f:
+            assert token not in f.read(), log
+    assert token not in repr(fleet.auth)
+
+
+def environment_without_a_token() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")}
+
+
+def test_a_router_or_worker_with_no_token_refuses_to_start(redis_url, tiny_model_dir):
+    for command in (["services.router", "--redis-url", redis_url],
+                    ["services.common.cli", "serve", "decode", "--model", str(tiny_model_dir)]):
+        proc = subprocess.run([sys.executable, "-m", *command], env=environment_without_a_token(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "READY" not in proc.stdout, command
+        assert "no fleet token" in proc.stderr and "--insecure-internal" in proc.stderr, command
+
+
+def test_insecure_internal_is_an_explicit_opt_out_that_serves_any_local_caller(redis_url):
+    launcher = Launcher()
+    try:
+        router = launcher.start("router", ["services.router", "--redis-url", redis_url,
+                                           "--insecure-internal"])
+        with token_channel(router, NO_TOKEN) as ch:
+            pb_grpc.RouterStub(ch).Health(pb.HealthRequest(), timeout=5)
+    finally:
+        launcher.stop_all()
+
+
+# ----------------------------------------------------------------- where the token comes from
+def test_the_token_comes_from_the_environment_or_a_file_and_a_weak_one_is_refused(tmp_path):
+    token = fleet_token.generate()
+    assert FleetAuth.from_env({fleet_token.ENV_TOKEN: token}).token == token
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    assert FleetAuth.from_env({}, token_file=str(path)).token == token
+    assert FleetAuth.from_env({fleet_token.ENV_TOKEN_FILE: str(path)}).token == token
+    assert FleetAuth.from_env({}).token is None
+    with pytest.raises(FleetTokenError, match="at least 16"):
+        FleetAuth.from_env({fleet_token.ENV_TOKEN: "secret"})
+    # Launcher children share the caller's token, or one made for them
+    assert fleet_token.child_env({fleet_token.ENV_TOKEN: token}) == {fleet_token.ENV_TOKEN: token}
+    assert len(fleet_token.child_env({})[fleet_token.ENV_TOKEN]) >= 40
+    assert token not in repr(FleetAuth(token)) and token not in str(FleetAuth(token))
