@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
 
 import torch
 
+from services.common import fleet_token
 from services.kv_transfer import make_transport
 from services.kv_transfer.base import KVLayout, blocks_checksum
 from services.kv_transfer.peer import TargetProcess, make_cache
@@ -109,6 +111,7 @@ def main(argv=None) -> None:
     parser.add_argument("--contiguous", action="store_true", help="one run of blocks instead of scattered ones")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    os.environ.update(fleet_token.child_env())   # the tcp target (spawned) and source share one token
     n = max(1, args.mib * (1 << 20) // LAYOUT.bytes_per_block)
     nbytes = n * LAYOUT.bytes_per_block
     results = {}

@@ -3,8 +3,9 @@
 The target listens on 127.0.0.1:<chosen port> (descriptor.address); one connection = one transfer, served on
 its own thread. The source sends from its own thread, so write() returns at once.
 
-    source -> target  HEADER {id, layout, blocks, nbytes, checksum, timeout_s}
-                      target claims its expect(id) (waiting for it if need be), checks layout, ids, size
+    source -> target  HEADER {token, id, layout, blocks, nbytes, checksum, timeout_s}
+                      target checks the fleet token (else refuses, claiming nothing), claims its
+                      expect(id) (waiting for it if need be), checks layout, ids, size
     source <- target  REPLY {error: null | why refused}
     source -> target  PAYLOAD in wire order (base.py), recvmsg_into the destination regions
     source <- target  REPLY {error: null | "checksum mismatch ..."}
@@ -12,7 +13,9 @@ its own thread. The source sends from its own thread, so write() returns at once
 Frames are a 4-byte big-endian length + UTF-8 JSON. A CPU pool is sent and received in place: each run of
 consecutive block ids is one contiguous region per (layer, K/V), gathered by sendmsg, scattered by
 recvmsg_into; a device pool is staged through one CPU copy. Every socket op is bounded by what is left of the
-transfer's timeout; a closed or reset peer fails the transfer on both sides at once. The target writes only
+transfer's timeout; a closed or reset peer fails the transfer on both sides at once. `token` is the fleet
+token (services/common/fleet_token.py): a writer without this process's is refused before it touches
+an expect(). The target writes only
 into the blocks of its own expect() for that id, once; a failed transfer may leave those half written.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from services.common import fleet_token
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
                                        byte_view, check_write, make_descriptor)
@@ -43,8 +47,10 @@ CLAIM_SHARE = 0.8        # wait for the expect() this share of the source's time
 class TcpTransport(PoolTransport):
     name = "tcp"
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None):
+        """`auth`: the fleet token writers present and this target asks for (else this process's)."""
         super().__init__(worker_id)
+        self._auth = auth if auth is not None else fleet_token.active()
         self._flat: memoryview | None = None  # the whole CPU pool as bytes; None for a device pool
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
@@ -103,7 +109,7 @@ class TcpTransport(PoolTransport):
             with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock, self._tracked(sock):
                 _tune(sock)
                 views = self._source_views(src)
-                header = {"id": transfer_id, "layout": self._layout.encode(), "blocks": list(target.block_ids),
+                header = {"token": self._auth.presented().decode(), "id": transfer_id, "layout": self._layout.encode(), "blocks": list(target.block_ids),
                           "nbytes": len(src) * self._layout.bytes_per_block,
                           "checksum": _crc(views) if checksum else None, "timeout_s": _left(deadline)}
                 _send_frame(sock, header, deadline)
@@ -147,6 +153,11 @@ class TcpTransport(PoolTransport):
             try:
                 _tune(conn)
                 header = _recv_frame(conn, time.monotonic() + HEADER_TIMEOUT_S)
+                unauthenticated = self._auth.refusal(header.get("token"))
+                if unauthenticated is not None:
+                    _send_frame(conn, {"error": f"unauthenticated: {unauthenticated}"},
+                                time.monotonic() + HEADER_TIMEOUT_S)
+                    return
                 transfer_id, deadline = str(header["id"]), time.monotonic() + float(header["timeout_s"])
                 ids = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
                 refusal = self._refusal(header, ids)

@@ -7,8 +7,11 @@ import time
 import pytest
 import torch
 
+from services.common import fleet_token
+from services.common.fleet_token import FleetAuth
 from services.kv_transfer import KVLayout, KVTransferError, tcp
-from tests.kv_transfer.helpers import DST, SRC, Pair, expected_target, new_id
+from services.kv_transfer.peer import make_cache
+from tests.kv_transfer.helpers import DST, LAYOUT, SOURCE_BLOCKS, SRC, Pair, expected_target, new_id
 
 
 @pytest.fixture
@@ -89,7 +92,7 @@ def test_a_source_that_dies_mid_payload_fails_the_target_at_once(pair):
     deadline = time.monotonic() + 5.0
     host, port = pair.target.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5.0) as sock:
-        header = {"id": tid, "layout": layout, "blocks": [1, 2], "nbytes": nbytes, "checksum": None,
+        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": layout, "blocks": [1, 2], "nbytes": nbytes, "checksum": None,
                   "timeout_s": 30.0}
         tcp._send_frame(sock, header, deadline)
         assert tcp._recv_frame(sock, deadline) == {"error": None}
@@ -98,3 +101,24 @@ def test_a_source_that_dies_mid_payload_fails_the_target_at_once(pair):
     with pytest.raises(KVTransferError, match="peer closed the connection mid-transfer"):
         target.wait(10.0)
     assert time.monotonic() - start < 1.0
+
+
+def test_a_writer_without_the_fleet_token_is_refused_and_claims_nothing(pair):
+    """Another local process writing into a worker's reserved blocks: with a wrong token, or none,
+    the target refuses it before it touches the expect(), and the fleet's own write still lands."""
+    before = pair.refill(seed=23)
+    tid = new_id()
+    target = pair.target.expect(tid, DST, timeout_s=10.0)
+    for auth, why in ((FleetAuth(fleet_token.generate()), "wrong fleet token"),
+                      (FleetAuth(), "no fleet token presented")):
+        intruder = tcp.TcpTransport(new_id("intruder"), auth)
+        intruder.register(make_cache(LAYOUT, SOURCE_BLOCKS))
+        try:
+            with pytest.raises(KVTransferError, match=f"target refused the transfer: unauthenticated: {why}"):
+                intruder.write(tid, SRC, pair.target.descriptor(DST), timeout_s=5.0).wait(5.0)
+        finally:
+            intruder.close()
+    assert torch.equal(pair.target_kv.data, before)
+    pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=5.0, checksum=True).wait(5.0)
+    target.wait(5.0)
+    assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
