@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 import time
 import uuid
 
 import pytest
+import redis
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from services.common.fleet_state import (FleetState, LeaseTerms, StreamLease, TenantCounters,
-                                         WorkerRecord)
+from services.common.fleet_state import (COMMAND_TIMEOUT_S, FleetState, LeaseTerms, StreamLease,
+                                         TenantCounters, WorkerRecord)
 
 T0 = 1_700_000_000.0          # 20 s into a minute (T0 % 60 == 20): its window ends at T0 + 40
 WINDOW_END = T0 + 40
@@ -433,3 +436,28 @@ def test_any_interleaving_keeps_the_lease_count_exact(redis_url, redis_ns):
     run_state_machine_as_test(LeaseMachine, settings=settings(
         max_examples=60, stateful_step_count=40, deadline=None,
         suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow]))
+
+
+# --- a Redis that stops answering -----------------------------------------------------------------
+
+def test_a_hung_redis_fails_a_call_within_the_timeout_and_the_client_recovers():
+    """SIGSTOP: the server accepts nothing and answers nothing. A call fails after
+    COMMAND_TIMEOUT_S (never a hang); once it answers again, the same FleetState works."""
+    from services.common.redis_server import RedisServerProcess
+
+    async def scenario(fs: FleetState, pid: int):
+        assert (await take(fs, "t", 5)).admitted
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(redis.exceptions.TimeoutError):
+                await take(fs, "t", 5)
+            assert time.monotonic() - start < COMMAND_TIMEOUT_S + 0.5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (await take(fs, "t", 5)).admitted
+        # the timed-out admit may have run once the server woke: 2 or 3 leases, never a hang
+        assert await fs.streams("t", now=T0) in (2, 3)
+
+    with RedisServerProcess() as server:
+        run(server.url, "hung:", lambda fs: scenario(fs, server.process.pid))
