@@ -23,6 +23,7 @@ from services.common import fleet_token
 class Child:
     name: str
     proc: subprocess.Popen
+    module_args: list[str] = field(default_factory=list)   # how it was started (to restart it)
     address: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
     lines: list[str] = field(default_factory=list)
@@ -42,19 +43,29 @@ class Launcher:
 
     def start(self, name: str, module_args: list[str], ready_timeout_s: float = 120.0) -> str:
         """Run `python -m <module_args...>`; returns the address from its READY line."""
-        log_path = os.path.join(self.log_dir, f"{name}.log")
-        with open(log_path, "wb") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", *module_args], stdout=subprocess.PIPE,
-                                    stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
-                                    start_new_session=True, text=True)
-        child = self.children[name] = Child(name, proc)
-        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        child = self.spawn(name, module_args)
+        log_path = self.log_path(name)
+        proc = child.proc
         if not child.ready.wait(ready_timeout_s) or not child.address:
             self.stop(name)
             raise LaunchError(f"{name} did not become ready in {ready_timeout_s:.0f}s "
                               f"(exit code {proc.poll()}); its log {log_path} ends:\n"
                               + _tail(log_path))
         return child.address
+
+    def spawn(self, name: str, module_args: list[str]) -> Child:
+        """Start `python -m <module_args...>` without waiting for it; a child of the same name that
+        ran before (and died) is replaced. Its stderr is appended to the child's log."""
+        with open(self.log_path(name), "ab") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", *module_args], stdout=subprocess.PIPE,
+                                    stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
+                                    start_new_session=True, text=True)
+        child = self.children[name] = Child(name, proc, list(module_args))
+        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        return child
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, f"{name}.log")
 
     def _pump(self, child: Child) -> None:
         for line in child.proc.stdout:

@@ -5,21 +5,26 @@
   router     one, reading worker capacity from Redis
   gateway    OpenAI REST on --http-port and gRPC on --grpc-port
 
-Prints the endpoints, then waits. Ctrl-C or SIGTERM stops every child it started (SIGTERM, then
-SIGKILL after a grace period) and the embedded Redis: no orphan process, no port left open.
+Prints the endpoints, then supervises: a child that exits is restarted with backoff, on the same
+port (services/common/supervisor.py), while the rest keep serving. Only Ctrl-C or SIGTERM stops
+the fleet: every child it started (SIGTERM, then SIGKILL after a grace period) and the embedded
+Redis, with no orphan process and no port left open.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
-import sys
 import threading
 
 from services.common import fleet_token
 from services.common.launcher import Launcher
 from services.common.redis_server import EmbeddedRedis
+from services.common.supervisor import Supervisor
 from services.engine.engine import resolve_model_dir
+
+
+SUPERVISE_EVERY_S = 0.2   # how often children are checked (a dead one is seen this late at most)
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +88,33 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str) ->
     return endpoints
 
 
+def pinned_ports(endpoints: dict[str, str]) -> dict[str, list[str]]:
+    """The arguments that restart each child on the port it listens on now."""
+    port = lambda address: address.rsplit(":", 1)[1]  # noqa: E731
+    pins = {name: ["--port", port(address)] for name, address in endpoints.items()
+            if name not in ("gateway", "gateway-grpc")}
+    pins["gateway"] = ["--http-port", port(endpoints["gateway"]),
+                       "--grpc-port", port(endpoints["gateway-grpc"])]
+    return pins
+
+
+def check_keys(args: argparse.Namespace) -> None:
+    """Refuse to start a fleet whose keys file names tenants or classes its engine config lacks
+    (the gateway would refuse too, but only after the workers loaded)."""
+    if not args.api_keys:
+        return
+    from services.engine.config import EngineConfig  # noqa: PLC0415
+    from services.engine.config_file import load_engine_config  # noqa: PLC0415
+    from services.gateway.config import key_problems, load_api_keys  # noqa: PLC0415
+    engine = load_engine_config(args.config) if args.config else EngineConfig()
+    problems = key_problems(load_api_keys(args.api_keys), engine.scheduler)
+    if problems:
+        raise SystemExit(f"kvfleet up: {args.api_keys} does not fit the engine config "
+                         f"({args.config or 'the defaults'}): " + "; ".join(problems))
+
+
 def run_up(args: argparse.Namespace) -> int:
+    check_keys(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -100,11 +131,9 @@ def run_up(args: argparse.Namespace) -> int:
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")
         print("READY up " + endpoints["gateway"], flush=True)
-        while not stop.wait(0.5):
-            dead = [n for n, c in launcher.children.items() if c.proc.poll() is not None]
-            if dead:
-                print(f"child exited: {', '.join(dead)}; stopping", file=sys.stderr)
-                return 1
+        supervisor = Supervisor(launcher, pinned=pinned_ports(endpoints))
+        while not stop.wait(SUPERVISE_EVERY_S):
+            supervisor.poll()
         return 0
     finally:
         launcher.stop_all()
