@@ -85,21 +85,39 @@ _REPLY_FIELD = {pb.TokenChunk: "chunk", pb.ReserveResponse: "reserved",
 class CallAborted(Exception):
     """Raised by CallContext.abort: ends the call with this status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+        self.retry_after_s = retry_after_s
 
 
 class CallContext:
-    """What a handler may use of a grpc.aio ServicerContext on a mux call."""
+    """What a handler may use of a grpc.aio ServicerContext on a mux call. Of trailing metadata
+    only `retry-after` (seconds) travels, as CallStatus.retry_after_s."""
+
+    def __init__(self) -> None:
+        self._retry_after_s: float | None = None
+
+    def set_trailing_metadata(self, metadata) -> None:
+        for key, value in metadata:
+            if key == RETRY_AFTER:
+                self._retry_after_s = float(value)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise CallAborted(code, details)
+        raise CallAborted(code, details, self._retry_after_s)
 
 
-def _status(code: grpc.StatusCode, details: str = "") -> pb.CallStatus:
-    return pb.CallStatus(code=code.value[0], details=details)
+RETRY_AFTER = "retry-after"
+
+
+def _status(code: grpc.StatusCode, details: str = "",
+            retry_after_s: float | None = None) -> pb.CallStatus:
+    status = pb.CallStatus(code=code.value[0], details=details)
+    if retry_after_s is not None:
+        status.retry_after_s = retry_after_s
+    return status
 
 
 _OK = _status(grpc.StatusCode.OK)
@@ -189,7 +207,7 @@ class MuxServer:
                                 sent))
                 await sent
         except CallAborted as e:
-            status = _status(e.code, e.details)
+            status = _status(e.code, e.details, e.retry_after_s)
         except asyncio.CancelledError:
             calls.pop(call_id, None)
             raise                                # cancelled by the caller: it expects no end
@@ -215,8 +233,11 @@ class _Ended:
         self.error = error
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def rpc_error(code: grpc.StatusCode, details: str,
+              retry_after_s: float | None = None) -> grpc.aio.AioRpcError:
+    trailing = (grpc.aio.Metadata((RETRY_AFTER, f"{retry_after_s:g}")) if retry_after_s is not None
+                else grpc.aio.Metadata())
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=details)
 
 
 class MuxCall:
@@ -307,8 +328,10 @@ class _Link:
                         continue
                     del self.calls[frame.call_id]
                     code = _CODES.get(frame.end.code, grpc.StatusCode.UNKNOWN)
+                    retry = (frame.end.retry_after_s if frame.end.HasField("retry_after_s")
+                             else None)
                     call._finish(_Ended(None if code == grpc.StatusCode.OK
-                                        else rpc_error(code, frame.end.details)))
+                                        else rpc_error(code, frame.end.details, retry)))
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} ended the mux connection")
         except grpc.aio.AioRpcError as e:
             error = rpc_error(grpc.StatusCode.UNAVAILABLE,

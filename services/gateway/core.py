@@ -53,6 +53,23 @@ def internal_request_id(client_id: str, tenant: str) -> str:
     return f"{tenant}:{client_id}" if client_id else ""
 
 
+# The finish reasons a client sees (OpenAI's); any other ending the fleet reports becomes an error
+# (a status before the first token, an SSE error event after it). "abort" reaches a client only
+# when it cancelled the request itself (gRPC Cancel).
+CLIENT_FINISH_REASONS = ("stop", "length")
+
+
+def _ending_error(chunk: pb.TokenChunk) -> errors.GatewayError:
+    if chunk.finish_reason == "rejected":
+        retry = chunk.retry_after_s if chunk.HasField("retry_after_s") else None
+        return errors.overloaded(chunk.error or "rejected by admission", retry)
+    if chunk.finish_reason == "abort":
+        return errors.unavailable("the request was aborted inside the fleet (a worker stopped "
+                                  "or cancelled it)")
+    return errors.GatewayError(502, f"a worker failed: {chunk.finish_reason}: {chunk.error}",
+                               code="upstream_error")
+
+
 class Session:
     def __init__(self, core: GatewayCore, gen: Generation, call: MuxCall) -> None:
         self.core = core
@@ -60,7 +77,8 @@ class Session:
         self.call = call                 # Router.Generate, on the mux to the router
         self.output_tokens = 0
         self.prompt_tokens = len(gen.prompt_ids)
-        self.aborted = False             # ended by a Cancel call
+        self.aborted = False             # ended by a Cancel call, or by shutdown
+        self.shutting_down = False       # ... by shutdown: the client gets an error, not a finish
         self._closed = False
         self._ended = False
 
@@ -80,6 +98,9 @@ class Session:
         except asyncio.CancelledError:
             if not self.aborted or asyncio.current_task().cancelling():
                 raise
+            if self.shutting_down:
+                raise errors.unavailable("the gateway is shutting down; retry", None,
+                                         "shutting_down") from None
             chunk = pb.TokenChunk(request_id=self.request_id, finished=True, finish_reason="abort")
         if chunk is grpc.aio.EOF:
             self._ended = True
@@ -87,6 +108,8 @@ class Session:
         self.output_tokens += len(chunk.token_ids)
         self.prompt_tokens = chunk.num_prompt_tokens or self.prompt_tokens
         self._ended = chunk.finished
+        if chunk.finished and chunk.finish_reason not in CLIENT_FINISH_REASONS and not self.aborted:
+            raise _ending_error(chunk)
         return chunk
 
     async def first(self) -> pb.TokenChunk:
@@ -95,11 +118,6 @@ class Session:
         if chunk is None:
             raise errors.GatewayError(502, "the router ended the stream without output",
                                       code="upstream_error")
-        if chunk.finished and not chunk.token_ids:
-            if chunk.finish_reason == "rejected":
-                raise errors.no_capacity(chunk.error or "rejected by admission")
-            if chunk.finish_reason == "error":
-                raise errors.GatewayError(502, f"a worker failed: {chunk.error}", code="upstream_error")
         return chunk
 
     def close(self) -> None:
@@ -189,9 +207,10 @@ class GatewayCore:
         return resp.status == pb.HealthResponse.SERVING, f"router: {resp.detail}"
 
     async def close(self) -> None:
-        """Shutdown: every live request ends as aborted, and its slot is released."""
+        """Shutdown: every live request ends with an error (503 shutting_down, or an SSE error
+        event once streaming), and its slot is released."""
         for session in list(self._live.values()):
-            session.aborted = True
+            session.aborted = session.shutting_down = True
             session.close()
         if self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)

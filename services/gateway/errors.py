@@ -6,11 +6,12 @@
 | 401    | authentication_error  | UNAUTHENTICATED     | missing or unknown API key (when keys are configured) |
 | 404    | not_found_error       | NOT_FOUND           | unknown model, unknown route                        |
 | 413    | invalid_request_error | INVALID_ARGUMENT    | body over the configured limit                      |
-| 429    | rate_limit_error      | RESOURCE_EXHAUSTED  | tenant quota, or router overload with a retry hint  |
+| 429    | rate_limit_error      | RESOURCE_EXHAUSTED  | tenant quota, or fleet overload (code overloaded)   |
 | 502    | upstream_error        | INTERNAL            | a worker failed in an unexpected way                |
-| 503    | service_unavailable   | UNAVAILABLE         | no capacity, worker or router unreachable           |
+| 503    | service_unavailable   | UNAVAILABLE         | no healthy capacity: worker, router or Redis down   |
 
-`retry_after` (seconds) becomes the `Retry-After` header / `retry-after` trailing metadata.
+`retry_after` (seconds) becomes the `Retry-After` header / `retry-after` trailing metadata. Every
+refusal (429 or 503) carries one, and its message names the reason.
 """
 from __future__ import annotations
 
@@ -79,12 +80,22 @@ def rate_limited(message: str, retry_after: float | None) -> GatewayError:
     return GatewayError(429, message, code="rate_limit_exceeded", retry_after=retry_after)
 
 
-def no_capacity(message: str, retry_after: float | None = None) -> GatewayError:
-    """Overload: 429 when the fleet says when to retry, otherwise 503."""
-    if retry_after is not None:
-        return GatewayError(429, f"no capacity: {message}", code="no_capacity",
-                            retry_after=retry_after)
-    return GatewayError(503, f"no capacity: {message}", code="no_capacity")
+# Retry-After of a 503 whose cause named no time: a dead worker is restarted by `kvfleet up`, and a
+# router re-reads the worker list, within a couple of seconds.
+UNAVAILABLE_RETRY_S = 2.0
+
+
+def overloaded(message: str, retry_after: float | None) -> GatewayError:
+    """Load: the fleet is busy (admission refused it, or every replica's KV is committed). 429."""
+    return GatewayError(429, f"overloaded: {message}", code="overloaded",
+                        retry_after=retry_after if retry_after is not None else 1.0)
+
+
+def unavailable(message: str, retry_after: float | None = None, code: str = "unavailable"
+                ) -> GatewayError:
+    """No healthy capacity (a worker, the router or Redis down). 503 with Retry-After."""
+    return GatewayError(503, message, code=code,
+                        retry_after=retry_after if retry_after is not None else UNAVAILABLE_RETRY_S)
 
 
 def from_router(e: grpc.aio.AioRpcError) -> GatewayError:
@@ -94,11 +105,12 @@ def from_router(e: grpc.aio.AioRpcError) -> GatewayError:
         m = _CODED.fullmatch(details)
         return bad_request(m.group(2), code=m.group(1)) if m else bad_request(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return no_capacity(details, _retry_hint(e))
+        return overloaded(details, _retry_hint(e))
     if code == grpc.StatusCode.UNAVAILABLE:
-        return GatewayError(503, f"the fleet is unavailable: {details}", code="unavailable")
+        return unavailable(f"the fleet is unavailable: {details}", _retry_hint(e))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return GatewayError(503, f"the fleet did not answer in time: {details}", code="timeout")
+        return unavailable(f"the fleet did not answer in time: {details}", _retry_hint(e),
+                           "timeout")
     return GatewayError(502, f"a worker failed: {code.name}: {details}", code="upstream_error")
 
 

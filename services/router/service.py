@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.aio import internal_channel
-from services.common.mux import MuxChannel, MuxServer, connect_to
+from services.common.mux import RETRY_AFTER, MuxChannel, MuxServer, connect_to
 from services.common.fleet_state import FleetState, WorkerRecord
 from services.common.outage import UNREACHABLE, Outage
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -37,13 +37,33 @@ WORKERS_TTL_S = 0.1      # a worker list this old is re-read from Redis in the b
 WORKERS_MAX_AGE_S = 1.0  # one older than this (an idle router) is re-read before placing
 WORKERS_STALE_OK_S = 5.0  # while Redis is down, a list this young is still served
 CANCEL_TIMEOUT_S = 2.0
+RESERVE_TIMEOUT_S = 3.0  # a decode worker that cannot answer a Reserve in this long is skipped
 # A prefill worker's Cancel waits for the request's KV write to end, at most until the decode
 # reservation's deadline (WorkerConfig.reserve_timeout_s, 30 s by default).
 CANCEL_WRITER_TIMEOUT_S = 35.0
 
 
+# When a refused request may try again. A decode replica's blocks free as its sequences end, which
+# the router cannot foresee: a reservation refused for load says retry in RESERVE_RETRY_S. No
+# healthy worker of a role: `kvfleet up` restarts a dead one within a few seconds, and a new
+# worker is placed on as soon as its first heartbeat lands.
+RESERVE_RETRY_S = 1.0
+UNHEALTHY_RETRY_S = 2.0
+
+
 class NoCapacity(Exception):
-    pass
+    """No worker can take the request now: RESOURCE_EXHAUSTED when every replica is busy (load),
+    UNAVAILABLE when none of a role is healthy; either way with when to retry."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 retry_after_s: float = RESERVE_RETRY_S) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+def unhealthy(message: str) -> NoCapacity:
+    return NoCapacity(message, grpc.StatusCode.UNAVAILABLE, UNHEALTHY_RETRY_S)
 
 
 class WorkerListUnavailable(grpc.aio.AioRpcError):
@@ -143,11 +163,16 @@ class RouterServicer(pb_grpc.RouterServicer):
                 yield chunk
                 done = chunk.finished
         except NoCapacity as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            context.set_trailing_metadata(((RETRY_AFTER, f"{e.retry_after_s:g}"),))
+            await context.abort(e.code, str(e))
         except grpc.aio.AioRpcError as e:
             code = _relayable(e.code())
             if code == grpc.StatusCode.UNAVAILABLE:
                 self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
+            retry = _retry_after(e) or (UNHEALTHY_RETRY_S if code == grpc.StatusCode.UNAVAILABLE
+                                        else None)
+            if retry is not None:
+                context.set_trailing_metadata(((RETRY_AFTER, f"{retry:g}"),))
             await context.abort(code, e.details() or str(e.code()))
         finally:
             self._live.pop(rid, None)
@@ -157,7 +182,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _colocated(self, request, workers, touched: Touched):
         candidates = rank_decode(workers, role="mixed")
         if not candidates:
-            raise NoCapacity("no healthy mixed worker")
+            raise unhealthy("no healthy mixed worker")
         target = candidates[0]
         touched.sources.add(target.grpc_address)
         async for chunk in self._mux_to(target.grpc_address).call("generate", request):
@@ -182,25 +207,36 @@ class RouterServicer(pb_grpc.RouterServicer):
             yield chunk
 
     async def _reserve(self, request, workers, touched: Touched):
-        reasons = []
+        reasons, silent = [], []
         for w in rank_decode(workers):
             touched.kv_targets.add(w.grpc_address)
-            resp = await self._mux_to(w.grpc_address).unary("reserve", pb.ReserveRequest(
-                request_id=request.request_id, tenant=request.tenant,
-                traffic_class=request.traffic_class,
-                prompt_token_ids=request.prompt_token_ids, params=request.params))
+            try:
+                resp = await asyncio.wait_for(self._mux_to(w.grpc_address).unary(
+                    "reserve", pb.ReserveRequest(
+                        request_id=request.request_id, tenant=request.tenant,
+                        traffic_class=request.traffic_class,
+                        prompt_token_ids=request.prompt_token_ids, params=request.params)),
+                    RESERVE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                # a hung (stopped, overloaded) worker: try the next one. Should the Reserve land
+                # later, the Cancel this request's end sends (queued behind it) frees it.
+                silent.append(f"{w.worker_id}: no answer in {RESERVE_TIMEOUT_S:g}s")
+                self._workers = (float("-inf"), [])        # re-read the list next time
+                continue
             if resp.accepted:
                 return w, resp
             reasons.append(f"{w.worker_id}: {resp.reason}")
-        raise NoCapacity("no decode replica can reserve KV for this request"
-                         + (f" ({'; '.join(reasons)})" if reasons else ": none is healthy"))
+        if not reasons:
+            raise unhealthy("no decode replica can reserve KV for this request: "
+                            + ("; ".join(silent) if silent else "none is healthy"))
+        raise NoCapacity(f"no decode replica can reserve KV for this request ({'; '.join(reasons)})")
 
     async def _prefill(self, request, workers, decode: WorkerRecord, reservation,
                        touched: Touched):
         """Prefill stream, retried once on another replica if it fails before any token."""
         candidates = rank_prefill(workers, len(request.prompt_token_ids))
         if not candidates:
-            raise NoCapacity("no healthy prefill worker")
+            raise unhealthy("no healthy prefill worker")
         for attempt, w in enumerate(candidates[:PREFILL_ATTEMPTS]):
             touched.sources.add(w.grpc_address)
             sent = False
@@ -278,6 +314,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         for link in self._links.values():
             await link.mux.close()
         await asyncio.gather(*(link.channel.close() for link in self._links.values()))
+
+
+def _retry_after(e: grpc.aio.AioRpcError) -> float | None:
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER:
+            return float(value)
+    return None
 
 
 def _relayable(code: grpc.StatusCode) -> grpc.StatusCode:

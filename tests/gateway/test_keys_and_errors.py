@@ -54,14 +54,21 @@ def test_unauthenticated_serving_is_only_for_loopback():
 @pytest.mark.parametrize("code, details, trailing, status, error_code", [
     (grpc.StatusCode.INVALID_ARGUMENT, "exceeds_kv_capacity: needs 9 blocks", (), 400,
      "exceeds_kv_capacity"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "no healthy mixed worker", (), 503, "no_capacity"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", (("retry-after", "7"),), 429, "no_capacity"),
+    (grpc.StatusCode.UNAVAILABLE, "no healthy mixed worker", (("retry-after", "2"),), 503,
+     "unavailable"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "all busy", (("retry-after", "7"),), 429, "overloaded"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "all busy", (), 429, "overloaded"),
     (grpc.StatusCode.UNAVAILABLE, "Socket closed", (), 503, "unavailable"),
     (grpc.StatusCode.INTERNAL, "boom", (), 502, "upstream_error"),
 ])
 def test_router_statuses_map_to_gateway_errors(code, details, trailing, status, error_code):
+    """[H2]: every refusal, 429 (load) or 503 (no healthy capacity), carries Retry-After."""
     e = from_router(AioRpcError(code, Metadata(), Metadata(*trailing), details=details))
     assert (e.status, e.code) == (status, error_code)
-    assert e.headers() == ({"Retry-After": "7"} if trailing else {})
+    if status in (429, 503):
+        hint = dict(trailing).get("retry-after", "1" if status == 429 else "2")
+        assert e.headers() == {"Retry-After": hint}
+    else:
+        assert e.headers() == {}
     if status == 400:
         assert e.message == "needs 9 blocks"

@@ -40,6 +40,7 @@ def test_a_dead_worker_ends_the_stream_with_an_error_then_503(doomed):
         refused = c.post("/v1/completions", json={"model": gw.model, "prompt": "hi"})
         health = c.get("/health")
     error = openai_error(refused, 503)
-    assert error["type"] == "service_unavailable" and "no capacity" in error["message"]
+    assert error["type"] == "service_unavailable" and "no healthy mixed worker" in error["message"]
+    assert refused.headers["Retry-After"] == "2"
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
     assert wait_until(lambda: stream_counter(r, "default") == 0, 1.0)

@@ -320,12 +320,14 @@ class CallFrames(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[_Union[CallFrame, _Mapping]]] = ...) -> None: ...
 
 class CallStatus(_message.Message):
-    __slots__ = ("code", "details")
+    __slots__ = ("code", "details", "retry_after_s")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class ReplyFrame(_message.Message):
     __slots__ = ("call_id", "chunk", "reserved", "end", "released")
