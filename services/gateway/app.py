@@ -136,6 +136,8 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
     shaper = Shaper(plan, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,
                "x-kvfleet-quality-version": core.model.quality_version, "x-request-id": gen.request_id}
+    if gen.output_cap is not None:          # max_tokens was clamped to the class's output cap
+        headers["x-kvfleet-output-cap"] = str(gen.output_cap)
     streaming = False
     try:
         first = await _until_disconnect(request, session.first())

@@ -77,6 +77,27 @@ def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
     return tuple(keys)
 
 
+def key_problems(keys: tuple[ApiKey, ...], scheduler: SchedulerConfig) -> list[str]:
+    """What the keys name that the engine config (the workers' tenants and classes) lacks. A
+    gateway with such a key refuses to start: otherwise every request of that tenant would take
+    quota and then be refused by the workers as an unknown tenant."""
+    problems = []
+    classes = [c.name for c in scheduler.classes]
+    tenants = [t.name for t in scheduler.tenants]
+    for k in keys:
+        tenant = scheduler.tenant(k.tenant)
+        if tenant is None:
+            problems.append(f"key of tenant {k.tenant!r}: the engine config has no such tenant "
+                            f"(its tenants: {tenants})")
+        if k.traffic_class not in classes:
+            problems.append(f"key of tenant {k.tenant!r}: unknown traffic class "
+                            f"{k.traffic_class!r}; known: {classes}")
+        elif tenant is not None and k.traffic_class not in tenant.classes:
+            problems.append(f"key of tenant {k.tenant!r}: the tenant may not use class "
+                            f"{k.traffic_class!r} (allowed: {list(tenant.classes)})")
+    return list(dict.fromkeys(problems))
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -114,11 +135,9 @@ class GatewayConfig:
         refusal = exposure_refusal(self.host, self.api_keys is not None, self.insecure)
         if refusal:
             raise ValueError(refusal)
-        for k in self.api_keys or (ANONYMOUS_KEY,):
-            if self.scheduler.traffic_class(k.traffic_class) is None:
-                known = [c.name for c in self.scheduler.classes]
-                raise ValueError(f"key of tenant {k.tenant!r}: unknown traffic class "
-                                 f"{k.traffic_class!r}; known: {known}")
+        problems = key_problems(self.api_keys or (ANONYMOUS_KEY,), self.scheduler)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 

@@ -3,7 +3,8 @@
 Authentication: metadata `authorization: Bearer <key>`. Errors are gRPC statuses with the REST
 messages (errors.py maps them); a quota refusal carries `retry-after` (seconds) in the trailing
 metadata. Initial metadata names what serves the request: `x-kvfleet-model`,
-`x-kvfleet-quality-version`, `x-request-id`. Cancelling the call cancels the request everywhere.
+`x-kvfleet-quality-version`, `x-request-id`, and `x-kvfleet-output-cap` when the class's output cap
+clamped `params.max_tokens`. Cancelling the call cancels the request everywhere.
 
 Differences from proto3 defaults, stated once: `model` empty means the served model;
 `params.max_tokens` 0 is an error (there is no "unset" for it); `params.top_p` 0 means 1.0 (off);
@@ -82,7 +83,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         except errors.GatewayError as e:
             await _abort(context, e)
         try:
-            await context.send_initial_metadata(self._served_by(gen.request_id))
+            await context.send_initial_metadata(self._served_by(gen))
             chunk = await session.first()
             while chunk is not None:
                 chunk.request_id = request.request_id or gen.request_id
@@ -146,14 +147,16 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if params.max_tokens == 0:
             raise errors.bad_request("params.max_tokens must be a positive integer, got 0",
                                      "max_tokens", "invalid_max_tokens")
-        v.max_tokens(params.max_tokens, len(ids), cls, None)
+        requested = params.max_tokens
+        params.max_tokens = v.max_tokens(requested, len(ids), cls, None)
         v.check_params(params)
-        return Generation(rid, key, cls, tuple(ids), params)
+        return Generation(rid, key, cls, tuple(ids), params, requested)
 
-    def _served_by(self, request_id: str) -> tuple[tuple[str, str], ...]:
+    def _served_by(self, gen: Generation) -> tuple[tuple[str, str], ...]:
         m = self.core.model
+        cap = (("x-kvfleet-output-cap", str(gen.output_cap)),) if gen.output_cap else ()
         return (("x-kvfleet-model", m.name), ("x-kvfleet-quality-version", m.quality_version),
-                ("x-request-id", request_id))
+                ("x-request-id", gen.request_id), *cap)
 
 
 def _check_decoded(request: Message | Undecodable) -> None:

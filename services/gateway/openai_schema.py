@@ -211,7 +211,7 @@ def completion(req: CompletionRequest, key: ApiKey, cls: TrafficClass, v: Valida
     plan = ResponsePlan("completion", request_id, v.model.name, int(time.time()), req.stream,
                         _include_usage(req), req.logprobs is not None,
                         echo_text if req.echo else None)
-    return Generation(request_id, key, cls, tuple(ids), params), plan
+    return Generation(request_id, key, cls, tuple(ids), params, _requested_max(req)), plan
 
 
 def chat(req: ChatCompletionRequest, key: ApiKey, cls: TrafficClass, v: Validator,
@@ -230,7 +230,7 @@ def chat(req: ChatCompletionRequest, key: ApiKey, cls: TrafficClass, v: Validato
     v.check_params(params)
     plan = ResponsePlan("chat", request_id, v.model.name, int(time.time()), req.stream,
                         _include_usage(req), req.logprobs)
-    return Generation(request_id, key, cls, tuple(ids), params), plan
+    return Generation(request_id, key, cls, tuple(ids), params, _requested_max(req)), plan
 
 
 def _check_common(req: _Common, v: Validator) -> None:

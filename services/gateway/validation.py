@@ -31,6 +31,14 @@ class Generation:
     traffic_class: TrafficClass
     prompt_ids: tuple[int, ...]
     params: pb.SamplingParams
+    requested_max_tokens: int | None = None     # as the client sent it (None: not sent)
+
+    @property
+    def output_cap(self) -> int | None:
+        """The class output cap when it clamped the client's max_tokens (named in a response
+        header, `x-kvfleet-output-cap`), else None."""
+        cap = self.traffic_class.output_cap
+        return cap if (self.requested_max_tokens or 0) > cap else None
 
 
 class Validator:
@@ -94,8 +102,10 @@ class Validator:
     # ------------------------------------------------------------------- lengths
     def max_tokens(self, requested: int | None, n_prompt: int, cls: TrafficClass,
                    default: int | None, param: str = "max_tokens") -> int:
-        """The output bound: `requested`, or `default`, or (None) what the context and the class's
-        output cap leave. Checks the prompt against the class and prompt + output against the context."""
+        """The output bound: `requested` clamped to the class's output cap (the request then ends
+        with finish_reason "length" at the cap, as the engine clamps it too: the KV reservation
+        covers prompt + min(max_tokens, cap)), or `default`, or (None) what the context and the
+        cap leave. Checks the prompt against the class and prompt + output against the context."""
         self._check_prompt(n_prompt, cls)
         if requested is None:
             room = self.model.max_model_len - n_prompt
@@ -104,6 +114,7 @@ class Validator:
         if requested < 1:
             raise errors.bad_request(f"{param} must be a positive integer, got {requested}", param,
                                      "invalid_max_tokens")
+        requested = min(requested, cls.output_cap)
         total = n_prompt + requested
         if total > self.model.max_model_len:
             raise errors.context_too_long(

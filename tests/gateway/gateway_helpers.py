@@ -8,6 +8,7 @@ limits are cheap to reach.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -48,7 +49,6 @@ KEYS = {
     "metered": key("sk-metered-0004", "metered", rpm=2),
     "frugal": key("sk-frugal-0007", "frugal", tpm=40),
     "leaver": key("sk-leaver-0005", "leaver"),
-    "stranger": key("sk-stranger-0006", "stranger"),      # a tenant the workers do not know
 }
 
 
@@ -110,5 +110,6 @@ def openai_error(response: httpx.Response, status: int) -> dict:
 
 
 def stream_counter(redis_client, tenant: str) -> int:
-    """The tenant's open streams, as services/common/fleet_state.py keeps them."""
-    return int(redis_client.get(f"kvfleet:tenant:{tenant}:streams") or 0)
+    """The tenant's open streams, as services/common/fleet_state.py keeps them: live leases."""
+    return redis_client.zcount(f"kvfleet:tenant:{tenant}:leases", f"({int(time.time() * 1000)}",
+                               "+inf")

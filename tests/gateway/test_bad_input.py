@@ -35,7 +35,6 @@ def _body(overrides: dict, model: str, drop: str | None = None) -> bytes:
     ({"frobnicate": 1}, None, "frobnicate", "unsupported_field"),
     ({"max_tokens": 0}, None, "max_tokens", "invalid_max_tokens"),
     ({"max_tokens": -3}, None, "max_tokens", "invalid_max_tokens"),
-    ({"max_tokens": 10**9}, None, "max_tokens", "context_length_exceeded"),
     ({"max_tokens": 10**12}, None, "max_tokens", "invalid_max_tokens"),   # past uint32
     ({"temperature": -1.0}, None, "temperature", "invalid_value"),
     ({"top_p": 0.0}, None, "top_p", "invalid_value"),
@@ -72,9 +71,8 @@ def test_lengths_beyond_the_class_or_the_context_say_the_limits(gateway):
             {"prompt": [7] * (INTERACTIVE_MAX_PROMPT + 1)}, gateway.model))
         over_context = doc_key.post("/v1/completions", content=_body(
             {"prompt": [7] * (CONTEXT + 10)}, gateway.model))
-        prompt_plus_output = doc_key.post("/v1/chat/completions", json={
-            "model": gateway.model, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": CONTEXT})
+        prompt_plus_output = doc_key.post("/v1/completions", content=_body(   # 3000 + 2048 > 4096
+            {"prompt": [7] * 3000, "max_tokens": 2048}, gateway.model))
     error = openai_error(over_class, 400)
     assert error["code"] == "context_length_exceeded" and str(INTERACTIVE_MAX_PROMPT) in error["message"]
     assert "'interactive'" in error["message"]
@@ -113,12 +111,6 @@ def test_a_body_of_several_megabytes_is_refused_with_413(gateway):
     assert openai_error(chunked, 413)["code"] == "body_too_large"
 
 
-def test_an_error_the_workers_find_comes_back_as_400_with_their_code(gateway):
-    """Only the workers know their tenants: the router's INVALID_ARGUMENT reaches the client as 400."""
-    with gateway.client("stranger") as c:
-        r = c.post("/v1/completions", content=_body({}, gateway.model))
-    error = openai_error(r, 400)
-    assert error["code"] == "unknown_tenant" and "stranger" in error["message"]
 
 
 def test_the_fleet_still_serves_after_bad_requests(gateway, fleet):

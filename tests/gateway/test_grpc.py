@@ -56,8 +56,8 @@ def test_models_and_health(stub, gateway):
      auth("acme"), grpc.StatusCode.NOT_FOUND, "gpt-4"),
     (pb.GenerateRequest(text=PROMPT, params=pb.SamplingParams(max_tokens=0)), auth("acme"),
      grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (pb.GenerateRequest(text=PROMPT, params=pb.SamplingParams(max_tokens=50_000)), auth("acme"),
-     grpc.StatusCode.INVALID_ARGUMENT, "4096"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 2100), params=pb.SamplingParams(
+        max_tokens=4)), auth("acme"), grpc.StatusCode.INVALID_ARGUMENT, "2048"),
     (pb.GenerateRequest(params=pb.SamplingParams(max_tokens=4)), auth("acme"),
      grpc.StatusCode.INVALID_ARGUMENT, "missing prompt"),
 ])
