@@ -7,6 +7,7 @@ grpc.aio runs on it unchanged.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -23,6 +24,11 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def setup_logging(name: str) -> None:
+    """A service's log lines on stderr, INFO and up, named by the service."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
 
 
 # The hosts a kvfleet service (router, worker, mux listener) may bind or connect to in this build.

@@ -86,7 +86,9 @@ class EmbeddedRedis(_ServerBase):
         if self._server is not None:
             raise RuntimeError("EmbeddedRedis already started")
         # Binding port 0 here (not free_port()) leaves no window for another process to take the port.
-        self._server = TcpFakeServer((HOST, self.port), server_type="redis")
+        class Server(TcpFakeServer):
+            request_queue_size = 128   # socketserver's 5 stalls a burst of connects for ~1 s
+        self._server = Server((HOST, self.port), server_type="redis")
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name=f"embedded-redis-{self.port}", daemon=True)

@@ -15,10 +15,11 @@ import time
 
 import grpc
 import torch
+from redis.exceptions import RedisError
 
 from services.common import faults
 from services.common import fleet_token
-from services.common.aio import LOOPBACK, run
+from services.common.aio import LOOPBACK, run, setup_logging
 from services.common.shutdown import wait_for_stop_signal
 from services.common.engine_loop import EngineLoop
 from services.common.fleet_state import FleetState, WorkerRecord
@@ -112,6 +113,7 @@ async def _worker_record(loop: EngineLoop, config: WorkerConfig, address: str) -
 
 
 async def serve(args: argparse.Namespace) -> int:
+    setup_logging(args.role)
     if args.host not in LOOPBACK:
         raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
     auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
@@ -153,7 +155,10 @@ async def serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     if beat:
         beat.cancel()
-        await state.remove_worker(worker_id)
+        try:
+            await state.remove_worker(worker_id)
+        except RedisError as e:            # Redis down: the record expires with its TTL anyway
+            log.warning("could not remove worker %s from Redis at shutdown: %s", worker_id, e)
         await state.close()
     await mux.close()
     await server.stop(grace=1.0)

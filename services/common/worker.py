@@ -113,7 +113,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self._end(rid)
 
     def _expire_reservation(self, rid: str) -> None:
-        if self._awaiting_kv.pop(rid, None) is not None:
+        entry = self._awaiting_kv.pop(rid, None)
+        if entry is not None:
+            entry[0].finish(f"the reservation for {rid} expired")   # its id may be used again
             self.loop.submit(self.engine.cancel, rid)
 
     # ----------------------------------------------------------- prefill role
@@ -175,6 +177,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         entry = self._awaiting_kv.pop(request.request_id, None)
         if entry is not None:
             entry[1].cancel()
+            entry[0].finish(f"the reservation for {request.request_id} was released")
         try:
             cancelled = await self.loop.call(self.engine.cancel, request.request_id)
         except EngineFailed:

@@ -9,7 +9,7 @@ import sys
 import grpc
 
 from services.common import fleet_token
-from services.common.aio import LOOPBACK, run
+from services.common.aio import LOOPBACK, run, setup_logging
 
 from services.common.fleet_state import FleetState
 from services.common.mux import MuxListener
@@ -21,6 +21,7 @@ from services.router.service import RouterServicer
 async def serve(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK:
         raise SystemExit(f"the router binds to loopback only in this build; got --host {args.host}")
+    setup_logging("router")
     auth = fleet_token.configure(args, "router")
     state = FleetState(args.redis_url)
     servicer = RouterServicer(state, args.mode)

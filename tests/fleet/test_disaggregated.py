@@ -94,6 +94,18 @@ def test_an_answer_that_ends_at_the_first_token_releases_the_reservation(fleet):
     assert wait_until(lambda: idle(fleet, *ALL), 1.0)
 
 
+def test_a_request_id_can_be_reserved_again_once_its_reservation_was_released(fleet):
+    """A released reservation gives up its KV expectation too: a client-chosen id may come back."""
+    with fleet.channel(fleet.workers["decode-0"]) as ch:
+        worker = pb_grpc.WorkerStub(ch)
+        ask = pb.ReserveRequest(request_id="again", prompt_token_ids=PROMPT,
+                                params=pb.SamplingParams(max_tokens=4))
+        for _ in range(2):
+            assert worker.Reserve(ask, timeout=10).accepted
+            assert worker.Cancel(pb.CancelRequest(request_id="again"), timeout=10).cancelled
+    assert wait_until(lambda: idle(fleet, *ALL), 1.0)
+
+
 def test_bad_request_is_invalid_argument(fleet):
     with pytest.raises(grpc.RpcError) as info:
         list(fleet.router_stub().Generate(route_request("bad", [1, 999999], 4)))
