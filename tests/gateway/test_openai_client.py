@@ -54,5 +54,5 @@ def test_errors_surface_as_the_openai_client_exceptions(gateway):
                        max_retries=0) as good:
         with pytest.raises(openai.NotFoundError):
             good.completions.create(model="gpt-4", prompt="x")
-        with pytest.raises(openai.BadRequestError, match="context length"):
-            good.completions.create(model=gateway.model, prompt="x", max_tokens=100_000)
+        with pytest.raises(openai.BadRequestError, match="allows at most 2048 prompt tokens"):
+            good.completions.create(model=gateway.model, prompt=[7] * 2100, max_tokens=4)
