@@ -48,19 +48,21 @@ def tenant_allows(tenant: Tenant, active_seqs: int, committed_blocks: int, new_b
     return True
 
 
+RECENT_STEPS = 32
+
+
 @dataclass
 class RateEstimator:
     """Tokens per second of engine time: an exponential moving average (`rate`, what stats and
-    heartbeats report) and the best of the last `window` samples (`optimistic`, what late
+    heartbeats report) and the best of the last RECENT_STEPS samples (`optimistic`, what late
     rejection uses: a step slowed by a neighbour on a shared core, a cold start or a small batch
     must not make a request look late that the engine would serve in time)."""
 
     alpha: float = 0.2
     min_samples: int = 3
-    window: int = 32
     rate: float | None = None
     samples: int = 0
-    recent: deque = field(default_factory=deque)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -69,8 +71,6 @@ class RateEstimator:
         self.rate = r if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * r
         self.samples += 1
         self.recent.append(r)
-        if len(self.recent) > self.window:
-            self.recent.popleft()
 
     @property
     def optimistic(self) -> float | None:
