@@ -116,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--repeats", type=int, default=40)
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_lazy("services.common.fleet_bench", "run_fleet_bench"))
+    from loadtests.burst import add_burst_args
+    bb = bsub.add_parser("burst", help="N chats (+ M documents) at once against an OpenAI endpoint: "
+                                       "refusals, TTFT / ITL, tok/s")
+    add_burst_args(bb)
+    bb.set_defaults(func=_lazy("loadtests.burst", "run_burst"))
+    from services.common.fleet_soak import add_soak_args
+    bk = bsub.add_parser("soak", help="a supervised fleet under closed-loop load with random "
+                                      "disconnects: outcomes, leaks, RSS")
+    add_soak_args(bk)
+    bk.set_defaults(func=_lazy("services.common.fleet_soak", "run_soak"))
     from loadtests.cli import add_compare_args, add_evaluation_args, add_serve_args
     bs = bsub.add_parser("serve", help="open-loop load test of an OpenAI-compatible endpoint: SLO report")
     add_serve_args(bs)

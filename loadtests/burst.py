@@ -1,0 +1,126 @@
+"""`kvfleet bench burst`: a burst of concurrent requests at once against any OpenAI-compatible
+endpoint (kvfleet, vLLM), the [H2] check that nothing that would be served in time is refused.
+
+  --chats N (200 prompt tokens each) and --documents M (--doc-tokens each), all sent at once,
+  --output-tokens out each, streamed, ignore_eos; prompts are seeded random token ids, so both
+  servers see the same lengths whatever their tokenizer does.
+Prints one JSON report: served / refused (by status and code, with a sample message and its
+Retry-After), TTFT p50/p99 per class, ITL p50/p99, output tokens/s over the burst. Printed, never
+asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+
+def add_burst_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--chats", type=int, default=32)
+    p.add_argument("--chat-tokens", type=int, default=200)
+    p.add_argument("--documents", type=int, default=0)
+    p.add_argument("--doc-tokens", type=int, default=8192)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=4000, help="token ids are drawn from [100, vocab)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+
+
+@dataclass
+class Outcome:
+    kind: str
+    status: int = 0
+    code: str | None = None
+    message: str = ""
+    retry_after: str | None = None
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+async def one(client: httpx.AsyncClient, model: str, kind: str, ids: list[int], out: int) -> Outcome:
+    o = Outcome(kind)
+    body = {"model": model, "prompt": ids, "max_tokens": out, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    started = last = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        o.status = r.status_code
+        if r.status_code != 200:
+            error = json.loads(await r.aread()).get("error", {})
+            o.code, o.message = error.get("code"), str(error.get("message", ""))[:200]
+            o.retry_after = r.headers.get("retry-after")
+            return o
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                o.code, o.message = "error_event", str(event["error"].get("message"))[:200]
+                return o
+            if not event.get("choices") or not event["choices"][0].get("text"):
+                continue
+            now = time.perf_counter()
+            if o.ttft is None:
+                o.ttft = now - started
+            else:
+                o.itls.append(now - last)
+            last = now
+            o.tokens += 1
+    return o
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(p / 100 * len(xs)))], 4)
+
+
+async def burst(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    ids = lambda n: [rng.randrange(100, args.vocab) for _ in range(n)]  # noqa: E731
+    jobs = ([("chat", ids(args.chat_tokens)) for _ in range(args.chats)]
+            + [("document", ids(args.doc_tokens)) for _ in range(args.documents)])
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=len(jobs) + 8)
+    async with httpx.AsyncClient(base_url=args.endpoint, timeout=300, limits=limits,
+                                 headers=headers) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(*(one(client, model, kind, p, args.output_tokens)
+                                          for kind, p in jobs))
+        wall = time.perf_counter() - started
+    return report(outcomes, wall)
+
+
+def report(outcomes: list[Outcome], wall: float) -> dict:
+    served = [o for o in outcomes if o.status == 200 and o.code is None]
+    refused = [o for o in outcomes if o not in served]
+    by_kind = {}
+    for kind in sorted({o.kind for o in outcomes}):
+        ttfts = [o.ttft for o in served if o.kind == kind and o.ttft is not None]
+        by_kind[kind] = {"sent": sum(o.kind == kind for o in outcomes),
+                         "served": sum(o.kind == kind for o in served),
+                         "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99)}
+    itls = [x for o in served for x in o.itls]
+    return {
+        "served": len(served), "refused": len(refused),
+        "refused_by": dict(Counter(f"{o.status} {o.code}" for o in refused)),
+        "refusal_sample": ({"message": refused[0].message, "retry_after": refused[0].retry_after}
+                           if refused else None),
+        "classes": by_kind, "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
+        "output_tokens_per_s": round(sum(o.tokens for o in served) / wall, 1),
+        "wall_s": round(wall, 2)}
+
+
+def run_burst(args: argparse.Namespace) -> int:
+    print(json.dumps(asyncio.run(burst(args)), indent=1))
+    return 0
