@@ -225,9 +225,9 @@ def test_an_empty_new_redis_is_filled_again_and_a_stream_keeps_its_slot(world):
 
     world.redis.kill()
     assert_quota_store_unavailable(gateway)
-    world.redis.start(keep_data=False)
-    up_at = time.monotonic()
-    assert open_streams(world.redis.url, "acme") == 0 and live_worker_ids(world.redis.url) == []
+    world.redis.start(keep_data=False)     # empty: no lease, no worker record (the renewer and
+    up_at = time.monotonic()                # the heartbeats may already be refilling it, so that
+                                            # is not asserted here: it raced in a clean-clone run)
 
     recovers(world, up_at)
     if long.threads[0].is_alive():                  # still streaming: its lease is back
