@@ -93,6 +93,22 @@ class CallAborted(Exception):
         self.retry_after_s = retry_after_s
 
 
+# The trailing metadata key of a refusal's retry hint (seconds), on gRPC and, as
+# CallStatus.retry_after_s, on the mux.
+RETRY_AFTER = "retry-after"
+
+
+def retry_after_of(e: grpc.aio.AioRpcError) -> float | None:
+    """The retry hint an error carries in its trailing metadata, if any (and if it is a number)."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
 class CallContext:
     """What a handler may use of a grpc.aio ServicerContext on a mux call. Of trailing metadata
     only `retry-after` (seconds) travels, as CallStatus.retry_after_s."""
@@ -107,9 +123,6 @@ class CallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise CallAborted(code, details, self._retry_after_s)
-
-
-RETRY_AFTER = "retry-after"
 
 
 def _status(code: grpc.StatusCode, details: str = "",

@@ -20,6 +20,8 @@ import re
 
 import grpc
 
+from services.common.mux import retry_after_of
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 502: "upstream_error", 503: "service_unavailable"}
@@ -105,20 +107,11 @@ def from_router(e: grpc.aio.AioRpcError) -> GatewayError:
         m = _CODED.fullmatch(details)
         return bad_request(m.group(2), code=m.group(1)) if m else bad_request(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return overloaded(details, _retry_hint(e))
+        return overloaded(details, retry_after_of(e))
     if code == grpc.StatusCode.UNAVAILABLE:
-        return unavailable(f"the fleet is unavailable: {details}", _retry_hint(e))
+        return unavailable(f"the fleet is unavailable: {details}", retry_after_of(e))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return unavailable(f"the fleet did not answer in time: {details}", _retry_hint(e),
+        return unavailable(f"the fleet did not answer in time: {details}", retry_after_of(e),
                            "timeout")
     return GatewayError(502, f"a worker failed: {code.name}: {details}", code="upstream_error")
 
-
-def _retry_hint(e: grpc.aio.AioRpcError) -> float | None:
-    for k, v in e.trailing_metadata() or ():
-        if k == "retry-after":
-            try:
-                return float(v)
-            except ValueError:
-                return None
-    return None

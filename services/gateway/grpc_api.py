@@ -24,6 +24,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from services.common.mux import RETRY_AFTER
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
@@ -166,5 +167,5 @@ def _check_decoded(request: Message | Undecodable) -> None:
 
 async def _abort(context, e: errors.GatewayError) -> None:
     if e.retry_after is not None:
-        context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
+        context.set_trailing_metadata(((RETRY_AFTER, str(e.retry_after_s)),))
     await context.abort(e.grpc_code, e.message)

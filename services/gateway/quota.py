@@ -98,9 +98,8 @@ class Quotas:
         return admission.lease
 
     def unavailable(self, e: BaseException) -> errors.GatewayError:
-        return errors.GatewayError(
-            503, f"quota store unavailable (Redis): {e}", code="unavailable",
-            retry_after=max(1.0, self.redis.retry_in()))
+        return errors.unavailable(f"quota store unavailable (Redis): {e}",
+                                  max(1.0, self.redis.retry_in()))
 
     def _refusal(self, key: ApiKey, admission: Admission) -> errors.GatewayError:
         t = key.tenant

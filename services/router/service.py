@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.aio import internal_channel
-from services.common.mux import RETRY_AFTER, MuxChannel, MuxServer, connect_to
+from services.common.mux import RETRY_AFTER, MuxChannel, MuxServer, connect_to, retry_after_of
 from services.common.fleet_state import FleetState, WorkerRecord
 from services.common.outage import UNREACHABLE, Outage
 from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -74,7 +74,7 @@ class WorkerListUnavailable(grpc.aio.AioRpcError):
     def __init__(self, cause: BaseException, retry_in_s: float) -> None:
         retry_s = max(1, math.ceil(retry_in_s))
         super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                         grpc.aio.Metadata(("retry-after", str(retry_s))),
+                         grpc.aio.Metadata((RETRY_AFTER, str(retry_s))),
                          details=f"worker list unavailable (Redis: {cause}); retry after {retry_s} s")
 
 
@@ -169,7 +169,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             code = _relayable(e.code())
             if code == grpc.StatusCode.UNAVAILABLE:
                 self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
-            retry = _retry_after(e) or (UNHEALTHY_RETRY_S if code == grpc.StatusCode.UNAVAILABLE
+            retry = retry_after_of(e) or (UNHEALTHY_RETRY_S if code == grpc.StatusCode.UNAVAILABLE
                                         else None)
             if retry is not None:
                 context.set_trailing_metadata(((RETRY_AFTER, f"{retry:g}"),))
@@ -314,13 +314,6 @@ class RouterServicer(pb_grpc.RouterServicer):
         for link in self._links.values():
             await link.mux.close()
         await asyncio.gather(*(link.channel.close() for link in self._links.values()))
-
-
-def _retry_after(e: grpc.aio.AioRpcError) -> float | None:
-    for key, value in e.trailing_metadata() or ():
-        if key == RETRY_AFTER:
-            return float(value)
-    return None
 
 
 def _relayable(code: grpc.StatusCode) -> grpc.StatusCode:
