@@ -28,17 +28,17 @@ test: setup
 	$(VPY) -m pytest -q
 
 demo: setup
-	$(VPY) -m services.common.cli demo --fleet
+	$(VPY) -m services.cli.cli demo --fleet
 
 bench: setup
-	$(VPY) -m services.common.cli bench engine
+	$(VPY) -m services.cli.cli bench engine
 
 # Regenerates docs/evaluation.md (about 17 minutes on 2 cores).
 evaluation: setup
-	$(VPY) -m services.common.cli bench evaluation --duration 60
+	$(VPY) -m services.cli.cli bench evaluation --duration 60
 
 protos: setup
-	$(VPY) -m services.common.protogen
+	$(VPY) -m services.protocol.protogen
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_kvfleet(args: argparse.Namespace, *, prompts: list[str] | None = None,
                 prompt_ids: list[list[int]] | None = None) -> list[dict]:
-    cmd = [args.kvfleet_python, "-m", "services.common.cli", "generate",
+    cmd = [args.kvfleet_python, "-m", "services.cli.cli", "generate",
            "--model", args.model, "--dtype", args.dtype, "--temperature", "0",
            "--max-tokens", str(args.max_tokens), "--json"]
     if prompts is not None:

@@ -1,7 +1,7 @@
 """A kvfleet fleet on this host, configured for a workload: used by the end-to-end load test and by
 `kvfleet bench evaluation` (docs/evaluation.md).
 
-The fleet is `kvfleet up`'s (services/common/up.py: the same processes, same flags) with an engine
+The fleet is `kvfleet up`'s (services/cli/up.py: the same processes, same flags) with an engine
 config naming the workload's tenants (their weights and classes) and one API key per tenant, so
 the gateway knows each request's tenant and class from its key, as in production.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from services.common.launcher import Launcher
-from services.common.redis_server import EmbeddedRedis, RedisNotInstalledError, RedisServerProcess
-from services.common.up import start_fleet
+from services.cli.launcher import Launcher
+from services.state.redis_server import EmbeddedRedis, RedisNotInstalledError, RedisServerProcess
+from services.cli.up import start_fleet
 from loadtests.workload import TenantSpec
 
 

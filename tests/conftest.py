@@ -33,7 +33,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def redis_url():
-    from services.common.redis_server import RedisNotInstalledError, RedisServerProcess
+    from services.state.redis_server import RedisNotInstalledError, RedisServerProcess
     server = RedisServerProcess()
     try:
         server.start()
@@ -47,7 +47,7 @@ def redis_url():
 
 @pytest.fixture(scope="session")
 def embedded_redis_url():
-    from services.common.redis_server import EmbeddedRedis
+    from services.state.redis_server import EmbeddedRedis
     with EmbeddedRedis() as server:
         yield server.url
 

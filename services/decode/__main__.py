@@ -2,6 +2,6 @@
 (`--role mixed` is not accepted here; use `kvfleet serve mixed` for a co-located worker)."""
 import sys
 
-from services.common.serve import main
+from services.worker.serve import main
 
 sys.exit(main("decode"))

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"kvfleet gateway: {e}", file=sys.stderr)
         return 2
-    from services.common.aio import run  # noqa: PLC0415
+    from services.protocol.aio import run  # noqa: PLC0415
     from services.gateway.server import serve  # noqa: PLC0415
     return run(serve(config))
 

@@ -3,7 +3,7 @@
 A `Session` is one live generation:
   1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a
      `Router.Generate(RouteRequest)` call started on the gateway's mux call to the router
-     (services/common/mux.py); the session is registered under its request id;
+     (services/protocol/mux.py); the session is registered under its request id;
   2. `first()`, then `next()` until None: the router's TokenChunks; router statuses become GatewayErrors;
   3. `close()`, exactly once whatever happened (finished, client gone, error, Cancel): cancels the
      router call if it still runs (the router then cancels the request on every worker it touched)
@@ -18,10 +18,10 @@ from typing import TypeVar
 
 import grpc
 
-from services.common.fleet_state import StreamLease
-from services.common.mux import MuxCall, MuxChannel, connect_to
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.state.fleet_state import StreamLease
+from services.protocol.mux import MuxCall, MuxChannel, connect_to
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
 from services.gateway.auth import KeyRing
 from services.gateway.config import ApiKey, GatewayConfig

@@ -20,7 +20,7 @@ import re
 
 import grpc
 
-from services.common.mux import retry_after_of
+from services.protocol.mux import retry_after_of
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",

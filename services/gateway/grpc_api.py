@@ -24,9 +24,9 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from services.common.mux import RETRY_AFTER
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.mux import RETRY_AFTER
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
 from services.gateway.config import ApiKey
 from services.gateway.core import (GatewayCore, build_generation, internal_request_id,

@@ -1,4 +1,4 @@
-"""Tenant quotas in Redis (services/common/fleet_state.py): concurrent streams, requests per minute,
+"""Tenant quotas in Redis (services/state/fleet_state.py): concurrent streams, requests per minute,
 tokens per minute. Counters are per tenant (shared by every gateway), limits are per API key.
 
 `admit` is one atomic Redis script: stream slot, then the request, then the prompt's tokens; a
@@ -11,7 +11,7 @@ lease it holds (`renew_forever`, a task of services/gateway/server.py) until `fi
 gateway that dies stops renewing, so its slots come back within the lease TTL; a lease that Redis
 lost (an empty Redis after a restart) is added back at the next renewal.
 
-Redis outages: every call goes through one `Outage` (services/common/outage.py). While Redis is
+Redis outages: every call goes through one `Outage` (services/state/outage.py). While Redis is
 down a request is refused at once with 503 "quota store unavailable" and a Retry-After of the
 time until Redis is tried again (at least 1 s); a stream that ends meanwhile cannot drop its lease,
 which then lapses within the TTL (its generated tokens go uncharged). The renewer keeps probing
@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from services.common.fleet_state import Admission, FleetState, LeaseTerms, StreamLease
-from services.common.outage import UNREACHABLE, Outage
+from services.state.fleet_state import Admission, FleetState, LeaseTerms, StreamLease
+from services.state.outage import UNREACHABLE, Outage
 from services.gateway import errors
 from services.gateway.config import ApiKey
 

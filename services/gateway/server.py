@@ -21,10 +21,10 @@ import uuid
 import grpc
 import uvicorn
 
-from services.common.shutdown import wait_for_stop_signal
-from services.common import fleet_token
-from services.common.aio import internal_channel
-from services.common.fleet_state import FleetState, LeaseTerms
+from services.protocol.shutdown import wait_for_stop_signal
+from services.protocol import fleet_token
+from services.protocol.aio import internal_channel
+from services.state.fleet_state import FleetState, LeaseTerms
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore

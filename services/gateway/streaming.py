@@ -9,7 +9,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.gateway.core import Session
 from services.gateway.errors import GatewayError
 from services.gateway.openai_responses import Shaper

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.config import TrafficClass
 from services.gateway import errors
 from services.gateway.config import ApiKey

@@ -15,7 +15,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.model.config import resolve_dtype
 
 EARLY_TTL_S = 60.0  # how long an outcome that came before its expect() is kept

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
                                        blocks_checksum, check_block_ids, check_write,
                                        make_descriptor)

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from nixl import _bindings  # noqa: E402
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError,  # noqa: E402
                                        PoolTransport, blocks_checksum, check_write,
                                        make_descriptor)

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.model.config import ModelConfig, resolve_dtype
 from services.engine.model.kv_cache import KVCache
 from services.kv_transfer import make_transport

@@ -14,7 +14,7 @@ Frames are a 4-byte big-endian length + UTF-8 JSON. A CPU pool is sent and recei
 consecutive block ids is one contiguous region per (layer, K/V), gathered by sendmsg, scattered by
 recvmsg_into; a device pool is staged through one CPU copy. Every socket op is bounded by what is left of the
 transfer's timeout; a closed or reset peer fails the transfer on both sides at once. `token` is the fleet
-token (services/common/fleet_token.py): a writer without this process's is refused before it touches
+token (services/protocol/fleet_token.py): a writer without this process's is refused before it touches
 an expect(). The target writes only
 into the blocks of its own expect() for that id, once; a failed transfer may leave those half written.
 """
@@ -31,8 +31,8 @@ from typing import Sequence
 
 import torch
 
-from services.common import fleet_token
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol import fleet_token
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
                                        byte_view, check_write, make_descriptor)
 

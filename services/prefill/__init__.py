@@ -1,4 +1,4 @@
-"""prefill worker: the engine in the prefill role, served over gRPC (services/common/worker.py).
+"""prefill worker: the engine in the prefill role, served over gRPC (services/worker/servicer.py).
 
 `python -m services.prefill [--port P] [--redis-url URL] [--kv-backend nixl|tcp|local]`.
 """

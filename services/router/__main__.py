@@ -1,20 +1,20 @@
 """`python -m services.router --redis-url URL [--mode disagg|colocated] [--port P]
 [--fleet-token-file PATH | --insecure-internal]`.
 
-Serves only callers with the fleet token (services/common/fleet_token.py; without one it refuses
+Serves only callers with the fleet token (services/protocol/fleet_token.py; without one it refuses
 to start). Prints `READY router <host:port>` once serving; SIGTERM / SIGINT stop it."""
 import argparse
 import sys
 
 import grpc
 
-from services.common import fleet_token
-from services.common.aio import LOOPBACK, run, setup_logging
+from services.protocol import fleet_token
+from services.protocol.aio import LOOPBACK, run, setup_logging
 
-from services.common.fleet_state import FleetState
-from services.common.mux import MuxListener
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.common.shutdown import wait_for_stop_signal
+from services.state.fleet_state import FleetState
+from services.protocol.mux import MuxListener
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.shutdown import wait_for_stop_signal
 from services.router.service import RouterServicer
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.fleet_state import WorkerRecord
+from services.state.fleet_state import WorkerRecord
 
 PREFILL_BLOCK_WEIGHT = 16.0   # tokens of queue one uncached prompt block is worth
 

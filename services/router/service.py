@@ -1,7 +1,7 @@
 """The Router gRPC service: place, reserve, prefill, relay (DESIGN.md section 3, step 2).
 
 Every call to a worker goes over the router's one long-lived mux connection to that worker
-(services/common/mux.py), and the gateway's calls come in over its mux connection to the router.
+(services/protocol/mux.py), and the gateway's calls come in over its mux connection to the router.
 
 Disaggregated request, in order:
   1. Reserve on the best decode replica that accepts (its reservations are authoritative);
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.aio import internal_channel
-from services.common.mux import RETRY_AFTER, MuxChannel, MuxServer, connect_to, retry_after_of
-from services.common.fleet_state import FleetState, WorkerRecord
-from services.common.outage import UNREACHABLE, Outage
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.aio import internal_channel
+from services.protocol.mux import RETRY_AFTER, MuxChannel, MuxServer, connect_to, retry_after_of
+from services.state.fleet_state import FleetState, WorkerRecord
+from services.state.outage import UNREACHABLE, Outage
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.placement import rank_decode, rank_prefill
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from contextlib import ExitStack
 import grpc
 import pytest
 
-from services.common import fleet_token, mux
-from services.common.fleet_token import FleetAuth, FleetTokenError
-from services.common.launcher import Launcher
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol import fleet_token, mux
+from services.protocol.fleet_token import FleetAuth, FleetTokenError
+from services.cli.launcher import Launcher
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from tests.fleet.fleet_helpers import route_request, running_fleet, token_channel
 
 PROMPT = list(range(1, 40))
@@ -171,7 +171,7 @@ def environment_without_a_token() -> dict[str, str]:
 
 def test_a_router_or_worker_with_no_token_refuses_to_start(redis_url, tiny_model_dir):
     for command in (["services.router", "--redis-url", redis_url],
-                    ["services.common.cli", "serve", "decode", "--model", str(tiny_model_dir)]):
+                    ["services.cli.cli", "serve", "decode", "--model", str(tiny_model_dir)]):
         proc = subprocess.run([sys.executable, "-m", *command], env=environment_without_a_token(),
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and "READY" not in proc.stdout, command

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from services.common.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher, wait_until
 from services.gateway.server import LEASE_TTL_ENV
 from tests.fleet.fleet_helpers import Fleet
 from tests.faults.test_redis_outage import RedisOnOnePort, open_streams

@@ -28,11 +28,11 @@ import grpc
 import httpx
 import pytest
 
-from services.common.fleet_state import FleetState
-from services.common.launcher import Launcher, wait_until
-from services.common.outage import Backoff, Outage, RedisDown
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
+from services.state.fleet_state import FleetState
+from services.cli.launcher import Launcher, wait_until
+from services.state.outage import Backoff, Outage, RedisDown
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.state.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
 from services.gateway.server import LEASE_TTL_ENV
 from tests.fleet.fleet_helpers import Fleet, route_request
 from tests.gateway.gateway_helpers import (Gateway, events, sse_data, start_gateway, start_worker,
@@ -232,7 +232,7 @@ def test_an_empty_new_redis_is_filled_again_and_a_stream_keeps_its_slot(world):
     recovers(world, up_at)
     if long.threads[0].is_alive():                  # still streaming: its lease is back
         # (a machine fast enough to finish 800 tokens by now skips this; the renewal's adding
-        # back is also tested against Redis alone in tests/common/test_fleet_state.py)
+        # back is also tested against Redis alone in tests/state/test_fleet_state.py)
         assert wait_until(lambda: open_streams(world.redis.url, "acme") == 1
                           or not long.threads[0].is_alive(), 5.0)
     assert long.finish_reasons() == ["length"]

@@ -18,7 +18,7 @@ import signal
 import httpx
 import pytest
 
-from services.common.launcher import wait_until
+from services.cli.launcher import wait_until
 from tests.faults.up_fleet import OUTPUT_CAP, engine_config, kvfleet_up, stream_chat
 
 CLIENT_TIMEOUT = httpx.Timeout(60.0)

@@ -20,11 +20,11 @@ import httpx
 import redis
 import yaml
 
-from services.common.fleet_token import METADATA_KEY
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.common.redis_server import free_port
+from services.protocol.fleet_token import METADATA_KEY
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.state.redis_server import free_port
 
 TOKEN = "fault-suite-fleet-token-0123456789"
 OUTPUT_CAP = 48           # the interactive class's output cap in these fleets
@@ -103,7 +103,7 @@ class UpFleet:
                    and s.num_queued == 0 and s.kv_writes_in_flight == 0 for s in stats)
 
     def open_streams(self, tenant: str = "default") -> int:
-        """Stream slots the tenant holds in Redis: its live leases (services/common/fleet_state.py)."""
+        """Stream slots the tenant holds in Redis: its live leases (services/state/fleet_state.py)."""
         client = redis.Redis.from_url(self.redis_url)
         try:
             return client.zcount(f"kvfleet:tenant:{tenant}:leases", f"({int(time.time() * 1000)}",
@@ -132,7 +132,7 @@ def kvfleet_up(redis_url: str, model_dir: str, config: str, mode: str = "disagg"
     db_url = f"{redis_url.rsplit('/', 1)[0]}/{next(_db) % 16}"
     redis.Redis.from_url(db_url).flushdb()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.common.cli", "up", "--model", model_dir, "--mode", mode,
+        [sys.executable, "-m", "services.cli.cli", "up", "--model", model_dir, "--mode", mode,
          "--http-port", str(http), "--grpc-port", str(free_port()), "--redis-url", db_url,
          "--kv-cache-mib", "32", "--config", config],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 
 import grpc
 
-from services.common.fleet_token import FleetAuth
-from services.common.launcher import Launcher
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.fleet_token import FleetAuth
+from services.cli.launcher import Launcher
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 
 _db = itertools.count(1)
 
@@ -32,7 +32,7 @@ class Fleet:
 
     def worker(self, name: str, role: str, model: str, kv_backend: str = "tcp",
                extra_args: tuple[str, ...] = ()) -> str:
-        args = ["services.common.cli", "serve", role, "--model", model, "--worker-id", name,
+        args = ["services.cli.cli", "serve", role, "--model", model, "--worker-id", name,
                 "--redis-url", self.redis_url, "--kv-backend", kv_backend, "--kv-cache-mib", "64",
                 "--heartbeat-s", "0.3", *extra_args]
         self.workers[name] = self.launcher.start(name, args)

@@ -15,9 +15,9 @@ import time
 
 import grpc
 
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from tests.fleet.fleet_helpers import route_request, running_fleet
 
 PROMPT = [(i * 7919) % 3000 + 100 for i in range(3000)]   # long enough to stop decode meanwhile

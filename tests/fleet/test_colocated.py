@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from tests.fleet.fleet_helpers import route_request, running_fleet

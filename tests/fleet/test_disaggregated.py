@@ -8,9 +8,9 @@ import time
 import grpc
 import pytest
 
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from tests.fleet.fleet_helpers import listening_sockets, route_request, running_fleet

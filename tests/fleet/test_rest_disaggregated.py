@@ -8,8 +8,8 @@ import asyncio
 import openai
 import pytest
 
-from services.common.fleet_state import FleetState
-from services.common.launcher import wait_until
+from services.state.fleet_state import FleetState
+from services.cli.launcher import wait_until
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from tests.fleet.fleet_helpers import running_fleet

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import httpx
 import yaml
 
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from tests.fleet.fleet_helpers import Fleet
 
 CONTEXT = 4096
@@ -76,7 +76,7 @@ def write_configs(tmp) -> tuple[str, str]:
 
 def start_worker(fleet: Fleet, model_dir: str, engine_config: str, name: str = "mixed-0") -> None:
     fleet.workers[name] = fleet.launcher.start(name, [
-        "services.common.cli", "serve", "mixed", "--model", model_dir, "--worker-id", name,
+        "services.cli.cli", "serve", "mixed", "--model", model_dir, "--worker-id", name,
         "--redis-url", fleet.redis_url, "--kv-cache-mib", "64", "--heartbeat-s", "0.3",
         "--config", engine_config])
     assert wait_until(lambda: fleet.router_stub().Health(pb.HealthRequest()).status ==
@@ -110,6 +110,6 @@ def openai_error(response: httpx.Response, status: int) -> dict:
 
 
 def stream_counter(redis_client, tenant: str) -> int:
-    """The tenant's open streams, as services/common/fleet_state.py keeps them: live leases."""
+    """The tenant's open streams, as services/state/fleet_state.py keeps them: live leases."""
     return redis_client.zcount(f"kvfleet:tenant:{tenant}:leases", f"({int(time.time() * 1000)}",
                                "+inf")

@@ -10,8 +10,8 @@ import grpc
 import httpx
 import pytest
 
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from tests.gateway.gateway_helpers import (CONTEXT, INTERACTIVE_MAX_PROMPT, KEYS, bearer,
                                            openai_error)
 

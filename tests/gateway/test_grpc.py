@@ -5,9 +5,9 @@ import grpc
 import pytest
 import redis
 
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.common.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.sampling_params import SamplingParams
 from tests.gateway.gateway_helpers import KEYS, stream_counter
 

@@ -8,8 +8,8 @@ import time
 
 import httpx
 
-from services.common.fleet_state import FleetState
-from services.common.launcher import wait_until
+from services.state.fleet_state import FleetState
+from services.cli.launcher import wait_until
 from tests.gateway.gateway_helpers import openai_error
 
 LONG = {"prompt": "Tell me a long story", "max_tokens": 2000, "ignore_eos": True, "stream": True}

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import redis
 
-from services.common.launcher import wait_until
-from services.common.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.cli.launcher import wait_until
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from tests.fleet.fleet_helpers import running_fleet
 from tests.gateway.gateway_helpers import openai_error, start_gateway, start_worker, stream_counter
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from services.common import fleet_token
+from services.protocol import fleet_token
 
 
 @pytest.fixture(scope="package", autouse=True)

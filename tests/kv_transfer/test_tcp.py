@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from services.common import fleet_token
-from services.common.fleet_token import FleetAuth
+from services.protocol import fleet_token
+from services.protocol.fleet_token import FleetAuth
 from services.kv_transfer import KVLayout, KVTransferError, tcp
 from services.kv_transfer.peer import make_cache
 from tests.kv_transfer.helpers import DST, LAYOUT, SOURCE_BLOCKS, SRC, Pair, expected_target, new_id

@@ -91,7 +91,7 @@ def test_quota_rejections_are_recorded_with_reason_and_retry_after(fleet):
 
 
 def kvfleet(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.common.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "services.cli.cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 

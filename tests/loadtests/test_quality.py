@@ -248,7 +248,7 @@ class EngineHTTPServer:
         self.thread.join(timeout=10)
 
     def complete(self, body: dict) -> tuple[int, dict]:
-        from services.common.convert import logprob_to_pb
+        from services.protocol.convert import logprob_to_pb
         from services.engine.sampling_params import SamplingParams
         from services.gateway.openai_responses import Collected, Shaper
         from services.gateway.openai_schema import ResponsePlan

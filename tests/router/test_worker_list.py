@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.fleet_state import FleetState
+from services.state.fleet_state import FleetState
 from services.router import service
 from services.router.service import RouterServicer
-from tests.common.test_fleet_state import make_record, run
+from tests.state.test_fleet_state import make_record, run
 
 
 def ids(workers) -> list[str]:

@@ -1,0 +1,88 @@
+"""Keep `kvfleet up`'s children running: a child that exits is restarted, with backoff.
+
+Only Ctrl-C / SIGTERM to `kvfleet up` stops the fleet; any one child (gateway, router, a worker)
+dying, whatever its exit status, is logged and restarted while the rest keep serving:
+
+  died at t, after running u seconds
+    -> failures = 0 if u >= stable_after_s else failures + 1
+    -> restarted at t + min(max_backoff_s, initial_backoff_s * 2 ** (failures - 1)) (first: initial)
+
+A restarted child is started with the arguments it first ran with plus its `pinned` arguments,
+the listening ports it got the first time, so that the gateway's `--router` address and clients'
+URLs stay valid across restarts (workers are found through Redis, but keep their port too).
+What the other services do meanwhile: a request on a dead worker ends with UNAVAILABLE (an SSE
+error event once streaming), a prefill that fails before its first token is retried elsewhere,
+and the gateway reconnects to a restarted router on its next call.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.cli.launcher import Launcher
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0      # a child up this long counts as healthy: backoff resets
+
+
+@dataclass
+class _Track:
+    started_at: float
+    failures: int = 0                 # deaths in a row, each before stable_after_s
+    restart_at: float | None = None   # set while the child is dead and waiting for its restart
+    restarts: int = 0
+
+
+@dataclass
+class Supervisor:
+    launcher: Launcher
+    policy: RestartPolicy = RestartPolicy()
+    clock: Callable[[], float] = time.monotonic
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+    pinned: dict[str, list[str]] = field(default_factory=dict)   # name -> args added on restart
+    _tracks: dict[str, _Track] = field(default_factory=dict)
+
+    def restarts(self, name: str) -> int:
+        track = self._tracks.get(name)
+        return track.restarts if track else 0
+
+    def poll(self) -> list[str]:
+        """One pass: notice children that died, restart those whose backoff is over. Returns the
+        names restarted in this pass."""
+        now = self.clock()
+        restarted = []
+        for name, child in list(self.launcher.children.items()):
+            track = self._tracks.setdefault(name, _Track(started_at=now))
+            status = child.proc.poll()
+            if status is not None and track.restart_at is None:
+                self._died(name, track, status, now)
+            if track.restart_at is not None and now >= track.restart_at:
+                self.launcher.spawn(name, child.module_args + self._pins(name, child.module_args))
+                track.started_at, track.restart_at = now, None
+                track.restarts += 1
+                restarted.append(name)
+        return restarted
+
+    def _died(self, name: str, track: _Track, status: int, now: float) -> None:
+        up_s = now - track.started_at
+        track.failures = 1 if up_s >= self.policy.stable_after_s else track.failures + 1
+        delay = min(self.policy.max_backoff_s,
+                    self.policy.initial_backoff_s * 2 ** (track.failures - 1))
+        track.restart_at = now + delay
+        self.say(f"kvfleet up: {name} exited with status {status} after {up_s:.1f}s; "
+                 f"restarting it in {delay:.1f}s (restart {track.restarts + 1}; "
+                 f"log {self.launcher.log_path(name)})")
+
+    def _pins(self, name: str, args: list[str]) -> list[str]:
+        pins = self.pinned.get(name, [])
+        return [] if _ends_with(args, pins) else pins
+
+
+def _ends_with(args: list[str], tail: list[str]) -> bool:
+    return not tail or args[-len(tail):] == tail

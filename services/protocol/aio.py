@@ -1,0 +1,48 @@
+"""How the services run asyncio and gRPC: uvloop where installed, and one kind of internal channel.
+
+uvloop (libuv) makes each callback, socket read and write cheaper than the selector loop; a
+service relays every token, so this is on the per-token path of the gateway, router and workers.
+grpc.aio runs on it unchanged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import grpc
+
+from services.protocol import fleet_token
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop  # noqa: PLC0415 - optional
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def setup_logging(name: str) -> None:
+    """A service's log lines on stderr, INFO and up, named by the service."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+# The hosts a kvfleet service (router, worker, mux listener) may bind or connect to in this build.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+# Channels between the fleet's own services. grpc's transparent retries are off: the router
+# decides itself what is retried (a prefill, once, before any token), and the retry machinery
+# buffers every call's messages for nothing.
+INTERNAL_CHANNEL_OPTIONS = (("grpc.enable_retries", 0),)
+
+
+def internal_channel(address: str, auth: fleet_token.FleetAuth | None = None) -> grpc.aio.Channel:
+    """A channel to another kvfleet service on loopback; every call on it carries the fleet token
+    (`auth`, else this process's: fleet_token.active())."""
+    auth = auth if auth is not None else fleet_token.active()
+    return grpc.aio.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS,
+                                     interceptors=fleet_token.client_interceptors(auth))

@@ -1,0 +1,463 @@
+"""The fleet's shared state in Redis (DESIGN section 3, item 8): worker registry and tenant quotas.
+
+Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim):
+
+| key                                  | type          | TTL                           | written by                      |
+|--------------------------------------|---------------|-------------------------------|---------------------------------|
+| `{ns}worker:{worker_id}`             | hash          | heartbeat ttl_s               | heartbeat (HSET+PEXPIRE, MULTI) |
+| `{ns}workers`                        | set of ids    | none; dead ids pruned         | heartbeat SADD, live_workers    |
+| `{ns}tenant:{t}:leases`              | zset          | until its latest lease expires| admit, renew, finish (Lua)      |
+| `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s     | admit/finish_stream (Lua)       |
+| `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s     | admit, charge_request (Lua)     |
+
+`minute` is `int(now // 60)`: a fixed 60-s window. The worker hash holds every `WorkerRecord` field as a
+string; a worker whose heartbeat is older than its TTL has no hash, so it is not live.
+
+Stream slots are leases. Each open stream is one member of `{ns}tenant:{t}:leases` (named by its
+holder: a gateway names them `{gateway_id}/{n}`), scored by its expiry in unix ms. The holder renews
+every lease it holds every `LeaseTerms.renew_every_s` (to now + ttl_s); a lease whose expiry is
+past counts for nothing and is pruned by the next admit. So the slots of a gateway that dies
+come back at most `ttl_s` after its last renewal, and a tenant nobody serves leaves no key behind.
+Invariants: the tenant's open streams = the members with expiry > now (never negative, never a
+drifting counter); only the admit script adds a member, and only while fewer than the limit are live.
+
+Clocks: expiries are the gateways' unix time (an input, `now`, so tests drive it): the gateways'
+clocks must agree to well within `ttl_s - 2 * renew_every_s`.
+Source of truth: the worker's own heartbeat for capacity; the leases and windows for tenant quotas.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+import typing
+import uuid
+from dataclasses import asdict, dataclass, fields
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "mixed")
+KV_BACKENDS = ("nixl", "tcp", "local")
+WINDOW_S = 60
+_INT_RE = re.compile(r"-?[0-9]+")
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """What a worker heartbeats: identity, KV capacity in blocks, load and measured rates."""
+    worker_id: str
+    role: str                   # prefill | decode | mixed
+    grpc_address: str           # 127.0.0.1:port
+    kv_backend: str             # nixl | tcp | local
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_reserved: int
+    kv_blocks_used: int
+    running: int
+    queued: int
+    queued_prefill_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    model: str
+    max_model_len: int
+    updated_at: float           # unix time of the heartbeat
+
+    def __post_init__(self) -> None:
+        _check(self.role in ROLES, "role", f"{self.role!r} not in {ROLES}")
+        _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"{self.kv_backend!r} not in {KV_BACKENDS}")
+        _check(bool(self.worker_id), "worker_id", "empty")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)):
+                _check(math.isfinite(value) and value >= 0, f.name, f"{value!r} is not finite and >= 0")
+
+    def to_hash(self) -> dict[str, str]:
+        """Every field as a string; floats via repr() so they round-trip exactly."""
+        return {k: repr(v) if isinstance(v, float) else str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_hash(cls, h: typing.Mapping[str, str]) -> "WorkerRecord":
+        """Strict inverse of to_hash: a missing or malformed field raises ValueError naming it.
+        Unknown fields are ignored, so a newer worker can add fields without breaking older readers."""
+        return cls(**{name: _parse(name, tp, h) for name, tp in _FIELD_TYPES.items()})
+
+
+_FIELD_TYPES: dict[str, type] = typing.get_type_hints(WorkerRecord)
+
+
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"WorkerRecord.{name}: {why}")
+
+
+def _parse(name: str, tp: type, h: typing.Mapping[str, str]) -> typing.Any:
+    _check(name in h, name, "missing")
+    raw = h[name]
+    _check(isinstance(raw, str), name, f"expected str, got {type(raw).__name__}")
+    if tp is str:
+        return raw
+    if tp is int:
+        _check(_INT_RE.fullmatch(raw) is not None, name, f"{raw!r} is not an integer")
+        return int(raw)
+    try:
+        return tp(raw)
+    except ValueError:
+        raise ValueError(f"WorkerRecord.{name}: {raw!r} is not a {tp.__name__}") from None
+
+
+# KEYS[1] window counter; ARGV amount, limit, ttl_ms. All or nothing: a refused charge leaves the
+# counter untouched (checking before INCRBY is the same as INCRBY-then-undo, since a script is atomic).
+_CHARGE_LUA = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+local amount = tonumber(ARGV[1])
+if n + amount > tonumber(ARGV[2]) then return 0 end
+redis.call('INCRBY', KEYS[1], amount)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+# Keeps a lease zset's own TTL at its latest lease's expiry (relative, so the server's clock does
+# not matter): once every holder is gone, the key goes too. KEYS[1] zset; `now` in ms.
+_EXPIRE_WITH_LATEST_LEASE = """
+local function expire_with_latest(key, now)
+  local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if top[2] and tonumber(top[2]) > now then redis.call('PEXPIRE', key, tonumber(top[2]) - now) end
+end
+"""
+# Admission in one round trip. KEYS leases zset, requests window, tokens window; ARGV 1 max_streams,
+# 2 rpm, 3 prompt tokens, 4 tpm, 5 window ttl_ms, 6 now_ms, 7 lease ttl_ms, 8 lapsed_below_ms,
+# 9 lease id. 1) a stream slot: expired leases are dropped, then fewer than max_streams must be
+# live (refused: nothing taken) 2) the request (refused: no slot taken) 3) the prompt's tokens
+# (refused: no slot taken, the request stays counted, as OpenAI counts refused requests).
+# Returns {code, ms}: code 0 admitted, 1 streams, 2 requests, 3 tokens refused. For 1, ms is when
+# the slot that frees first would free if its holder is gone: the expiry of the (live - max + 1)-th
+# earliest lease, minus now, if that lease has missed a renewal (less than lapsed_below_ms left,
+# so its holder is presumably dead), else -1 (unknown: a live holder renews it).
+_ADMIT_LUA = _EXPIRE_WITH_LATEST_LEASE + """
+local now = tonumber(ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local live, limit = redis.call('ZCARD', KEYS[1]), tonumber(ARGV[1])
+if live >= limit then
+  if limit < 1 then return {1, -1} end
+  local nth = redis.call('ZRANGE', KEYS[1], live - limit, live - limit, 'WITHSCORES')
+  local left = tonumber(nth[2]) - now
+  if left < tonumber(ARGV[8]) then return {1, left} end
+  return {1, -1}
+end
+local requests = tonumber(redis.call('GET', KEYS[2]) or '0')
+if requests + 1 > tonumber(ARGV[2]) then return {2, 0} end
+redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+local tokens = tonumber(redis.call('GET', KEYS[3]) or '0')
+if tokens + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return {3, 0} end
+redis.call('INCRBY', KEYS[3], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[7]), ARGV[9])
+expire_with_latest(KEYS[1], now)
+return {0, 0}
+"""
+# A holder renews its leases of one tenant. KEYS[1] leases zset; ARGV now_ms, lease ttl_ms, ids...
+# Each lease's expiry moves to now + ttl. A lease that was gone (Redis lost it, or it lapsed while
+# its holder could not reach Redis) is added back: the stream it stands for is still open. Returns
+# the ids added back (the holder releases any whose stream ended meanwhile).
+_RENEW_LUA = _EXPIRE_WITH_LATEST_LEASE + """
+local now, expiry, restored = tonumber(ARGV[1]), tonumber(ARGV[1]) + tonumber(ARGV[2]), {}
+for i = 3, #ARGV do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if not score or tonumber(score) <= now then restored[#restored + 1] = ARGV[i] end
+  redis.call('ZADD', KEYS[1], expiry, ARGV[i])
+end
+expire_with_latest(KEYS[1], now)
+return restored
+"""
+# The end of a stream in one round trip. KEYS leases zset, tokens window; ARGV generated tokens,
+# window ttl_ms, lease id, now_ms. The lease is dropped (returns 1 if it was live, 0 if it had
+# lapsed or was gone); the tokens are charged uncapped, since they are already generated (a
+# tenant over its budget is refused at its next admission).
+_FINISH_LUA = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[3])
+redis.call('ZREM', KEYS[1], ARGV[3])
+local held = 0
+if score and tonumber(score) > tonumber(ARGV[4]) then held = 1 end
+if tonumber(ARGV[1]) > 0 then
+  redis.call('INCRBY', KEYS[2], ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
+return held
+"""
+# KEYS[1] workers set, KEYS[2..] worker hashes; ARGV the matching ids. SREMs an id only if its hash is
+# still gone, so a worker that heartbeats between our read and this prune is not dropped.
+_PRUNE_LUA = """
+local removed = 0
+for i, id in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then removed = removed + redis.call('SREM', KEYS[1], id) end
+end
+return removed
+"""
+
+
+@dataclass(frozen=True)
+class LeaseTerms:
+    """How long a stream slot's lease lives unrenewed, and how often its holder renews it.
+
+    A gateway that dies gives its slots back within `ttl_s` of its last renewal. A lease with
+    less than `lapsed_below_s` left has missed a renewal: its holder is presumably gone, and
+    its expiry is when its slot frees (the 429's Retry-After)."""
+    ttl_s: float = 10.0
+    renew_every_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (self.renew_every_s > 0 and self.ttl_s >= 3 * self.renew_every_s):
+            raise ValueError(f"need ttl_s >= 3 * renew_every_s > 0, got {self}")
+
+    @classmethod
+    def with_ttl(cls, ttl_s: float) -> "LeaseTerms":
+        """Renewals every ttl/5: a live lease always has more than 3/5 of its ttl left."""
+        return cls(ttl_s=ttl_s, renew_every_s=ttl_s / 5)
+
+    @property
+    def lapsed_below_s(self) -> float:
+        return self.ttl_s - 2 * self.renew_every_s
+
+
+@dataclass(frozen=True)
+class StreamLease:
+    """One open stream's slot: member `lease_id` of `{ns}tenant:{tenant}:leases`."""
+    tenant: str
+    lease_id: str
+
+
+Refusal = typing.Literal["streams", "requests", "tokens"]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What `FleetState.admit` decided: a lease, or what refused and when to retry.
+
+    retry_after_s: for "requests" / "tokens", the seconds left in the minute window; for
+    "streams", the seconds until a lapsed lease (a holder that stopped renewing) expires and
+    frees a slot, or None when every slot is held by a live holder (nobody knows when a live
+    stream ends; the caller estimates)."""
+    lease: StreamLease | None
+    refused: Refusal | None = None
+    retry_after_s: float | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.lease is not None
+
+
+@dataclass(frozen=True)
+class TenantCounters:
+    streams: int      # live leases
+    tokens: int       # this minute's window
+    requests: int     # this minute's window
+
+
+# Redis calls never hang a request: a connection is given this long to open and a command this long
+# to answer (the scripts are O(streams of one tenant)); a pooled connection that broke (Redis
+# restarted) is retried once on a new connection, at once. Anything longer is an outage, which
+# the callers' `services.state.outage.Outage` handles with backoff. The connect timeout covers
+# one SYN retransmission (1 s on Linux), which a server with a full listen backlog causes.
+CONNECT_TIMEOUT_S = 1.5
+COMMAND_TIMEOUT_S = 1.0
+_RETRY = Retry(ConstantBackoff(0.0), retries=1, supported_errors=(RedisConnectionError,))
+
+
+class FleetState:
+    """Typed asyncio access to the fleet's Redis state; one instance per process (it owns a pool)."""
+
+    def __init__(self, redis_url: str, namespace: str = "kvfleet:"):
+        self.ns = namespace
+        self._r = aioredis.Redis.from_url(
+            redis_url, decode_responses=True, socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=COMMAND_TIMEOUT_S, retry=_RETRY)
+        self._charge = self._r.register_script(_CHARGE_LUA)
+        self._prune = self._r.register_script(_PRUNE_LUA)
+        self._admit = self._r.register_script(_ADMIT_LUA)
+        self._renew = self._r.register_script(_RENEW_LUA)
+        self._finish = self._r.register_script(_FINISH_LUA)
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def __aenter__(self) -> "FleetState":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def ping(self) -> None:
+        await self._r.ping()
+
+    # --- keys ---------------------------------------------------------------------------------
+    def _worker_key(self, worker_id: str) -> str:
+        return f"{self.ns}worker:{worker_id}"
+
+    @property
+    def _workers_key(self) -> str:
+        return f"{self.ns}workers"
+
+    def _tenant_key(self, tenant: str, what: str) -> str:
+        return f"{self.ns}tenant:{tenant}:{what}"
+
+    def _leases_key(self, tenant: str) -> str:
+        return self._tenant_key(tenant, "leases")
+
+    def _window_key(self, tenant: str, kind: str, now: float) -> str:
+        return self._tenant_key(tenant, f"{kind}:{int(now // WINDOW_S)}")
+
+    # --- worker registry ----------------------------------------------------------------------
+    async def heartbeat(self, record: WorkerRecord, ttl_s: float) -> None:
+        """Publish the record; it disappears ttl_s after the last heartbeat."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        key = self._worker_key(record.worker_id)
+        async with self._r.pipeline(transaction=True) as p:
+            p.hset(key, mapping=record.to_hash())
+            p.pexpire(key, max(1, round(ttl_s * 1000)))
+            p.sadd(self._workers_key, record.worker_id)
+            await p.execute()
+
+    async def live_workers(self, role: str | None = None) -> list[WorkerRecord]:
+        """Workers whose heartbeat is still alive (sorted by id), optionally of one role."""
+        if role is not None and role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        ids = sorted(await self._r.smembers(self._workers_key))
+        async with self._r.pipeline(transaction=False) as p:
+            for worker_id in ids:
+                p.hgetall(self._worker_key(worker_id))
+            hashes = await p.execute()
+        dead = [wid for wid, h in zip(ids, hashes) if not h]
+        if dead:
+            await self._prune(keys=[self._workers_key, *map(self._worker_key, dead)], args=dead)
+        records = [r for r in map(self._record_or_none, ids, hashes) if r is not None]
+        return [r for r in records if role is None or r.role == role]
+
+    @staticmethod
+    def _record_or_none(worker_id: str, h: dict[str, str]) -> WorkerRecord | None:
+        if not h:
+            return None
+        try:
+            return WorkerRecord.from_hash(h)
+        except ValueError as e:  # one bad worker must not hide the rest of the fleet
+            log.warning("skipping worker %s: malformed heartbeat: %s", worker_id, e)
+            return None
+
+    async def remove_worker(self, worker_id: str) -> None:
+        async with self._r.pipeline(transaction=True) as p:
+            p.delete(self._worker_key(worker_id))
+            p.srem(self._workers_key, worker_id)
+            await p.execute()
+
+    # --- tenant quotas: stream leases and minute windows ---------------------------------------
+    async def admit(self, tenant: str, max_streams: int, requests_per_minute: int,
+                    prompt_tokens: int, tokens_per_minute: int, now: float | None = None, *,
+                    lease_id: str | None = None, terms: LeaseTerms = LeaseTerms()) -> Admission:
+        """A stream slot (a lease, `lease_id` or a random one) + this minute's request + the
+        prompt's tokens, atomically, in one round trip; or what refused, having taken no slot."""
+        if prompt_tokens < 0:
+            raise ValueError(f"cannot charge a negative amount ({prompt_tokens})")
+        now = time.time() if now is None else now
+        left_s = WINDOW_S - now % WINDOW_S
+        lease = StreamLease(tenant, lease_id or uuid.uuid4().hex)
+        keys = [self._leases_key(tenant), self._window_key(tenant, "requests", now),
+                self._window_key(tenant, "tokens", now)]
+        code, ms = await self._admit(keys=keys, args=[
+            int(max_streams), int(requests_per_minute), int(prompt_tokens), int(tokens_per_minute),
+            _window_ttl_ms(now), _ms(now), _ms(terms.ttl_s), _ms(terms.lapsed_below_s),
+            lease.lease_id])
+        if code == 0:
+            return Admission(lease)
+        if code == 1:
+            return Admission(None, "streams", ms / 1000 if ms >= 0 else None)
+        return Admission(None, "requests" if code == 2 else "tokens", left_s)
+
+    async def renew_leases(self, leases: typing.Iterable[StreamLease],
+                           terms: LeaseTerms = LeaseTerms(),
+                           now: float | None = None) -> list[StreamLease]:
+        """Push every lease's expiry to now + ttl, one script per tenant in one round trip. Returns
+        the leases that were gone and are back (the caller releases any that ended meanwhile)."""
+        by_tenant: dict[str, list[str]] = {}
+        for lease in leases:
+            by_tenant.setdefault(lease.tenant, []).append(lease.lease_id)
+        if not by_tenant:
+            return []
+        now = time.time() if now is None else now
+        async with self._r.pipeline(transaction=False) as p:
+            for tenant, ids in by_tenant.items():
+                await self._renew(keys=[self._leases_key(tenant)],
+                                  args=[_ms(now), _ms(terms.ttl_s), *ids], client=p)
+            results = await p.execute()
+        return [StreamLease(t, i) for t, restored in zip(by_tenant, results) for i in restored]
+
+    async def finish_stream(self, lease: StreamLease, output_tokens: int,
+                            now: float | None = None) -> bool:
+        """A stream ended: drop its lease and charge the tokens it generated, uncapped, in one
+        round trip. False if the lease had already lapsed or gone (the tokens are charged anyway)."""
+        if output_tokens < 0:
+            raise ValueError(f"cannot charge a negative amount ({output_tokens})")
+        now = time.time() if now is None else now
+        held = await self._finish(keys=[self._leases_key(lease.tenant),
+                                        self._window_key(lease.tenant, "tokens", now)],
+                                  args=[int(output_tokens), _window_ttl_ms(now), lease.lease_id,
+                                        _ms(now)])
+        return bool(held)
+
+    async def streams(self, tenant: str, now: float | None = None) -> int:
+        """The tenant's open streams: its leases that have not expired."""
+        now = time.time() if now is None else now
+        return int(await self._r.zcount(self._leases_key(tenant), f"({_ms(now)}", "+inf"))
+
+    async def charge_tokens(self, tenant: str, tokens: int, per_minute_limit: int,
+                            now: float | None = None) -> tuple[bool, float]:
+        """Charge tokens to this minute's window: (True, 0.0), or (False, seconds left in the window)
+        with nothing charged. A single charge above per_minute_limit is always refused."""
+        return await self._charge_window(tenant, "tokens", tokens, per_minute_limit, now)
+
+    async def charge_request(self, tenant: str, per_minute_limit: int,
+                             now: float | None = None) -> tuple[bool, float]:
+        return await self._charge_window(tenant, "requests", 1, per_minute_limit, now)
+
+    async def _charge_window(self, tenant: str, kind: str, amount: int, limit: int,
+                             now: float | None) -> tuple[bool, float]:
+        if amount < 0:
+            raise ValueError(f"cannot charge a negative amount ({amount})")
+        now = time.time() if now is None else now
+        left_s = WINDOW_S - now % WINDOW_S  # in (0, 60]
+        key = self._window_key(tenant, kind, now)
+        allowed = await self._charge(keys=[key], args=[int(amount), int(limit), _window_ttl_ms(now)])
+        return (True, 0.0) if allowed else (False, left_s)
+
+    async def tenant_counters(self, tenant: str, now: float | None = None) -> TenantCounters:
+        """Open streams (live leases) and this minute's charges, read in one round trip."""
+        now = time.time() if now is None else now
+        async with self._r.pipeline(transaction=False) as p:
+            p.zcount(self._leases_key(tenant), f"({_ms(now)}", "+inf")
+            p.mget([self._window_key(tenant, "tokens", now),
+                    self._window_key(tenant, "requests", now)])
+            streams, (tokens, requests) = await p.execute()
+        return TenantCounters(int(streams), int(tokens or 0), int(requests or 0))
+
+    async def reset_tenant(self, tenant: str, now: float | None = None) -> None:
+        """Drop the tenant's leases and this minute's windows (older windows are never read). A
+        live gateway adds its open streams' leases back at its next renewal: only slots nobody
+        holds stay gone."""
+        now = time.time() if now is None else now
+        await self._r.delete(self._leases_key(tenant), self._window_key(tenant, "tokens", now),
+                             self._window_key(tenant, "requests", now))
+
+
+def _ms(seconds: float) -> int:
+    return math.floor(seconds * 1000)
+
+
+def _window_ttl_ms(now: float) -> int:
+    """A window key lives for the rest of its minute and one more (it is never read after)."""
+    return math.ceil((WINDOW_S - now % WINDOW_S + WINDOW_S) * 1000)

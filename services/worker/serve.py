@@ -1,0 +1,174 @@
+"""Start one worker process: the engine in a role, served over gRPC on 127.0.0.1, heartbeating its
+capacity into Redis. `python -m services.prefill|services.decode` and `kvfleet serve ROLE` land here.
+
+Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
+for it). SIGTERM / SIGINT: stop accepting, drop the Redis record, stop the engine thread, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+
+import grpc
+import torch
+from redis.exceptions import RedisError
+
+from services.worker import faults
+from services.protocol import fleet_token
+from services.protocol.aio import LOOPBACK, run, setup_logging
+from services.protocol.shutdown import wait_for_stop_signal
+from services.worker.engine_loop import EngineLoop
+from services.state.fleet_state import FleetState, WorkerRecord
+from services.state.outage import UNREACHABLE, Backoff, Outage
+from services.protocol.mux import MuxListener
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.worker.servicer import WorkerConfig, WorkerServicer
+from services.engine.config import EngineConfig
+from services.engine.config_file import load_engine_config
+from services.engine.engine import LLMEngine
+from dataclasses import replace
+
+log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005
+ENGINE_FAILED_EXIT = 70     # EX_SOFTWARE: the engine loop died; the supervisor restarts the worker
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None:
+    if role is None:
+        p.add_argument("role", choices=["prefill", "decode", "mixed"])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--config", help="engine config YAML (classes, tenants, budgets)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
+    p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
+    p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--heartbeat-s", type=float, default=0.5)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default); several workers on one "
+                        "host should split the cores between them")
+    p.add_argument("--reserve-timeout-s", type=float, default=30.0)
+    fleet_token.add_args(p)
+    if role is not None:
+        p.set_defaults(role=role)
+
+
+# A prefill worker runs no decodes, so its iterations protect no inter-token latency: without a
+# config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts).
+PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)
+
+
+def engine_config_for(args: argparse.Namespace) -> EngineConfig:
+    cfg = load_engine_config(args.config) if args.config else EngineConfig()
+    sched = replace(cfg.scheduler, role=args.role)
+    if args.role == "prefill" and not args.config:
+        sched = replace(sched, **PREFILL_ROLE_BUDGET)
+    cfg = replace(cfg, model=args.model, scheduler=sched)
+    if args.kv_cache_mib:
+        cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
+    return cfg
+
+
+async def heartbeat_forever(state: FleetState, loop: EngineLoop, config: WorkerConfig,
+                            address: str, ttl_s: float, every_s: float) -> None:
+    """Publish this worker's record every `every_s` until cancelled. A failed beat (Redis down, or
+    anything else) never ends the loop: it is retried with capped, jittered backoff (one warning
+    per outage, one info line on recovery), and the first beat that lands re-registers the worker,
+    also into an empty new Redis."""
+    redis = Outage(f"worker {config.worker_id} heartbeat", log,
+                   Backoff(base_s=min(every_s, 0.5), cap_s=max(every_s, 2.0)))
+    broken = False                 # the last beat failed on something other than Redis
+    while True:
+        try:
+            await redis.call(state.heartbeat, await _worker_record(loop, config, address), ttl_s)
+            delay, broken = every_s, False
+        except UNREACHABLE:
+            delay = max(redis.retry_in(), 0.05)
+        except Exception:  # noqa: BLE001 - a bad beat must not end the worker's registration
+            if not broken:         # one traceback per streak, not one per beat
+                log.exception("worker %s: heartbeat failed", config.worker_id)
+            delay, broken = every_s, True
+        await asyncio.sleep(delay)
+
+
+async def _worker_record(loop: EngineLoop, config: WorkerConfig, address: str) -> WorkerRecord:
+    engine = loop.engine
+    s = await loop.call(engine.stats)
+    return WorkerRecord(
+        worker_id=config.worker_id, role=config.role, grpc_address=address,
+        kv_backend=config.kv_backend, block_size=engine.pool.block_size,
+        kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
+        kv_blocks_reserved=s.kv_blocks_reserved, kv_blocks_used=s.kv_blocks_used,
+        running=s.num_running, queued=s.num_queued,
+        queued_prefill_tokens=s.queued_prefill_tokens,
+        prefill_tokens_per_s=s.prefill_tokens_per_s,
+        decode_tokens_per_s=s.decode_tokens_per_s, model=engine.config.model,
+        max_model_len=engine.max_model_len, updated_at=time.time())
+
+
+async def serve(args: argparse.Namespace) -> int:
+    setup_logging(args.role)
+    if args.host not in LOOPBACK:
+        raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
+    auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # The engine thread and the asyncio gRPC thread share the GIL. At Python's default 5 ms switch
+    # interval a finished token could wait up to 5 ms for the thread that sends it.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
+    config = WorkerConfig(worker_id, args.role, args.kv_backend,
+                          reserve_timeout_s=args.reserve_timeout_s)
+    engine = LLMEngine(engine_config_for(args))
+    faults.install(engine)
+    transport = None
+    if args.role != "mixed":          # a co-located worker moves no KV
+        from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
+        transport = make_transport(args.kv_backend, worker_id)
+        transport.register(engine.kv_cache)
+    failed = asyncio.Event()     # the engine died: shut down and exit non-zero (restarted)
+    loop = EngineLoop(engine, asyncio.get_running_loop(), on_failure=lambda _: failed.set())
+    loop.start()
+    servicer = WorkerServicer(config, loop, transport)
+    server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    mux = MuxListener(servicer.mux, auth)
+    servicer.mux_address = await mux.start(args.host)
+    address = f"{args.host}:{port}"
+    state = FleetState(args.redis_url) if args.redis_url else None
+    beat = (asyncio.create_task(heartbeat_forever(state, loop, config, address,
+                                                  ttl_s=3 * args.heartbeat_s,
+                                                  every_s=args.heartbeat_s))
+            if state else None)
+    print(f"READY {worker_id} {address}", flush=True)
+    await wait_for_stop_signal(failed)
+    if failed.is_set():
+        print(f"worker {worker_id}: {loop.failure}; exiting with status {ENGINE_FAILED_EXIT}",
+              file=sys.stderr, flush=True)
+    if beat:
+        beat.cancel()
+        try:
+            await state.remove_worker(worker_id)
+        except RedisError as e:            # Redis down: the record expires with its TTL anyway
+            log.warning("could not remove worker %s from Redis at shutdown: %s", worker_id, e)
+        await state.close()
+    await mux.close()
+    await server.stop(grace=1.0)
+    loop.stop()
+    if transport is not None:
+        transport.close()
+    return ENGINE_FAILED_EXIT if failed.is_set() else 0
+
+
+def main(role: str | None = None, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"kvfleet serve {role or ''}".strip())
+    add_worker_args(parser, role)
+    return run(serve(parser.parse_args(argv)))
