@@ -7,6 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REASON_UNSPECIFIED: _ClassVar[Reason]
+    INVALID_REQUEST: _ClassVar[Reason]
+    OVERLOADED: _ClassVar[Reason]
+    UNAVAILABLE: _ClassVar[Reason]
+    ENGINE_FAILED: _ClassVar[Reason]
+    KV_TRANSFER_FAILED: _ClassVar[Reason]
+    NO_RESERVATION: _ClassVar[Reason]
+    WRONG_ROLE: _ClassVar[Reason]
+    SHUTTING_DOWN: _ClassVar[Reason]
+    UNAUTHENTICATED: _ClassVar[Reason]
+REASON_UNSPECIFIED: Reason
+INVALID_REQUEST: Reason
+OVERLOADED: Reason
+UNAVAILABLE: Reason
+ENGINE_FAILED: Reason
+KV_TRANSFER_FAILED: Reason
+NO_RESERVATION: Reason
+WRONG_ROLE: Reason
+SHUTTING_DOWN: Reason
+UNAUTHENTICATED: Reason
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -50,7 +73,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "error", "prompt_logprobs", "num_prompt_tokens", "num_output_tokens", "served_by", "retry_after_s")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "error", "prompt_logprobs", "num_prompt_tokens", "num_output_tokens", "served_by", "retry_after_s", "failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +87,7 @@ class TokenChunk(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -77,7 +101,22 @@ class TokenChunk(_message.Message):
     num_output_tokens: int
     served_by: str
     retry_after_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., served_by: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    failure: Reason
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., served_by: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., failure: _Optional[_Union[Reason, str]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("reason", "code", "param", "message", "retry_after_s")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    reason: Reason
+    code: str
+    param: str
+    message: str
+    retry_after_s: float
+    def __init__(self, reason: _Optional[_Union[Reason, str]] = ..., code: _Optional[str] = ..., param: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -96,7 +135,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "detail", "mux_address")
+    __slots__ = ("status", "detail")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         UNKNOWN: _ClassVar[HealthResponse.Status]
@@ -107,11 +146,9 @@ class HealthResponse(_message.Message):
     NOT_SERVING: HealthResponse.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
-    MUX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     status: HealthResponse.Status
     detail: str
-    mux_address: str
-    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., detail: _Optional[str] = ..., mux_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -157,7 +194,7 @@ class ListModelsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelCard]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
-class RouteRequest(_message.Message):
+class WorkRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -171,8 +208,70 @@ class RouteRequest(_message.Message):
     params: SamplingParams
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
+class WorkerRef(_message.Message):
+    __slots__ = ("worker_id", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[Plan.Mode]
+        COLOCATED: _ClassVar[Plan.Mode]
+        DISAGGREGATED: _ClassVar[Plan.Mode]
+    MODE_UNSPECIFIED: Plan.Mode
+    COLOCATED: Plan.Mode
+    DISAGGREGATED: Plan.Mode
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    mode: Plan.Mode
+    prefill: _containers.RepeatedCompositeFieldContainer[WorkerRef]
+    decode: WorkerRef
+    target: KVDescriptor
+    deadline_unix_s: float
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class NixlTarget(_message.Message):
+    __slots__ = ("agent", "base", "num_blocks", "mem", "device")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MEM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    base: int
+    num_blocks: int
+    mem: str
+    device: int
+    def __init__(self, agent: _Optional[str] = ..., base: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
+
 class KVDescriptor(_message.Message):
-    __slots__ = ("worker_id", "backend", "agent_metadata", "address", "block_ids", "bytes_per_block", "layout")
+    __slots__ = ("worker_id", "backend", "agent_metadata", "address", "block_ids", "bytes_per_block", "layout", "nixl")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -180,14 +279,28 @@ class KVDescriptor(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     backend: str
     agent_metadata: bytes
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     bytes_per_block: int
-    layout: str
-    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    layout: KVLayout
+    nixl: NixlTarget
+    def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., nixl: _Optional[_Union[NixlTarget, _Mapping]] = ...) -> None: ...
+
+class HandOff(_message.Message):
+    __slots__ = ("request_id", "first_token", "first_logprob", "num_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token: int
+    first_logprob: TokenLogprob
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params")
@@ -237,34 +350,36 @@ class PrefillRequest(_message.Message):
     kv_deadline_unix_s: float
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., decode_worker: _Optional[str] = ..., kv_deadline_unix_s: _Optional[float] = ...) -> None: ...
 
-class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "first_logprob")
+class KVShipped(_message.Message):
+    __slots__ = ("request_id", "blocks", "seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    first_token: int
-    first_logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ...) -> None: ...
+    blocks: int
+    seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
-class ReleaseRequest(_message.Message):
+class PrefillReply(_message.Message):
+    __slots__ = ("chunk", "shipped")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHIPPED_FIELD_NUMBER: _ClassVar[int]
+    chunk: TokenChunk
+    shipped: KVShipped
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., shipped: _Optional[_Union[KVShipped, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class ReleaseResponse(_message.Message):
-    __slots__ = ("released",)
-    RELEASED_FIELD_NUMBER: _ClassVar[int]
-    released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "kv_blocks_held")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +394,12 @@ class WorkerStats(_message.Message):
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_WRITES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -293,58 +414,10 @@ class WorkerStats(_message.Message):
     decode_tokens_per_s: float
     block_size: int
     kv_writes_in_flight: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ...) -> None: ...
-
-class CallFrame(_message.Message):
-    __slots__ = ("call_id", "generate", "reserve", "prefill", "decode", "cancel", "release")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    GENERATE_FIELD_NUMBER: _ClassVar[int]
-    RESERVE_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
-    DECODE_FIELD_NUMBER: _ClassVar[int]
-    CANCEL_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    generate: RouteRequest
-    reserve: ReserveRequest
-    prefill: PrefillRequest
-    decode: DecodeRequest
-    cancel: bool
-    release: CancelRequest
-    def __init__(self, call_id: _Optional[int] = ..., generate: _Optional[_Union[RouteRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., release: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
-
-class CallFrames(_message.Message):
-    __slots__ = ("frames",)
-    FRAMES_FIELD_NUMBER: _ClassVar[int]
-    frames: _containers.RepeatedCompositeFieldContainer[CallFrame]
-    def __init__(self, frames: _Optional[_Iterable[_Union[CallFrame, _Mapping]]] = ...) -> None: ...
-
-class CallStatus(_message.Message):
-    __slots__ = ("code", "details", "retry_after_s")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    DETAILS_FIELD_NUMBER: _ClassVar[int]
-    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    details: str
-    retry_after_s: float
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
-
-class ReplyFrame(_message.Message):
-    __slots__ = ("call_id", "chunk", "reserved", "end", "released")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    RESERVED_FIELD_NUMBER: _ClassVar[int]
-    END_FIELD_NUMBER: _ClassVar[int]
-    RELEASED_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    chunk: TokenChunk
-    reserved: ReserveResponse
-    end: CallStatus
-    released: CancelResponse
-    def __init__(self, call_id: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., reserved: _Optional[_Union[ReserveResponse, _Mapping]] = ..., end: _Optional[_Union[CallStatus, _Mapping]] = ..., released: _Optional[_Union[CancelResponse, _Mapping]] = ...) -> None: ...
-
-class ReplyFrames(_message.Message):
-    __slots__ = ("frames",)
-    FRAMES_FIELD_NUMBER: _ClassVar[int]
-    frames: _containers.RepeatedCompositeFieldContainer[ReplyFrame]
-    def __init__(self, frames: _Optional[_Iterable[_Union[ReplyFrame, _Mapping]]] = ...) -> None: ...
+    grpc_address: str
+    kv_backend: str
+    model: str
+    max_model_len: int
+    updated_at_unix_s: float
+    kv_blocks_held: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., kv_blocks_held: _Optional[int] = ...) -> None: ...

@@ -235,20 +235,10 @@ class RouterStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/kvfleet.v1.Router/Generate',
-                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.SerializeToString,
-                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
-                _registered_method=True)
-        self.Mux = channel.stream_stream(
-                '/kvfleet.v1.Router/Mux',
-                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
-                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
-                _registered_method=True)
-        self.Cancel = channel.unary_unary(
-                '/kvfleet.v1.Router/Cancel',
-                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelRequest.SerializeToString,
-                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelResponse.FromString,
+        self.Admit = channel.unary_unary(
+                '/kvfleet.v1.Router/Admit',
+                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.SerializeToString,
+                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.Plan.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/kvfleet.v1.Router/Health',
@@ -260,21 +250,10 @@ class RouterStub:
 class RouterServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Mux(self, request_iterator, context):
-        """many Generate calls over one call
+    def Admit(self, request, context):
+        """Place, reserve and answer with the plan; refusals are RESOURCE_EXHAUSTED (OVERLOADED) or
+        UNAVAILABLE with a CallStatus carrying retry_after_s.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Cancel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -288,20 +267,10 @@ class RouterServicer:
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.FromString,
-                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.SerializeToString,
-            ),
-            'Mux': grpc.stream_stream_rpc_method_handler(
-                    servicer.Mux,
-                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.FromString,
-                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.SerializeToString,
-            ),
-            'Cancel': grpc.unary_unary_rpc_method_handler(
-                    servicer.Cancel,
-                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelRequest.FromString,
-                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelResponse.SerializeToString,
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.FromString,
+                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.Plan.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -320,61 +289,7 @@ class Router:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/kvfleet.v1.Router/Generate',
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.SerializeToString,
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Mux(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/kvfleet.v1.Router/Mux',
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Cancel(request,
+    def Admit(request,
             target,
             options=(),
             channel_credentials=None,
@@ -387,9 +302,9 @@ class Router:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvfleet.v1.Router/Cancel',
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelRequest.SerializeToString,
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelResponse.FromString,
+            '/kvfleet.v1.Router/Admit',
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.SerializeToString,
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.Plan.FromString,
             options,
             channel_credentials,
             insecure,
@@ -445,7 +360,7 @@ class WorkerStub:
         self.Prefill = channel.unary_stream(
                 '/kvfleet.v1.Worker/Prefill',
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
+                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/kvfleet.v1.Worker/Decode',
@@ -454,18 +369,13 @@ class WorkerStub:
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/kvfleet.v1.Worker/Generate',
-                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.SerializeToString,
+                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.SerializeToString,
                 response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/kvfleet.v1.Worker/Cancel',
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelRequest.SerializeToString,
                 response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelResponse.FromString,
-                _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/kvfleet.v1.Worker/Release',
-                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvfleet.v1.Worker/Stats',
@@ -477,49 +387,42 @@ class WorkerStub:
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthRequest.SerializeToString,
                 response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthResponse.FromString,
                 _registered_method=True)
-        self.Mux = channel.stream_stream(
-                '/kvfleet.v1.Worker/Mux',
-                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
-                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
-                _registered_method=True)
 
 
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Reserve(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """decode
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """prefill
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """decode
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """mixed role: co-located serving
+        """mixed: co-located
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """all
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -536,14 +439,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Mux(self, request_iterator, context):
-        """Reserve, Prefill, Decode and Generate calls, many over one long-lived call (the router keeps
-        one per worker).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -555,7 +450,7 @@ def add_WorkerServicer_to_server(servicer, server):
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.FromString,
-                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.SerializeToString,
+                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -564,18 +459,13 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.FromString,
+                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.FromString,
                     response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
                     request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelRequest.FromString,
                     response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelResponse.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReleaseRequest.FromString,
-                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReleaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -586,11 +476,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthRequest.FromString,
                     response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthResponse.SerializeToString,
-            ),
-            'Mux': grpc.stream_stream_rpc_method_handler(
-                    servicer.Mux,
-                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.FromString,
-                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -646,7 +531,7 @@ class Worker:
             target,
             '/kvfleet.v1.Worker/Prefill',
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.SerializeToString,
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -699,7 +584,7 @@ class Worker:
             request,
             target,
             '/kvfleet.v1.Worker/Generate',
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.RouteRequest.SerializeToString,
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.SerializeToString,
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
@@ -728,33 +613,6 @@ class Worker:
             '/kvfleet.v1.Worker/Cancel',
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelRequest.SerializeToString,
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CancelResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvfleet.v1.Worker/Release',
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReleaseRequest.SerializeToString,
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -809,33 +667,6 @@ class Worker:
             '/kvfleet.v1.Worker/Health',
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthRequest.SerializeToString,
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Mux(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/kvfleet.v1.Worker/Mux',
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.CallFrames.SerializeToString,
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReplyFrames.FromString,
             options,
             channel_credentials,
             insecure,
