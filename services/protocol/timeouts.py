@@ -1,0 +1,97 @@
+"""Every timeout of the fleet in one frozen config, checked for consistency at start.
+
+Each service (gateway, router, worker) and `kvfleet up` build a `Timeouts` from the same flags
+(`add_args` / `from_args`); `kvfleet up` passes its values on to every child. A contradiction (a
+write allowed to outlive the reservation it writes into, a heartbeat slower than its own expiry,
+...) refuses the start with every problem named (`check`).
+
+The orderings that matter, and why:
+  reserve_s < admit_s              the router must be able to try a decode worker within the
+                                   gateway's Admit deadline;
+  kv_deadline_margin_s < reservation_s
+                                   the prefill worker ends its write kv_deadline_margin_s before
+                                   the reservation expires; the decode worker still frees the
+                                   blocks only once its own transfer handle is done (landed,
+                                   failed or past the reservation's deadline), so this ordering
+                                   keeps writes short of the deadline, not the safety of the blocks;
+  heartbeat_s * 2 <= heartbeat_ttl_s
+                                   one lost beat does not take a worker out of the fleet;
+  lease_renew_s * 3 <= lease_ttl_s a live stream lease never lapses between two renewals;
+  shutdown_grace_s + 1 <= 3        every process stops within 3 s of SIGTERM (R2, item 9).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+SHUTDOWN_BUDGET_S = 3.0      # every process of a fleet is gone this long after SIGTERM
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    admit_s: float = 5.0               # gateway -> router Admit, placement and reservation included
+    reserve_s: float = 3.0             # router -> decode Reserve: a silent worker is skipped
+    reservation_s: float = 30.0        # a decode reservation whose KV has not landed is freed after this
+    kv_transfer_s: float = 30.0        # one KV write, at most (also bounded by the reservation)
+    kv_deadline_margin_s: float = 1.0  # a KV write ends this long before its reservation expires
+    first_token_s: float = 600.0       # gateway -> prefill: a prompt's first token (queueing included)
+    decode_idle_s: float = 600.0       # gateway <- decode: longest wait for the next chunk
+    cancel_s: float = 2.0              # any Cancel call
+    health_s: float = 2.0              # any Health or Stats call
+    heartbeat_s: float = 0.5           # a worker's Redis heartbeat period
+    heartbeat_ttl_s: float = 1.5       # ... and how long one beat keeps the worker live
+    lease_ttl_s: float = 10.0          # a stream slot's lease (gateway quotas)
+    lease_renew_s: float = 2.0         # ... renewed this often
+    shutdown_grace_s: float = 1.0      # gRPC servers' stop(grace) on SIGTERM
+
+    def problems(self) -> list[str]:
+        out = [f"{f.name} must be > 0 (got {getattr(self, f.name)!r})"
+               for f in fields(self) if not getattr(self, f.name) > 0]
+        if out:
+            return out
+        if not self.reserve_s < self.admit_s:
+            out.append(f"reserve_s ({self.reserve_s:g}) must be < admit_s ({self.admit_s:g}): the "
+                       "router could not try a decode worker within the gateway's Admit deadline")
+        if not self.kv_deadline_margin_s < self.reservation_s:
+            out.append(f"kv_deadline_margin_s ({self.kv_deadline_margin_s:g}) must be < "
+                       f"reservation_s ({self.reservation_s:g}): no KV write could ever start")
+        if not self.heartbeat_s * 2 <= self.heartbeat_ttl_s:
+            out.append(f"heartbeat_ttl_s ({self.heartbeat_ttl_s:g}) must be >= 2 * heartbeat_s "
+                       f"({self.heartbeat_s:g}): one late beat would drop a live worker")
+        if not self.lease_renew_s * 3 <= self.lease_ttl_s:
+            out.append(f"lease_ttl_s ({self.lease_ttl_s:g}) must be >= 3 * lease_renew_s "
+                       f"({self.lease_renew_s:g}): a live stream's slot could lapse")
+        if not self.shutdown_grace_s + 1.0 <= SHUTDOWN_BUDGET_S:
+            out.append(f"shutdown_grace_s ({self.shutdown_grace_s:g}) must be <= "
+                       f"{SHUTDOWN_BUDGET_S - 1:g}: processes must stop within "
+                       f"{SHUTDOWN_BUDGET_S:g} s of SIGTERM")
+        return out
+
+    def check(self) -> Timeouts:
+        """self, or SystemExit naming every contradiction (a service refuses to start)."""
+        problems = self.problems()
+        if problems:
+            raise SystemExit("inconsistent timeouts:\n  " + "\n  ".join(problems))
+        return self
+
+    def as_args(self) -> list[str]:
+        """The flags that rebuild this config in a child process (`kvfleet up` -> services)."""
+        defaults = Timeouts()
+        return [arg for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)
+                for arg in (_flag(f.name), repr(getattr(self, f.name)))]
+
+
+def _flag(name: str) -> str:
+    return "--timeout-" + name.removesuffix("_s").replace("_", "-") + "-s"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("timeouts (seconds; one config for the whole fleet, checked at start)")
+    for f in fields(Timeouts):
+        g.add_argument(_flag(f.name), dest=f"timeout_{f.name}", type=float, default=f.default,
+                       metavar="S")
+
+
+def from_args(args: argparse.Namespace) -> Timeouts:
+    """The Timeouts the flags name, checked (SystemExit on a contradiction)."""
+    return Timeouts(**{f.name: getattr(args, f"timeout_{f.name}") for f in fields(Timeouts)}).check()
