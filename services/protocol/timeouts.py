@@ -35,7 +35,7 @@ class Timeouts:
     kv_transfer_s: float = 30.0        # one KV write, at most (also bounded by the reservation)
     kv_deadline_margin_s: float = 1.0  # a KV write ends this long before its reservation expires
     first_token_s: float = 600.0       # gateway -> prefill: a prompt's first token (queueing included)
-    decode_idle_s: float = 600.0       # gateway <- decode: longest wait for the next chunk
+    token_s: float = 2.0               # a generation stream's deadline grows this much per token
     cancel_s: float = 2.0              # any Cancel call
     health_s: float = 2.0              # any Health or Stats call
     heartbeat_s: float = 0.5           # a worker's Redis heartbeat period
@@ -73,6 +73,14 @@ class Timeouts:
         if problems:
             raise SystemExit("inconsistent timeouts:\n  " + "\n  ".join(problems))
         return self
+
+    def stream_s(self, max_tokens: int) -> float:
+        """The deadline of a call that streams up to `max_tokens` tokens (Decode, Generate)."""
+        return self.first_token_s + self.reservation_s + self.token_s * max(1, max_tokens)
+
+    def prefill_s(self) -> float:
+        """The deadline of a Prefill call: its first token, then its KV write."""
+        return self.first_token_s + self.kv_transfer_s
 
     def as_args(self) -> list[str]:
         """The flags that rebuild this config in a child process (`kvfleet up` -> services)."""
