@@ -1,16 +1,21 @@
 """Placement: which prefill and decode replicas serve a request (DESIGN.md section 3, step 2).
 
-Pure functions over the capacity records workers heartbeat into Redis; a worker whose heartbeat
-went stale has no record, so it is never a candidate.
+Pure functions over the `pb.WorkerStats` workers heartbeat into Redis (services/state/fleet_state.py).
+A worker whose heartbeat went stale has no record there (its key's TTL ran out), so it is never a
+candidate; staleness is Redis's TTL, not a clock compared here.
 
-  prefill: cost = w * uncached_prompt_blocks + queued_prefill_tokens   (lowest first)
-  decode:  most free unreserved KV blocks first, then the smaller batch
+  prefill: cost = w * uncached_prompt_blocks + queued_prefill_tokens     (lowest first)
+  decode:  most free unreserved KV blocks first, then the smaller batch  (num_running)
+  ties:    the worker id, so every router ranks the same records alike
+
+"Free unreserved" is what a new reservation can still take: blocks free, less those promised to
+reservations and those held back for writes that may still land (`kv_blocks_held`).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.state.fleet_state import WorkerRecord
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 PREFILL_BLOCK_WEIGHT = 16.0   # tokens of queue one uncached prompt block is worth
 
@@ -19,15 +24,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def rank_prefill(workers: Sequence[WorkerRecord], prompt_tokens: int) -> list[WorkerRecord]:
-    """Prefill candidates, best first. No prefix index yet: every prompt block counts as uncached."""
-    def cost(w: WorkerRecord) -> float:
-        return PREFILL_BLOCK_WEIGHT * cdiv(prompt_tokens, w.block_size) + w.queued_prefill_tokens
-    return sorted((w for w in workers if w.role == "prefill"), key=lambda w: (cost(w), w.worker_id))
+def prefill_cost(w: pb.WorkerStats, prompt_tokens: int) -> float:
+    """No prefix index yet: every prompt block counts as uncached."""
+    return PREFILL_BLOCK_WEIGHT * cdiv(prompt_tokens, max(1, w.block_size)) + w.queued_prefill_tokens
 
 
-def rank_decode(workers: Sequence[WorkerRecord], role: str = "decode") -> list[WorkerRecord]:
+def free_unreserved_blocks(w: pb.WorkerStats) -> int:
+    return max(0, w.kv_blocks_free - w.kv_blocks_reserved - w.kv_blocks_held)
+
+
+def rank_prefill(workers: Sequence[pb.WorkerStats], prompt_tokens: int) -> list[pb.WorkerStats]:
+    """Prefill candidates, best first."""
+    return sorted((w for w in workers if w.role == "prefill"),
+                  key=lambda w: (prefill_cost(w, prompt_tokens), w.worker_id))
+
+
+def rank_decode(workers: Sequence[pb.WorkerStats], role: str = "decode") -> list[pb.WorkerStats]:
     """Decode (or co-located `mixed`) candidates, best first."""
-    def key(w: WorkerRecord):
-        return (-(w.kv_blocks_free - w.kv_blocks_reserved), w.running, w.worker_id)
-    return sorted((w for w in workers if w.role == role), key=key)
+    return sorted((w for w in workers if w.role == role),
+                  key=lambda w: (-free_unreserved_blocks(w), w.num_running, w.worker_id))

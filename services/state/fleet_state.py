@@ -4,14 +4,17 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 
 | key                                  | type          | TTL                           | written by                      |
 |--------------------------------------|---------------|-------------------------------|---------------------------------|
-| `{ns}worker:{worker_id}`             | hash          | heartbeat ttl_s               | heartbeat (HSET+PEXPIRE, MULTI) |
+| `{ns}worker:{worker_id}`             | string bytes  | heartbeat ttl_s               | heartbeat (SET PX, MULTI)       |
 | `{ns}workers`                        | set of ids    | none; dead ids pruned         | heartbeat SADD, live_workers    |
 | `{ns}tenant:{t}:leases`              | zset          | until its latest lease expires| admit, renew, finish (Lua)      |
 | `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s     | admit/finish_stream (Lua)       |
 | `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s     | admit, charge_request (Lua)     |
 
-`minute` is `int(now // 60)`: a fixed 60-s window. The worker hash holds every `WorkerRecord` field as a
-string; a worker whose heartbeat is older than its TTL has no hash, so it is not live.
+`minute` is `int(now // 60)`: a fixed 60-s window. A worker's key holds its `pb.WorkerStats`, serialized
+(the message its Stats RPC answers: one shape for a worker's capacity everywhere); a worker whose
+heartbeat is older than its TTL has no key, so it is not live. A record that does not parse, or names
+an unknown role or KV backend, a non-finite rate, or another worker's id, is skipped (logged), never
+fatal: one bad worker must not hide the rest of the fleet.
 
 Stream slots are leases. Each open stream is one member of `{ns}tenant:{t}:leases` (named by its
 holder: a gateway names them `{gateway_id}/{n}`), scored by its expiry in unix ms. The holder renews
@@ -29,87 +32,55 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 import typing
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
 from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
 KV_BACKENDS = ("nixl", "tcp", "local")
 WINDOW_S = 60
-_INT_RE = re.compile(r"-?[0-9]+")
 
 
-@dataclass(frozen=True)
-class WorkerRecord:
-    """What a worker heartbeats: identity, KV capacity in blocks, load and measured rates."""
-    worker_id: str
-    role: str                   # prefill | decode | mixed
-    grpc_address: str           # 127.0.0.1:port
-    kv_backend: str             # nixl | tcp | local
-    block_size: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_reserved: int
-    kv_blocks_used: int
-    running: int
-    queued: int
-    queued_prefill_tokens: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    model: str
-    max_model_len: int
-    updated_at: float           # unix time of the heartbeat
-
-    def __post_init__(self) -> None:
-        _check(self.role in ROLES, "role", f"{self.role!r} not in {ROLES}")
-        _check(self.kv_backend in KV_BACKENDS, "kv_backend", f"{self.kv_backend!r} not in {KV_BACKENDS}")
-        _check(bool(self.worker_id), "worker_id", "empty")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, (int, float)):
-                _check(math.isfinite(value) and value >= 0, f.name, f"{value!r} is not finite and >= 0")
-
-    def to_hash(self) -> dict[str, str]:
-        """Every field as a string; floats via repr() so they round-trip exactly."""
-        return {k: repr(v) if isinstance(v, float) else str(v) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_hash(cls, h: typing.Mapping[str, str]) -> "WorkerRecord":
-        """Strict inverse of to_hash: a missing or malformed field raises ValueError naming it.
-        Unknown fields are ignored, so a newer worker can add fields without breaking older readers."""
-        return cls(**{name: _parse(name, tp, h) for name, tp in _FIELD_TYPES.items()})
+def stats_problems(stats: pb.WorkerStats) -> list[str]:
+    """What makes a heartbeat unusable (empty: none). Unsigned fields are >= 0 by construction;
+    the doubles must be finite and >= 0."""
+    out = []
+    if not stats.worker_id:
+        out.append("worker_id is empty")
+    if stats.role not in ROLES:
+        out.append(f"role {stats.role!r} not in {ROLES}")
+    if stats.kv_backend not in KV_BACKENDS:
+        out.append(f"kv_backend {stats.kv_backend!r} not in {KV_BACKENDS}")
+    for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "updated_at_unix_s"):
+        value = getattr(stats, name)
+        if not (math.isfinite(value) and value >= 0):
+            out.append(f"{name} {value!r} is not finite and >= 0")
+    return out
 
 
-_FIELD_TYPES: dict[str, type] = typing.get_type_hints(WorkerRecord)
-
-
-def _check(ok: bool, name: str, why: str) -> None:
-    if not ok:
-        raise ValueError(f"WorkerRecord.{name}: {why}")
-
-
-def _parse(name: str, tp: type, h: typing.Mapping[str, str]) -> typing.Any:
-    _check(name in h, name, "missing")
-    raw = h[name]
-    _check(isinstance(raw, str), name, f"expected str, got {type(raw).__name__}")
-    if tp is str:
-        return raw
-    if tp is int:
-        _check(_INT_RE.fullmatch(raw) is not None, name, f"{raw!r} is not an integer")
-        return int(raw)
+def parse_stats(worker_id: str, raw: bytes) -> pb.WorkerStats:
+    """The stats stored under `worker_id`'s key, or ValueError naming what is wrong with them."""
     try:
-        return tp(raw)
-    except ValueError:
-        raise ValueError(f"WorkerRecord.{name}: {raw!r} is not a {tp.__name__}") from None
+        stats = pb.WorkerStats.FromString(raw)
+    except DecodeError as e:
+        raise ValueError(f"not a WorkerStats message ({e})") from None
+    problems = stats_problems(stats)
+    if stats.worker_id and stats.worker_id != worker_id:
+        problems.append(f"worker_id {stats.worker_id!r} under the key of {worker_id!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return stats
 
 
 # KEYS[1] window counter; ARGV amount, limit, ttl_ms. All or nothing: a refused charge leaves the
@@ -191,7 +162,7 @@ if tonumber(ARGV[1]) > 0 then
 end
 return held
 """
-# KEYS[1] workers set, KEYS[2..] worker hashes; ARGV the matching ids. SREMs an id only if its hash is
+# KEYS[1] workers set, KEYS[2..] worker keys; ARGV the matching ids. SREMs an id only if its key is
 # still gone, so a worker that heartbeats between our read and this prune is not dropped.
 _PRUNE_LUA = """
 local removed = 0
@@ -275,17 +246,20 @@ class FleetState:
 
     def __init__(self, redis_url: str, namespace: str = "kvfleet:"):
         self.ns = namespace
-        self._r = aioredis.Redis.from_url(
-            redis_url, decode_responses=True, socket_connect_timeout=CONNECT_TIMEOUT_S,
-            socket_timeout=COMMAND_TIMEOUT_S, retry=_RETRY)
+        options = dict(socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S,
+                       retry=_RETRY)
+        self._r = aioredis.Redis.from_url(redis_url, decode_responses=True, **options)
+        # the worker registry holds serialized messages: bytes in, bytes out (its own pool)
+        self._raw = aioredis.Redis.from_url(redis_url, decode_responses=False, **options)
+        self._prune = self._raw.register_script(_PRUNE_LUA)
         self._charge = self._r.register_script(_CHARGE_LUA)
-        self._prune = self._r.register_script(_PRUNE_LUA)
         self._admit = self._r.register_script(_ADMIT_LUA)
         self._renew = self._r.register_script(_RENEW_LUA)
         self._finish = self._r.register_script(_FINISH_LUA)
 
     async def close(self) -> None:
         await self._r.aclose()
+        await self._raw.aclose()
 
     async def __aenter__(self) -> "FleetState":
         return self
@@ -314,44 +288,44 @@ class FleetState:
         return self._tenant_key(tenant, f"{kind}:{int(now // WINDOW_S)}")
 
     # --- worker registry ----------------------------------------------------------------------
-    async def heartbeat(self, record: WorkerRecord, ttl_s: float) -> None:
-        """Publish the record; it disappears ttl_s after the last heartbeat."""
+    async def heartbeat(self, stats: pb.WorkerStats, ttl_s: float) -> None:
+        """Publish the worker's stats; they disappear ttl_s after the last heartbeat. A record
+        readers would skip is refused here (ValueError): that is a bug in the worker."""
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        key = self._worker_key(record.worker_id)
-        async with self._r.pipeline(transaction=True) as p:
-            p.hset(key, mapping=record.to_hash())
-            p.pexpire(key, max(1, round(ttl_s * 1000)))
-            p.sadd(self._workers_key, record.worker_id)
+        problems = stats_problems(stats)
+        if problems:
+            raise ValueError(f"WorkerStats of {stats.worker_id!r}: " + "; ".join(problems))
+        async with self._raw.pipeline(transaction=True) as p:
+            p.set(self._worker_key(stats.worker_id), stats.SerializeToString(),
+                  px=max(1, round(ttl_s * 1000)))
+            p.sadd(self._workers_key, stats.worker_id)
             await p.execute()
 
-    async def live_workers(self, role: str | None = None) -> list[WorkerRecord]:
+    async def live_workers(self, role: str | None = None) -> list[pb.WorkerStats]:
         """Workers whose heartbeat is still alive (sorted by id), optionally of one role."""
         if role is not None and role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        ids = sorted(await self._r.smembers(self._workers_key))
-        async with self._r.pipeline(transaction=False) as p:
-            for worker_id in ids:
-                p.hgetall(self._worker_key(worker_id))
-            hashes = await p.execute()
-        dead = [wid for wid, h in zip(ids, hashes) if not h]
+        ids = sorted(i.decode() for i in await self._raw.smembers(self._workers_key))
+        raws = await self._raw.mget([self._worker_key(i) for i in ids]) if ids else []
+        dead = [wid for wid, raw in zip(ids, raws) if raw is None]
         if dead:
             await self._prune(keys=[self._workers_key, *map(self._worker_key, dead)], args=dead)
-        records = [r for r in map(self._record_or_none, ids, hashes) if r is not None]
-        return [r for r in records if role is None or r.role == role]
+        workers = [w for w in map(self._stats_or_none, ids, raws) if w is not None]
+        return [w for w in workers if role is None or w.role == role]
 
     @staticmethod
-    def _record_or_none(worker_id: str, h: dict[str, str]) -> WorkerRecord | None:
-        if not h:
+    def _stats_or_none(worker_id: str, raw: bytes | None) -> pb.WorkerStats | None:
+        if raw is None:
             return None
         try:
-            return WorkerRecord.from_hash(h)
+            return parse_stats(worker_id, raw)
         except ValueError as e:  # one bad worker must not hide the rest of the fleet
             log.warning("skipping worker %s: malformed heartbeat: %s", worker_id, e)
             return None
 
     async def remove_worker(self, worker_id: str) -> None:
-        async with self._r.pipeline(transaction=True) as p:
+        async with self._raw.pipeline(transaction=True) as p:
             p.delete(self._worker_key(worker_id))
             p.srem(self._workers_key, worker_id)
             await p.execute()

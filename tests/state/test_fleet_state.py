@@ -3,8 +3,8 @@ registry with TTL heartbeats, and the atomic tenant counters the gateway's quota
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
+import re
 import signal
 import time
 import uuid
@@ -15,20 +15,24 @@ from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import (COMMAND_TIMEOUT_S, FleetState, LeaseTerms, StreamLease,
-                                         TenantCounters, WorkerRecord)
+                                         TenantCounters, parse_stats)
 
 T0 = 1_700_000_000.0          # 20 s into a minute (T0 % 60 == 20): its window ends at T0 + 40
 WINDOW_END = T0 + 40
 
 
-def make_record(worker_id: str = "w0", role: str = "decode", **changes) -> WorkerRecord:
-    record = WorkerRecord(
-        worker_id=worker_id, role=role, grpc_address="127.0.0.1:50051", kv_backend="tcp", block_size=16,
-        kv_blocks_total=1000, kv_blocks_free=700, kv_blocks_reserved=200, kv_blocks_used=100, running=7,
-        queued=3, queued_prefill_tokens=4096, prefill_tokens_per_s=12345.678901234,
-        decode_tokens_per_s=0.1, model="tiny-llama", max_model_len=40960, updated_at=1_700_000_000.123456)
-    return dataclasses.replace(record, **changes)
+def make_stats(worker_id: str = "w0", role: str = "decode", **changes) -> pb.WorkerStats:
+    """A plausible heartbeat; `changes` overrides any field (unknown names raise)."""
+    return pb.WorkerStats(**{
+        "worker_id": worker_id, "role": role, "grpc_address": "127.0.0.1:50051",
+        "kv_backend": "tcp", "block_size": 16, "kv_blocks_total": 1000, "kv_blocks_free": 700,
+        "kv_blocks_reserved": 200, "kv_blocks_used": 100, "kv_blocks_cached": 50,
+        "kv_blocks_held": 4, "kv_writes_in_flight": 1, "num_running": 7, "num_queued": 3,
+        "queued_prefill_tokens": 4096, "prefill_tokens_per_s": 12345.678901234,
+        "decode_tokens_per_s": 0.1, "model": "tiny-llama", "max_model_len": 40960,
+        "updated_at_unix_s": 1_700_000_000.123456, **changes})
 
 
 def run(url: str, ns: str, scenario, clients: int = 1):
@@ -42,41 +46,40 @@ def run(url: str, ns: str, scenario, clients: int = 1):
     return asyncio.run(main())
 
 
-# --- WorkerRecord ------------------------------------------------------------------------------
+# --- what a heartbeat holds: the worker's stats message --------------------------------------------
 
-def test_worker_record_hash_round_trips_every_field():
-    record = make_record()
-    h = record.to_hash()
-    assert set(h) == {f.name for f in dataclasses.fields(WorkerRecord)}
-    assert all(isinstance(v, str) for v in h.values())
-    assert WorkerRecord.from_hash(h) == record
-    assert WorkerRecord.from_hash({**h, "added_by_a_newer_worker": "x"}) == record
+def test_stats_round_trip_exactly_and_a_newer_workers_fields_are_ignored():
+    stats = make_stats()
+    assert parse_stats("w0", stats.SerializeToString()) == stats
+    # a field number this reader does not know (a newer worker's) is no reason to skip it
+    newer = parse_stats("w0", stats.SerializeToString() + b"\xf8\x3f\x01")  # field 1023 = 1
+    newer.DiscardUnknownFields()
+    assert newer == stats
 
 
-@pytest.mark.parametrize("field, value", [
-    ("kv_blocks_free", None), ("updated_at", None), ("model", None),           # missing
-    ("kv_blocks_free", "12.5"), ("kv_blocks_free", "lots"), ("kv_blocks_free", " 3"),
-    ("kv_blocks_free", "-1"), ("updated_at", "yesterday"), ("updated_at", "nan"),
-    ("role", "router"), ("kv_backend", "carrier-pigeon"), ("worker_id", ""),
+@pytest.mark.parametrize("raw, why", [
+    (b"\xff\xff\xff", "not a WorkerStats message"),
+    (make_stats(role="router").SerializeToString(), "role"),
+    (make_stats(kv_backend="carrier-pigeon").SerializeToString(), "kv_backend"),
+    (make_stats(worker_id="").SerializeToString(), "worker_id is empty"),
+    (make_stats(worker_id="w1").SerializeToString(), "under the key of 'w0'"),
+    (make_stats(prefill_tokens_per_s=float("nan")).SerializeToString(), "prefill_tokens_per_s"),
+    (make_stats(updated_at_unix_s=-1.0).SerializeToString(), "updated_at_unix_s"),
 ])
-def test_worker_record_from_hash_names_the_bad_field(field, value):
-    h = make_record().to_hash()
-    if value is None:
-        del h[field]
-    else:
-        h[field] = value
-    with pytest.raises(ValueError, match=rf"WorkerRecord\.{field}\b"):
-        WorkerRecord.from_hash(h)
+def test_a_bad_record_is_refused_naming_what_is_wrong(raw, why):
+    with pytest.raises(ValueError, match=re.escape(why)):
+        parse_stats("w0", raw)
 
 
 # --- worker registry ---------------------------------------------------------------------------
 
 def test_heartbeat_round_trip_then_expiry_prunes_the_worker(any_redis_url, redis_ns):
     async def scenario(fs: FleetState):
-        record = make_record("w-expiring")
+        record = make_stats("w-expiring")
         await fs.heartbeat(record, ttl_s=0.3)
         assert await fs.live_workers() == [record]
         assert await fs._r.smembers(fs._workers_key) == {"w-expiring"}
+        assert await fs._r.pttl(fs._worker_key("w-expiring")) <= 300
 
         await asyncio.sleep(0.45)  # the heartbeat goes stale
         assert await fs.live_workers() == []
@@ -87,11 +90,11 @@ def test_heartbeat_round_trip_then_expiry_prunes_the_worker(any_redis_url, redis
 
 def test_heartbeat_refresh_keeps_a_worker_alive_and_updates_it(any_redis_url, redis_ns):
     async def scenario(fs: FleetState):
-        await fs.heartbeat(make_record("w", running=1), ttl_s=0.3)
+        await fs.heartbeat(make_stats("w", num_running=1), ttl_s=0.3)
         await asyncio.sleep(0.2)
-        await fs.heartbeat(make_record("w", running=2), ttl_s=0.3)
+        await fs.heartbeat(make_stats("w", num_running=2), ttl_s=0.3)
         await asyncio.sleep(0.2)  # 0.4 s after the first heartbeat, 0.2 s after the second
-        assert [r.running for r in await fs.live_workers()] == [2]
+        assert [r.num_running for r in await fs.live_workers()] == [2]
 
     run(any_redis_url, redis_ns, scenario)
 
@@ -99,7 +102,7 @@ def test_heartbeat_refresh_keeps_a_worker_alive_and_updates_it(any_redis_url, re
 def test_role_filter_and_remove_worker(any_redis_url, redis_ns):
     async def scenario(fs: FleetState):
         for wid, role in [("p0", "prefill"), ("d0", "decode"), ("d1", "decode"), ("m0", "mixed")]:
-            await fs.heartbeat(make_record(wid, role=role), ttl_s=30)
+            await fs.heartbeat(make_stats(wid, role=role), ttl_s=30)
         assert [r.worker_id for r in await fs.live_workers()] == ["d0", "d1", "m0", "p0"]
         assert [r.worker_id for r in await fs.live_workers("decode")] == ["d0", "d1"]
         assert [r.worker_id for r in await fs.live_workers("prefill")] == ["p0"]
@@ -113,12 +116,29 @@ def test_role_filter_and_remove_worker(any_redis_url, redis_ns):
     run(any_redis_url, redis_ns, scenario)
 
 
-def test_a_malformed_worker_hash_is_skipped_not_fatal(any_redis_url, redis_ns):
+def test_a_malformed_record_is_skipped_with_a_warning_not_fatal(any_redis_url, redis_ns, caplog):
     async def scenario(fs: FleetState):
-        await fs.heartbeat(make_record("good"), ttl_s=30)
-        await fs.heartbeat(make_record("bad"), ttl_s=30)
-        await fs._r.hset(fs._worker_key("bad"), "kv_blocks_free", "many")
+        for wid in ("good", "garbled", "impostor", "bad-role"):
+            await fs.heartbeat(make_stats(wid), ttl_s=30)
+        await fs._raw.set(fs._worker_key("garbled"), b"\xff\x00 not protobuf")
+        await fs._raw.set(fs._worker_key("impostor"), make_stats("good").SerializeToString())
+        await fs._raw.set(fs._worker_key("bad-role"),
+                          make_stats("bad-role", role="router").SerializeToString())
         assert [r.worker_id for r in await fs.live_workers()] == ["good"]
+        assert await fs._r.smembers(fs._workers_key) == {"good", "garbled", "impostor", "bad-role"}
+
+    run(any_redis_url, redis_ns, scenario)
+    skipped = {r.args[0] for r in caplog.records if "malformed heartbeat" in r.getMessage()}
+    assert skipped == {"garbled", "impostor", "bad-role"}
+
+
+def test_a_worker_cannot_publish_a_record_readers_would_skip(any_redis_url, redis_ns):
+    async def scenario(fs: FleetState):
+        with pytest.raises(ValueError, match="kv_backend"):
+            await fs.heartbeat(make_stats("w", kv_backend="smoke-signals"), ttl_s=30)
+        with pytest.raises(ValueError, match="ttl_s"):
+            await fs.heartbeat(make_stats("w"), ttl_s=0)
+        assert await fs.live_workers() == []
 
     run(any_redis_url, redis_ns, scenario)
 
@@ -126,7 +146,7 @@ def test_a_malformed_worker_hash_is_skipped_not_fatal(any_redis_url, redis_ns):
 def test_namespaces_do_not_see_each_other(any_redis_url, redis_ns):
     async def scenario(a: FleetState, b: FleetState):
         b.ns = redis_ns + "other:"
-        await a.heartbeat(make_record("only-in-a"), ttl_s=30)
+        await a.heartbeat(make_stats("only-in-a"), ttl_s=30)
         assert (await a.admit("t", 1, 10, 1, 10)).admitted
         assert await b.live_workers() == [] and await b.streams("t") == 0
 

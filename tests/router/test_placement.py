@@ -1,0 +1,105 @@
+"""Placement ranks the workers' heartbeats (pb.WorkerStats) directly: prefill by the cost of the
+prompt's blocks plus the queue ahead of it, decode by the KV blocks a reservation can still take,
+then by batch size. Every router ranks the same records alike (ties go by worker id)."""
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.router.placement import (PREFILL_BLOCK_WEIGHT, free_unreserved_blocks, prefill_cost,
+                                       rank_decode, rank_prefill)
+from tests.state.test_fleet_state import make_stats
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+def ids(workers) -> list[str]:
+    return [w.worker_id for w in workers]
+
+
+@st.composite
+def fleets(draw, min_size: int = 0) -> list[pb.WorkerStats]:
+    """Up to 8 workers with distinct ids and any load; free >= reserved + held is not assumed."""
+    n = draw(st.integers(min_size, 8))
+    small = st.integers(0, 64)
+    return [make_stats(
+        f"w{i}", draw(st.sampled_from(ROLES)), block_size=draw(st.sampled_from([1, 16, 32])),
+        kv_blocks_free=draw(small), kv_blocks_reserved=draw(small), kv_blocks_held=draw(small),
+        num_running=draw(st.integers(0, 8)), queued_prefill_tokens=draw(st.integers(0, 5000)))
+        for i in range(n)]
+
+
+# --- stories ----------------------------------------------------------------------------------
+
+def test_decode_prefers_the_most_blocks_a_reservation_can_still_take():
+    # d0 has the most free blocks, but most are promised or held for writes that may still land
+    d0 = make_stats("d0", kv_blocks_free=500, kv_blocks_reserved=300, kv_blocks_held=150)
+    d1 = make_stats("d1", kv_blocks_free=300, kv_blocks_reserved=100, kv_blocks_held=0)
+    d2 = make_stats("d2", kv_blocks_free=300, kv_blocks_reserved=50, kv_blocks_held=50)
+    assert [free_unreserved_blocks(w) for w in (d0, d1, d2)] == [50, 200, 200]
+    assert ids(rank_decode([d0, d1, d2])) == ["d1", "d2", "d0"]          # 200 = 200: by id
+    busy = make_stats("d1", kv_blocks_free=300, kv_blocks_reserved=100, num_running=30)
+    assert ids(rank_decode([d0, busy, d2])) == ["d2", "d1", "d0"]        # equal room: smaller batch
+
+
+def test_a_worker_promised_past_its_free_blocks_has_no_room_not_negative_room():
+    over = make_stats("d0", kv_blocks_free=10, kv_blocks_reserved=8, kv_blocks_held=5)
+    assert free_unreserved_blocks(over) == 0
+
+
+def test_prefill_prefers_the_shortest_queue_and_counts_the_prompt_in_blocks():
+    p0 = make_stats("p0", "prefill", queued_prefill_tokens=4096, block_size=16)
+    p1 = make_stats("p1", "prefill", queued_prefill_tokens=0, block_size=16)
+    assert prefill_cost(p1, 33) == PREFILL_BLOCK_WEIGHT * 3               # 33 tokens: 3 blocks
+    assert ids(rank_prefill([p0, p1], 33)) == ["p1", "p0"]
+
+
+def test_each_rank_takes_only_its_role():
+    fleet = [make_stats("p0", "prefill"), make_stats("d0", "decode"), make_stats("m0", "mixed")]
+    assert ids(rank_prefill(fleet, 100)) == ["p0"]
+    assert ids(rank_decode(fleet)) == ["d0"]
+    assert ids(rank_decode(fleet, role="mixed")) == ["m0"]
+    assert rank_decode([]) == [] and rank_prefill([], 10) == []
+
+
+# --- properties -------------------------------------------------------------------------------
+
+@given(fleets(), st.sampled_from(["decode", "mixed"]))
+def test_decode_rank_is_every_worker_of_the_role_once_whatever_the_input_order(fleet, role):
+    ranked = rank_decode(fleet, role)
+    assert sorted(ids(ranked)) == sorted(w.worker_id for w in fleet if w.role == role)
+    assert ids(rank_decode(list(reversed(fleet)), role)) == ids(ranked)   # routers agree
+
+
+@given(fleets())
+def test_more_room_never_ranks_below_less_room_at_equal_batch_size(fleet):
+    pos = {w.worker_id: i for i, w in enumerate(rank_decode(fleet))}
+    for a in fleet:
+        for b in fleet:
+            if a.role == b.role == "decode" and a.num_running == b.num_running \
+                    and free_unreserved_blocks(a) > free_unreserved_blocks(b):
+                assert pos[a.worker_id] < pos[b.worker_id]
+
+
+@given(fleets())
+def test_a_smaller_batch_never_ranks_below_a_larger_one_at_equal_room(fleet):
+    pos = {w.worker_id: i for i, w in enumerate(rank_decode(fleet))}
+    for a in fleet:
+        for b in fleet:
+            if a.role == b.role == "decode" and a.num_running < b.num_running \
+                    and free_unreserved_blocks(a) == free_unreserved_blocks(b):
+                assert pos[a.worker_id] < pos[b.worker_id]
+
+
+@given(fleets(), st.integers(1, 20_000))
+def test_prefill_rank_is_by_cost_and_a_shorter_queue_never_loses(fleet, prompt_tokens):
+    ranked = rank_prefill(fleet, prompt_tokens)
+    assert sorted(ids(ranked)) == sorted(w.worker_id for w in fleet if w.role == "prefill")
+    costs = [prefill_cost(w, prompt_tokens) for w in ranked]
+    assert costs == sorted(costs)
+    pos = {w.worker_id: i for i, w in enumerate(ranked)}
+    for a in ranked:
+        for b in ranked:
+            if a.block_size == b.block_size and a.queued_prefill_tokens < b.queued_prefill_tokens:
+                assert pos[a.worker_id] < pos[b.worker_id]
