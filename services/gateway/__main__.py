@@ -12,12 +12,15 @@ import os
 import sys
 
 from services.gateway.config import DEFAULT_MAX_BODY_BYTES, exposure_refusal
+from services.protocol import timeouts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet gateway", description=__doc__)
     p.add_argument("--model", required=True, help="local HF checkpoint dir, or `tiny`")
-    p.add_argument("--router", required=True, help="host:port of a kvfleet Router")
+    p.add_argument("--router", required=True,
+                   help="host:port of a kvfleet Router, or several, comma-separated (any of "
+                        "them may be asked: their state is in Redis)")
     p.add_argument("--redis-url", required=True, help="the fleet's Redis (tenant quotas)")
     p.add_argument("--api-keys", help="YAML list of keys (see services/gateway/config.py)")
     p.add_argument("--host", default="127.0.0.1")
@@ -30,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                     "max_model_len come from it")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--quality-version", help="default: the checkpoint's dtype and config hash")
+    timeouts.add_args(p)
     return p.parse_args(argv)
 
 
@@ -61,13 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.insecure and not args.api_keys:
         logging.warning("--insecure: serving WITHOUT authentication on %s", args.host)
     try:
+        limits = timeouts.from_args(args)
         config = build_config(args)
+    except SystemExit as e:
+        print(f"kvfleet gateway: {e}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:
         print(f"kvfleet gateway: {e}", file=sys.stderr)
         return 2
     from services.protocol.aio import run  # noqa: PLC0415
     from services.gateway.server import serve  # noqa: PLC0415
-    return run(serve(config))
+    return run(serve(config, limits))
 
 
 if __name__ == "__main__":

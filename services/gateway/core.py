@@ -1,13 +1,14 @@
-"""What REST and gRPC share: authenticate, admit (quotas), open the router stream, end it cleanly.
+"""What REST and gRPC share: authenticate, admit (quotas), run the request's plan, end it cleanly.
 
 A `Session` is one live generation:
-  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a
-     `Router.Generate(RouteRequest)` call started on the gateway's mux call to the router
-     (services/protocol/mux.py); the session is registered under its request id;
-  2. `first()`, then `next()` until None: the router's TokenChunks; router statuses become GatewayErrors;
-  3. `close()`, exactly once whatever happened (finished, client gone, error, Cancel): cancels the
-     router call if it still runs (the router then cancels the request on every worker it touched)
-     and releases the stream slot in a task of its own, so it also runs from a cancelled task.
+  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a `PlanRun`
+     (plan.py): a router's Admit answers with the plan, and the run streams from the workers it
+     names; the session is registered under its request id;
+  2. `first()`, then `next()` until None: the workers' TokenChunks; typed failures
+     (services/protocol/status.py) become GatewayErrors;
+  3. `close()`, exactly once whatever happened (finished, client gone, error, Cancel): a run that
+     did not finish cancels its calls and the request on every worker it touched, and the stream
+     slot is released in a task of its own, so it also runs from a cancelled task.
 """
 from __future__ import annotations
 
@@ -18,20 +19,20 @@ from typing import TypeVar
 
 import grpc
 
-from services.state.fleet_state import StreamLease
-from services.protocol.mux import MuxCall, MuxChannel, connect_to
+from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.timeouts import Timeouts
+from services.state.fleet_state import StreamLease
 from services.gateway import errors
 from services.gateway.auth import KeyRing
 from services.gateway.config import ApiKey, GatewayConfig
 from services.gateway.model import ServedModel
+from services.gateway.plan import Channels, PlanRun, Routers
 from services.gateway.quota import Quotas
 from services.gateway.validation import Generation, Validator
 
 T = TypeVar("T")
 
-HEALTH_TIMEOUT_S = 2.0
 # A body this small validates and tokenizes in well under a millisecond: done on the event loop,
 # since a hop to a worker thread (and back, under the GIL) costs more than the work. Larger bodies
 # (long prompts: tokenizing 32K tokens of text takes tens of ms) go to a thread.
@@ -59,22 +60,11 @@ def internal_request_id(client_id: str, tenant: str) -> str:
 CLIENT_FINISH_REASONS = ("stop", "length")
 
 
-def _ending_error(chunk: pb.TokenChunk) -> errors.GatewayError:
-    if chunk.finish_reason == "rejected":
-        retry = chunk.retry_after_s if chunk.HasField("retry_after_s") else None
-        return errors.overloaded(chunk.error or "rejected by admission", retry)
-    if chunk.finish_reason == "abort":
-        return errors.unavailable("the request was aborted inside the fleet (a worker stopped "
-                                  "or cancelled it)")
-    return errors.GatewayError(502, f"a worker failed: {chunk.finish_reason}: {chunk.error}",
-                               code="upstream_error")
-
-
 class Session:
-    def __init__(self, core: GatewayCore, gen: Generation, call: MuxCall) -> None:
+    def __init__(self, core: GatewayCore, gen: Generation, run: PlanRun) -> None:
         self.core = core
         self.gen = gen
-        self.call = call                 # Router.Generate, on the mux to the router
+        self.run = run                   # the request's plan, run against the workers
         self.output_tokens = 0
         self.prompt_tokens = len(gen.prompt_ids)
         self.aborted = False             # ended by a Cancel call, or by shutdown
@@ -87,14 +77,14 @@ class Session:
         return self.gen.request_id
 
     async def next(self) -> pb.TokenChunk | None:
-        """The next chunk, or None after the last one. A router failure raises GatewayError."""
+        """The next chunk, or None after the last one. A fleet failure raises GatewayError."""
         if self._ended:
             return None
         try:
-            chunk = await self.call.read()
+            chunk = await self.run.next()
         except grpc.aio.AioRpcError as e:
             self._ended = True
-            raise errors.from_router(e) from None
+            raise errors.from_status(status.of(e)) from None
         except asyncio.CancelledError:
             if not self.aborted or asyncio.current_task().cancelling():
                 raise
@@ -102,21 +92,23 @@ class Session:
                 raise errors.unavailable("the gateway is shutting down; retry", None,
                                          "shutting_down") from None
             chunk = pb.TokenChunk(request_id=self.request_id, finished=True, finish_reason="abort")
-        if chunk is grpc.aio.EOF:
+        if chunk is None:
             self._ended = True
             return None
         self.output_tokens += len(chunk.token_ids)
         self.prompt_tokens = chunk.num_prompt_tokens or self.prompt_tokens
         self._ended = chunk.finished
         if chunk.finished and chunk.finish_reason not in CLIENT_FINISH_REASONS and not self.aborted:
-            raise _ending_error(chunk)
+            raise errors.GatewayError(502, f"a worker ended the request with "
+                                      f"{chunk.finish_reason or 'no reason'}: {chunk.error}",
+                                      code="upstream_error")
         return chunk
 
     async def first(self) -> pb.TokenChunk:
         """The first chunk; a request the fleet refused before any token raises GatewayError."""
         chunk = await self.next()
         if chunk is None:
-            raise errors.GatewayError(502, "the router ended the stream without output",
+            raise errors.GatewayError(502, "the fleet ended the stream without output",
                                       code="upstream_error")
         return chunk
 
@@ -126,21 +118,26 @@ class Session:
             return
         self._closed = True
         if not self._ended:
-            self.call.cancel()   # the router stops it and cancels it on every worker it touched
+            self.run.close()     # stops its calls; Cancel on every worker it touched
         self.core._ended(self)
+
+
+def router_addresses(spec: str) -> list[str]:
+    """`--router a:1,b:2` -> ["a:1", "b:2"]: the gateway may ask any of them."""
+    return [a.strip() for a in spec.split(",") if a.strip()]
 
 
 class GatewayCore:
     def __init__(self, config: GatewayConfig, model: ServedModel, quotas: Quotas,
-                 channel: grpc.aio.Channel) -> None:
+                 channels: Channels, timeouts: Timeouts | None = None) -> None:
         self.config = config
         self.model = model
         self.keys = KeyRing(config.api_keys)
         self.validator = Validator(model)
         self.quotas = quotas
-        self.channel = channel
-        self.router = pb_grpc.RouterStub(channel)
-        self.router_mux = MuxChannel(connect_to(self.router, config.router), config.router)
+        self.channels = channels
+        self.timeouts = timeouts or Timeouts()
+        self.routers = Routers(router_addresses(config.router), channels, self.timeouts)
         self._live: dict[str, Session] = {}
         self._opening: set[str] = set()          # request ids whose quota admission is under way
         self._leases: dict[str, StreamLease] = {}   # request id -> its stream slot, while live
@@ -159,16 +156,13 @@ class GatewayCore:
             lease = await self.quotas.admit(gen.key, len(gen.prompt_ids))
         finally:
             self._opening.discard(rid)
-        try:
-            call = self.router_mux.call("generate", pb.RouteRequest(
-                request_id=rid, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
-                prompt_token_ids=gen.prompt_ids, params=gen.params))
-        except BaseException:
-            self._finish_soon(lease, 0)
-            raise
+        run = PlanRun(pb.WorkRequest(
+            request_id=rid, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
+            prompt_token_ids=gen.prompt_ids, params=gen.params), self.routers, self.channels,
+            self.timeouts)
         # invariant: a live session's lease is in _leases until _ended gives it back
         self._leases[rid] = lease
-        session = self._live[rid] = Session(self, gen, call)
+        session = self._live[rid] = Session(self, gen, run)
         return session
 
     def cancel(self, request_id: str, tenant: str) -> bool:
@@ -193,18 +187,19 @@ class GatewayCore:
         task.add_done_callback(self._cleanup.discard)
 
     async def health(self) -> tuple[bool, str]:
-        """(serving, detail): the router's health, and whether the quota store answers."""
+        """(serving, detail): serving when a router is, and the quota store answers."""
+        routers = await self.routers.health()
         try:
-            resp = await self.router.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            return False, f"router {self.config.router} unreachable: {e.code().name}"
-        try:
-            problem = await asyncio.wait_for(self.quotas.check(), HEALTH_TIMEOUT_S)
+            problem = await asyncio.wait_for(self.quotas.check(), self.timeouts.health_s)
         except asyncio.TimeoutError:
             problem = "quota store unavailable (Redis): no answer in time"
         if problem:
             return False, problem
-        return resp.status == pb.HealthResponse.SERVING, f"router: {resp.detail}"
+        serving = any(r is not None and r.status == pb.HealthResponse.SERVING
+                      for _, r, _ in routers)
+        return serving, "; ".join(f"router {a}: " + (r.detail if r is not None
+                                                     else f"unreachable: {why}")
+                                  for a, r, why in routers)
 
     async def close(self) -> None:
         """Shutdown: every live request ends with an error (503 shutting_down, or an SSE error

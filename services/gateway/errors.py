@@ -16,11 +16,10 @@ refusal (429 or 503) carries one, and its message names the reason.
 from __future__ import annotations
 
 import math
-import re
 
 import grpc
 
-from services.protocol.mux import retry_after_of
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -28,7 +27,6 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 _GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
          404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-_CODED = re.compile(r"([a-z_]+): (.*)", re.DOTALL)   # the workers' "code: message" details
 
 
 class GatewayError(Exception):
@@ -100,18 +98,18 @@ def unavailable(message: str, retry_after: float | None = None, code: str = "una
                         retry_after=retry_after if retry_after is not None else UNAVAILABLE_RETRY_S)
 
 
-def from_router(e: grpc.aio.AioRpcError) -> GatewayError:
-    """A Router status as a gateway error (the router already relays worker failures as UNAVAILABLE)."""
-    code, details = e.code(), e.details() or e.code().name
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        m = _CODED.fullmatch(details)
-        return bad_request(m.group(2), code=m.group(1)) if m else bad_request(details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return overloaded(details, retry_after_of(e))
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return unavailable(f"the fleet is unavailable: {details}", retry_after_of(e))
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return unavailable(f"the fleet did not answer in time: {details}", retry_after_of(e),
-                           "timeout")
-    return GatewayError(502, f"a worker failed: {code.name}: {details}", code="upstream_error")
-
+def from_status(st: pb.CallStatus) -> GatewayError:
+    """A fleet failure (router refusal, worker error; services/protocol/status.py) as a gateway
+    error: the reason picks the status, the engine's code and field travel as they are."""
+    retry = st.retry_after_s if st.HasField("retry_after_s") else None
+    if st.reason == pb.INVALID_REQUEST:
+        return GatewayError(400, st.message, code=st.code or "invalid_request",
+                            param=st.param or None)
+    if st.reason == pb.OVERLOADED:
+        return overloaded(st.message, retry)
+    if st.reason == pb.SHUTTING_DOWN:
+        return unavailable(f"the fleet is shutting down: {st.message}", retry, "shutting_down")
+    if st.reason in (pb.UNAVAILABLE, pb.ENGINE_FAILED, pb.KV_TRANSFER_FAILED):
+        return unavailable(f"the fleet is unavailable: {st.message}", retry)
+    return GatewayError(502, f"a worker failed: {pb.Reason.Name(st.reason)}: {st.message}",
+                        code="upstream_error")

@@ -24,11 +24,12 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from services.protocol.mux import RETRY_AFTER
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
 from services.gateway.config import ApiKey
+
+RETRY_AFTER = "retry-after"       # trailing metadata of a refusal: seconds, as HTTP's header
 from services.gateway.core import (GatewayCore, build_generation, internal_request_id,
                                    new_request_id)
 from services.gateway.validation import Generation

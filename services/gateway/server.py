@@ -23,18 +23,18 @@ import uvicorn
 
 from services.protocol.shutdown import wait_for_stop_signal
 from services.protocol import fleet_token
-from services.protocol.aio import internal_channel
+from services.protocol.timeouts import Timeouts
 from services.state.fleet_state import FleetState, LeaseTerms
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
+from services.gateway.plan import Channels
 from services.gateway.grpc_api import GatewayServicer, add_to_server
 from services.gateway.model import load_served_model
 from services.gateway.quota import Quotas
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 2.0
 LEASE_TTL_ENV = "KVFLEET_STREAM_LEASE_TTL_S"
 
 
@@ -73,14 +73,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: GatewayConfig) -> int:
+async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
+    timeouts = timeouts or Timeouts()
     model = load_served_model(config.model_dir, config.served_model_name, config.max_model_len,
                               config.quality_version)
     state = FleetState(config.redis_url)
-    # its calls to the router carry the fleet token: without one, refuse to start
-    channel = internal_channel(config.router, fleet_token.active().require("gateway"))
+    # its calls to routers and workers carry the fleet token: without one, refuse to start
+    channels = Channels(fleet_token.active().require("gateway"))
     quotas = Quotas(state, gateway_id(), lease_terms())
-    core = GatewayCore(config, model, quotas, channel)
+    core = GatewayCore(config, model, quotas, channels, timeouts)
     renewer = asyncio.create_task(quotas.renew_forever())
 
     grpc_server = grpc.aio.server()
@@ -92,9 +93,9 @@ async def serve(config: GatewayConfig) -> int:
     # proxy_headers off: no proxy is trusted, so X-Forwarded-* must not rewrite the client address
     http = _HttpServer(uvicorn.Config(create_app(core), lifespan="off", log_level="warning",
                                       access_log=False, server_header=False, proxy_headers=False,
-                                      timeout_graceful_shutdown=GRACE_S))
+                                      timeout_graceful_shutdown=timeouts.shutdown_grace_s))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
-    while not http.started:
+    while not http.started:       # uvicorn has no started event: poll its flag
         if http_task.done():
             http_task.result()
             raise RuntimeError("the HTTP server stopped while starting")
@@ -107,11 +108,10 @@ async def serve(config: GatewayConfig) -> int:
     await wait_for_stop_signal()
     http.should_exit = True
     await core.close()
-    await asyncio.gather(grpc_server.stop(grace=GRACE_S), http_task, return_exceptions=True)
+    await asyncio.gather(grpc_server.stop(grace=timeouts.shutdown_grace_s), http_task, return_exceptions=True)
     await core.close()            # releases of requests that ended during the drain
     renewer.cancel()
     await asyncio.gather(renewer, return_exceptions=True)
-    await core.router_mux.close()
-    await channel.close()
+    await channels.close()
     await state.close()
     return 0

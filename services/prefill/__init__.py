@@ -1,4 +1,1 @@
-"""prefill worker: the engine in the prefill role, served over gRPC (services/worker/servicer.py).
-
-`python -m services.prefill [--port P] [--redis-url URL] [--kv-backend nixl|tcp|local]`.
-"""
+"""The prefill role: run a prompt to its first token and ship its KV (handler.py)."""

@@ -1,0 +1,177 @@
+"""What only a decode worker does: reservations, KV import, the decode stream (DESIGN 3, step 4).
+
+A reservation's life, all of it owned here:
+
+  Reserve   engine.reserve (authoritative: refused when it cannot be backed), transport.expect on
+            its blocks, the engine output stream opened (so no token is missed whenever decode
+            starts), a watcher task started;
+  watcher   awaits the transfer handle. Landed: the first token from the transfer's HandOff seeds
+            the engine (`start_decode`) at once: no one relays it here. Failed or past its
+            deadline: the request fails (its Decode stream ends KV_TRANSFER_FAILED) and is freed;
+  Decode    attaches to the open stream and relays tokens 2..N (one attach per reservation);
+  Cancel    (or the Decode call ending early, or no Decode attached by the deadline) ends it.
+
+The invariant (R2, item 3): a reservation's blocks go back to the engine only once its transfer
+handle is done, because a done handle means no byte of that transfer is written into the pool
+afterwards (kv_transfer/base.py). A backend whose receiver stops writes itself (tcp, local) is
+told to stop (`handle.finish`) and the blocks are freed at once; with one-sided writes (nixl)
+they stay held until the write lands or the reservation's deadline passes (the writer ends its
+write kv_deadline_margin_s before that). No ordering of anyone's Cancel calls matters.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.engine.errors import InvalidRequestError
+from services.kv_transfer.base import KVTransferError, wait_done
+from services.protocol import status
+from services.protocol.convert import chunk_from_output, params_from_pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.worker.config import WorkerConfig
+from services.worker.engine_client import EngineClient, EngineFailed, OutputStream
+from services.worker.outcomes import engine_failed, invalid_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    blocks: int
+    handle: object                      # the transfer's expect() handle
+    stream: OutputStream                # the engine's output for this request, open from the start
+    expires_at_unix_s: float
+    started: asyncio.Future             # set once decode started; failed when the KV did not land
+    attached: asyncio.Event = field(default_factory=asyncio.Event)   # a Decode call reads it
+    ending: bool = False                # cancelled or failed: blocks go back once the handle is done
+    freed: bool = False                 # its blocks went back to the engine (once)
+    watcher: asyncio.Task | None = field(default=None, repr=False)
+
+
+class DecodeRole:
+    def __init__(self, config: WorkerConfig, engine: EngineClient, transport) -> None:
+        self.config = config
+        self.engine = engine
+        self.transport = transport
+        self._reservations: dict[str, Reservation] = {}
+        self._held: dict[str, int] = {}     # ending reservations whose blocks a write may still hit
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(self._held.values())
+
+    async def reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        rid = request.request_id
+        if rid in self._reservations or rid in self._held:
+            await status.abort(context, status.failed(
+                pb.INVALID_REQUEST, f"request {rid} already holds a reservation here",
+                code="duplicate_request_id", param="request_id"))
+        stream = self.engine.stream(rid)        # before the request exists: nothing is missed
+        try:
+            blocks = await self.engine.reserve(
+                rid, list(request.prompt_token_ids), params_from_pb(request.params),
+                request.tenant or None, request.traffic_class or None)
+        except InvalidRequestError as e:
+            self.engine.close_stream(rid)
+            await invalid_request(context, e)
+        except EngineFailed as e:
+            await engine_failed(context, e)
+        if blocks is None:
+            self.engine.close_stream(rid)
+            stats = await self.engine.stats()
+            return pb.ReserveResponse(request_id=rid, accepted=False, reason=(
+                f"cannot back the reservation: "
+                f"{stats.kv_blocks_free - stats.kv_blocks_reserved - self.held_blocks} blocks "
+                f"available, {stats.num_running} running"))
+        t = self.config.timeouts
+        expires = time.time() + t.reservation_s
+        handle = self.transport.expect(rid, blocks, t.reservation_s)
+        res = self._reservations[rid] = Reservation(
+            rid, len(blocks), handle, stream, expires, asyncio.get_running_loop().create_future())
+        res.watcher = asyncio.get_running_loop().create_task(self._watch(res))
+        return pb.ReserveResponse(request_id=rid, accepted=True,
+                                  target=self.transport.descriptor(blocks),
+                                  expires_at_unix_s=expires)
+
+    async def _watch(self, res: Reservation) -> None:
+        """Start decode the moment the KV lands; free the reservation once its transfer is over
+        and it has ended (cancelled, failed, or never attached by its deadline)."""
+        rid = res.request_id
+        try:
+            await wait_done(res.handle)
+            hand_off = res.handle.hand_off
+            if res.ending:
+                return
+            if hand_off is None:
+                raise KVTransferError(f"the KV for {rid} landed without its first token")
+            await self.engine.start_decode(rid, hand_off.first_token)
+            res.started.set_result(None)
+            try:                        # landed: a Decode call must come by the deadline
+                await asyncio.wait_for(res.attached.wait(),
+                                       max(0.0, res.expires_at_unix_s - time.time()))
+            except asyncio.TimeoutError:
+                log.warning("%s: no Decode call came by the reservation's deadline", rid)
+                self.end(rid)
+        except (KVTransferError, EngineFailed) as e:
+            if not res.started.done():
+                res.started.set_exception(e)
+                res.started.exception()      # retrieved: a reader may never come
+            self.end(rid)
+        finally:
+            if res.ending:
+                self._free(res)
+
+    async def decode(self, request: pb.DecodeRequest, context) -> AsyncIterator[pb.TokenChunk]:
+        """Tokens 2..N of a reserved request, once its own KV transfer has landed."""
+        rid = request.request_id
+        res = self._reservations.get(rid)
+        if res is None or res.attached.is_set():
+            await status.abort(context, status.failed(
+                pb.NO_RESERVATION, f"no reservation awaiting a Decode call for {rid} on "
+                f"{self.config.worker_id}"))
+        res.attached.set()
+        try:
+            try:
+                await res.started
+            except KVTransferError as e:
+                await status.abort(context, status.failed(
+                    pb.KV_TRANSFER_FAILED, f"the KV for {rid} did not arrive: {e}"))
+            async for out in res.stream:
+                yield chunk_from_output(out, self.config.worker_id)
+        except EngineFailed as e:
+            await engine_failed(context, e)
+        finally:
+            self.end(rid)
+
+    def end(self, rid: str) -> bool:
+        """End a reservation whatever its state (synchronous: safe in `finally`). Its blocks go
+        back now if no write can land any more, else once its transfer handle is done."""
+        res = self._reservations.pop(rid, None)
+        if res is None:
+            return False
+        res.ending = True
+        self.engine.close_stream(rid)
+        if not res.handle.done() and self.transport.receiver_stops_writes:
+            res.handle.finish(f"the reservation for {rid} ended")   # nothing lands after this
+        if res.handle.done():
+            if res.watcher is not None and not res.watcher.done():
+                res.watcher.cancel()
+            self._free(res)
+        else:
+            self._held[rid] = res.blocks   # the watcher frees it when the handle is done
+        return True
+
+    def _free(self, res: Reservation) -> None:
+        if res.freed:
+            return
+        res.freed = True
+        self._held.pop(res.request_id, None)
+        self.engine.cancel_soon(res.request_id)
+
+    def close(self) -> None:
+        for rid in list(self._reservations):
+            self.end(rid)

@@ -1,0 +1,263 @@
+"""How the gateway runs one request through the fleet: ask a router for a plan, then stream from
+the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
+
+  1. `Routers.admit`: Router.Admit on one of the routers (round robin; a router that does not
+     answer is skipped for the next, so killing one router only moves new requests to another);
+  2. co-located plan: Worker.Generate on the mixed worker, streamed as is;
+     disaggregated plan: Worker.Prefill on prefill[0] and Worker.Decode on the decode worker,
+     opened together. The first token comes from the prefill stream (before any KV moves);
+     tokens 2..N from the decode stream, which the decode worker starts on its own when the KV
+     (carrying the first token) has landed. A prefill that fails before its first token is
+     retried once on prefill[1];
+  3. `close()`: a run that did not finish cancels its calls and sends Cancel to every worker it
+     touched (fire and forget: the decode worker owns the safety of its blocks, so the order of
+     these Cancels does not matter).
+
+Every call has a deadline (services/protocol/timeouts.py); failures come back typed
+(services/protocol/status.py) and are raised as grpc.aio.AioRpcError carrying a CallStatus.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+
+from services.protocol import status
+from services.protocol.aio import internal_channel
+from services.protocol.fleet_token import FleetAuth
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+
+# Failures of a prefill worker before its first token that another replica may not share.
+RETRYABLE = (pb.UNAVAILABLE, pb.ENGINE_FAILED)
+
+
+class Channels:
+    """One channel per service address, made on first use, carrying the fleet token."""
+
+    def __init__(self, auth: FleetAuth | None = None) -> None:
+        self._auth = auth
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = internal_channel(address, self._auth)
+        return channel
+
+    def worker(self, address: str) -> pb_grpc.WorkerStub:
+        return pb_grpc.WorkerStub(self.get(address))
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+
+class Routers:
+    """The routers a gateway may ask, round robin. Any of them decides alike (their state is in
+    Redis), so a router that fails at the transport level is skipped for the next one."""
+
+    def __init__(self, addresses: list[str], channels: Channels, timeouts: Timeouts) -> None:
+        if not addresses:
+            raise ValueError("at least one router address is needed")
+        self.addresses = list(addresses)
+        self._channels = channels
+        self._timeouts = timeouts
+        self._next = itertools.cycle(range(len(self.addresses)))
+
+    def stub(self, address: str) -> pb_grpc.RouterStub:
+        return pb_grpc.RouterStub(self._channels.get(address))
+
+    async def admit(self, request: pb.WorkRequest) -> pb.Plan:
+        first = next(self._next)
+        last: grpc.aio.AioRpcError | None = None
+        for i in range(len(self.addresses)):
+            address = self.addresses[(first + i) % len(self.addresses)]
+            try:
+                return await self.stub(address).Admit(request, timeout=self._timeouts.admit_s)
+            except grpc.aio.AioRpcError as e:
+                if not _router_unreachable(e):
+                    raise           # the router decided (a refusal, a bad request): final
+                log.warning("router %s did not answer (%s); asking the next", address,
+                            e.code().name)
+                last = e
+        raise status.rpc_error(status.failed(
+            pb.UNAVAILABLE, f"no router answered ({', '.join(self.addresses)}): "
+            f"{last.code().name if last else ''}", retry_after_s=2.0))
+
+    async def health(self) -> list[tuple[str, pb.HealthResponse | None, str]]:
+        async def one(address: str):
+            try:
+                resp = await self.stub(address).Health(pb.HealthRequest(),
+                                                        timeout=self._timeouts.health_s)
+                return address, resp, ""
+            except grpc.aio.AioRpcError as e:
+                return address, None, e.code().name
+        return list(await asyncio.gather(*(one(a) for a in self.addresses)))
+
+
+def _router_unreachable(e: grpc.aio.AioRpcError) -> bool:
+    """The router itself did not answer (dead, restarting), as opposed to a decision of its."""
+    if any(key == status.STATUS_KEY for key, _ in (e.trailing_metadata() or ())):
+        return False
+    return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
+class PlanRun:
+    """One request's run through the fleet. `next()` returns TokenChunks (client-visible fields
+    only) until None; any failure raises grpc.aio.AioRpcError carrying a CallStatus."""
+
+    def __init__(self, request: pb.WorkRequest, routers: Routers, channels: Channels,
+                 timeouts: Timeouts) -> None:
+        self.request = request
+        self.routers = routers
+        self.channels = channels
+        self.timeouts = timeouts
+        self.plan: pb.Plan | None = None
+        self._calls: list[grpc.aio.Call] = []
+        self._touched: set[str] = set()
+        self._reader = self._read()
+        self._prefill_tail: asyncio.Task | None = None
+        self.finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def start(self) -> pb.Plan:
+        self.plan = await self.routers.admit(self.request)
+        return self.plan
+
+    async def next(self) -> pb.TokenChunk | None:
+        try:
+            return await self._reader.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def _read(self):
+        plan = self.plan if self.plan is not None else await self.start()
+        if plan.mode == pb.Plan.COLOCATED:
+            async for chunk in self._colocated(plan):
+                yield chunk
+        else:
+            async for chunk in self._disaggregated(plan):
+                yield chunk
+        self.finished = True
+
+    async def _colocated(self, plan: pb.Plan):
+        worker = plan.prefill[0].address
+        self._touched.add(worker)
+        call = self.channels.worker(worker).Generate(
+            self.request, timeout=self.timeouts.stream_s(self.request.params.max_tokens))
+        self._calls.append(call)
+        async for chunk in call:
+            yield chunk
+
+    async def _disaggregated(self, plan: pb.Plan):
+        decode_address = plan.decode.address
+        self._touched.add(decode_address)
+        decode = self.channels.worker(decode_address).Decode(
+            pb.DecodeRequest(request_id=self.request_id),
+            timeout=self.timeouts.stream_s(self.request.params.max_tokens))
+        self._calls.append(decode)
+        prefill, first = await self._first_token(plan)
+        yield first
+        if first.finished:           # ended at the prefill worker: no KV moves, no decode
+            decode.cancel()
+            self._cancel(decode_address)
+            return
+        self._prefill_tail = asyncio.get_running_loop().create_task(_drain(prefill))
+        _TAILS.add(self._prefill_tail)
+        self._prefill_tail.add_done_callback(_tail_done)
+        try:
+            async for chunk in decode:
+                yield chunk
+        except grpc.aio.AioRpcError:
+            # the decode stream failed: if the KV write failed, that is the cause to report
+            failed_write = await _failure_of(self._prefill_tail)
+            if failed_write is not None:
+                raise failed_write from None
+            raise
+
+    async def _first_token(self, plan: pb.Plan):
+        """The prefill call that produced the first token, and that token's chunk."""
+        attempts = list(plan.prefill)
+        for attempt, worker in enumerate(attempts):
+            self._touched.add(worker.address)
+            call = self.channels.worker(worker.address).Prefill(pb.PrefillRequest(
+                request_id=self.request_id, tenant=self.request.tenant,
+                traffic_class=self.request.traffic_class,
+                prompt_token_ids=self.request.prompt_token_ids, params=self.request.params,
+                target=plan.target, decode_worker=plan.decode.address,
+                kv_deadline_unix_s=plan.deadline_unix_s), timeout=self.timeouts.prefill_s())
+            self._calls.append(call)
+            try:
+                async for reply in call:
+                    if reply.HasField("chunk"):
+                        return call, reply.chunk
+                raise status.rpc_error(status.failed(
+                    pb.UNAVAILABLE, f"prefill worker {worker.worker_id} ended without a token"))
+            except grpc.aio.AioRpcError as e:
+                if status.of(e).reason not in RETRYABLE or attempt + 1 == len(attempts):
+                    raise
+                log.warning("%s: prefill on %s failed before its first token (%s); retrying "
+                            "on %s", self.request_id, worker.worker_id, status.of(e).message,
+                            attempts[attempt + 1].worker_id)
+                self._cancel(worker.address)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        """Idempotent and synchronous (safe in `finally` of a cancelled task): a run that did
+        not finish stops its calls and cancels the request on every worker it touched."""
+        if self.finished:
+            return                    # a prefill call still shipping KV ends by itself
+        for call in self._calls:
+            call.cancel()
+        if self._prefill_tail is not None:
+            self._prefill_tail.cancel()
+        for address in self._touched:
+            self._cancel(address)
+        self._touched.clear()
+
+    def _cancel(self, address: str) -> None:
+        asyncio.get_running_loop().create_task(self._cancel_call(address))
+
+    async def _cancel_call(self, address: str) -> None:
+        try:
+            await self.channels.worker(address).Cancel(
+                pb.CancelRequest(request_id=self.request_id), timeout=self.timeouts.cancel_s)
+        except grpc.aio.AioRpcError as e:
+            log.info("%s: Cancel on %s: %s", self.request_id, address, e.code().name)
+
+
+_TAILS: set[asyncio.Task] = set()     # prefill calls still shipping KV after their first token
+
+
+def _tail_done(task: asyncio.Task) -> None:
+    _TAILS.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.info("a prefill call ended with %s", task.exception())
+
+
+async def _drain(call) -> None:
+    """The rest of a prefill call after its first token: `shipped`, or a KV failure (raised)."""
+    async for _ in call:
+        pass
+
+
+async def _failure_of(task: asyncio.Task | None) -> grpc.aio.AioRpcError | None:
+    if task is None:
+        return None
+    try:
+        await asyncio.wait_for(asyncio.shield(task), 1.0)
+    except grpc.aio.AioRpcError as e:
+        return e
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        return None
+    return None

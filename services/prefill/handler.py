@@ -1,0 +1,124 @@
+"""What only a prefill worker does: run a prompt to its first token, ship its KV (DESIGN 3, step 3).
+
+Prefill(PrefillRequest) streams PrefillReply:
+  1. the first token, as soon as it is sampled (TTFT), straight to the gateway: before any KV moves;
+  2. the KV write into the decode worker's reservation (`target`), carrying the first token as
+     the transfer's HandOff, so the decode worker starts on its own once its transfer completes;
+  3. `shipped` once the write landed (the call then ends OK), or KV_TRANSFER_FAILED.
+A request that ends here (EOS or max_tokens at the first token) ends with a finished chunk and
+ships nothing; the gateway then ends the decode reservation.
+
+The write is bounded by the reservation's deadline less kv_deadline_margin_s. If the call ends
+early (the gateway cancelled it) the write is not cut short; the request's prompt blocks here are
+freed once the write is over, so a sender never reads blocks already handed to another request.
+The decode side's safety does not depend on this worker (services/decode/reservations.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from services.engine.errors import InvalidRequestError
+from services.kv_transfer.base import KVTransferError, wait_done
+from services.protocol import status
+from services.protocol.convert import chunk_from_output, logprob_to_pb, params_from_pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.worker.config import WorkerConfig
+from services.worker.engine_client import EngineClient, EngineFailed
+from services.worker.outcomes import chunk_failure, engine_failed, invalid_request
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRole:
+    def __init__(self, config: WorkerConfig, engine: EngineClient, transport) -> None:
+        self.config = config
+        self.engine = engine
+        self.transport = transport
+        self._writes: dict[str, asyncio.Task] = {}    # request id -> its KV write, while running
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._writes)
+
+    async def prefill(self, request: pb.PrefillRequest, context) -> AsyncIterator[pb.PrefillReply]:
+        rid = request.request_id
+        stream = self.engine.stream(rid)
+        write: asyncio.Task | None = None
+        try:
+            try:
+                await self.engine.add_request(
+                    rid, list(request.prompt_token_ids), params_from_pb(request.params),
+                    request.tenant or None, request.traffic_class or None)
+            except InvalidRequestError as e:
+                await invalid_request(context, e)
+            first: pb.TokenChunk | None = None
+            async for out in stream:
+                prefilled = out.finish_reason == "prefilled"     # the engine's own control state
+                if prefilled:
+                    out.finished, out.finish_reason = False, None
+                chunk = chunk_from_output(out, self.config.worker_id)
+                failure = chunk_failure(chunk)
+                if failure is not None:
+                    await status.abort(context, failure)
+                yield pb.PrefillReply(chunk=chunk)
+                if prefilled:
+                    first = chunk
+                    break
+                if out.finished:
+                    return                 # ended here: nothing to ship
+            if first is None or not request.HasField("target"):
+                return
+            write = asyncio.get_running_loop().create_task(self._ship(request, first))
+            self._writes[rid] = write
+            try:
+                shipped = await asyncio.shield(write)
+            except KVTransferError as e:
+                await status.abort(context, status.failed(
+                    pb.KV_TRANSFER_FAILED, f"the KV for {rid} could not be written to "
+                    f"{request.target.worker_id}: {e}"))
+            yield pb.PrefillReply(shipped=shipped)
+        except EngineFailed as e:
+            await engine_failed(context, e)
+        finally:
+            self.engine.close_stream(rid)
+            if write is not None and not write.done():
+                write.add_done_callback(lambda _t, rid=rid: self._written(rid))
+            else:
+                self._written(rid)
+
+    async def _ship(self, request: pb.PrefillRequest, first: pb.TokenChunk) -> pb.KVShipped:
+        rid, target = request.request_id, request.target
+        t = self.config.timeouts
+        timeout = t.kv_transfer_s
+        if request.kv_deadline_unix_s:
+            timeout = min(timeout, request.kv_deadline_unix_s - time.time() - t.kv_deadline_margin_s)
+        if timeout <= 0:
+            raise KVTransferError(f"the decode reservation for {rid} expires before KV could move")
+        hand_off = pb.HandOff(request_id=rid, first_token=first.token_ids[0],
+                              num_prompt_tokens=first.num_prompt_tokens)
+        if first.logprobs:
+            hand_off.first_logprob.CopyFrom(first.logprobs[0])
+        started = time.monotonic()
+        blocks = await self.engine.prompt_blocks(rid, len(target.block_ids))
+        handle = self.transport.write(rid, blocks, target, timeout, hand_off=hand_off)
+        await wait_done(handle)
+        return pb.KVShipped(request_id=rid, blocks=len(blocks),
+                            seconds=time.monotonic() - started)
+
+    def _written(self, rid: str) -> None:
+        """The request's write is over (or never started): its prompt blocks here go back."""
+        task = self._writes.pop(rid, None)
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            log.info("%s: KV write ended with %s", rid, task.exception())
+        self.engine.cancel_soon(rid)
+
+    def cancel(self, rid: str) -> bool:
+        """Stop the request here; a KV write already under way runs to its end (bounded by its
+        deadline), and the request's blocks go back after it."""
+        if rid in self._writes:
+            return True            # the Prefill call's own ending frees it after the write
+        self.engine.cancel_soon(rid)
+        return True

@@ -1,0 +1,37 @@
+"""How a worker ends a call that failed: the engine's typed errors as typed CallStatus."""
+from __future__ import annotations
+
+from typing import NoReturn
+
+from services.engine.errors import InvalidRequestError
+from services.protocol import status
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+
+
+async def invalid_request(context, e: InvalidRequestError) -> NoReturn:
+    """400: the engine's code, message and field travel typed (no "code: message" text)."""
+    await status.abort(context, status.failed(pb.INVALID_REQUEST, e.message, code=e.code,
+                                              param=getattr(e, "param", None) or ""))
+
+
+async def engine_failed(context, e: Exception) -> NoReturn:
+    """A call that met a dead engine core: UNAVAILABLE, so a prefill is retried elsewhere and
+    the gateway answers 503 (or an SSE error event once tokens were sent)."""
+    await status.abort(context, status.failed(pb.ENGINE_FAILED, str(e)))
+
+
+def chunk_failure(chunk: pb.TokenChunk) -> pb.CallStatus | None:
+    """The engine's own non-client endings ("rejected", "error") as a typed failure, or None.
+    The chunk's client-visible finish_reason is cleared when it carries a failure."""
+    reason = chunk.finish_reason
+    if reason == "rejected":
+        st = status.failed(pb.OVERLOADED, chunk.error or "rejected by admission",
+                           retry_after_s=chunk.retry_after_s if chunk.HasField("retry_after_s")
+                           else None)
+    elif reason == "error":
+        st = status.failed(pb.ENGINE_FAILED, chunk.error or "the engine failed the request")
+    else:
+        return None
+    chunk.finish_reason = ""
+    chunk.failure = st.reason
+    return st
