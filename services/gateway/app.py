@@ -4,13 +4,14 @@
   POST /v1/chat/completions    messages -> the chat template -> text
   GET  /v1/models, /v1/models/{id}
   POST /tokenize               vLLM's: {"model", "prompt"} -> {"count", "max_model_len", "tokens"}
-  GET  /health                 the router's health and the quota store's (no key needed)
+  GET  /health                 the routers' health and the quota store's (no key needed)
   GET  /openapi.json           the OpenAPI document of these (request bodies with their ranges)
 
-A generation request, in order: (GenerationFastPath, past FastAPI's layers) API key -> body (size
-limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread when the body is large)
--> quotas -> Router.Generate -> first chunk (errors before it get a real status) -> JSON body or
-SSE stream. The client going away at any point after the router call started cancels it
+A generation request, in order (through FastAPI's routing and middleware, like every request):
+API key -> body (size limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread
+when the body is large) -> quotas -> Router.Admit and the plan's worker calls (plan.py) -> first
+chunk (errors before it get a real status) -> JSON body or SSE stream. The client going away at
+any point after admission cancels it
 (`_until_disconnect` before the stream, SSEResponse's disconnect watch during it) and the
 session's close releases the quota slot.
 """
@@ -44,34 +45,7 @@ class ClientGone(Exception):
     pass
 
 
-class GenerationFastPath:
-    """ASGI in front of the FastAPI app: POSTs to the generation endpoints go straight to their
-    handler, without FastAPI's middleware and routing layers (~0.3 ms a request here, paid on
-    every time-to-first-token); everything else goes to `app`. Errors get the same handling as
-    in the app: a GatewayError its status and OpenAI body, anything else a logged 500."""
-
-    def __init__(self, app, routes: dict[str, Callable[[Request], Awaitable[Response]]]) -> None:
-        self.app = app
-        self.routes = routes
-
-    async def __call__(self, scope, receive, send) -> None:
-        handler = (self.routes.get(scope["path"])
-                   if scope["type"] == "http" and scope["method"] == "POST" else None)
-        if handler is None:
-            return await self.app(scope, receive, send)
-        request = Request(scope, receive)
-        try:
-            response = await handler(request)
-        except GatewayError as e:
-            response = await _gateway_error(request, e)
-        except ClientGone as e:
-            response = await _client_gone(request, e)
-        except Exception as e:  # noqa: BLE001 - the client gets a 500, the log the traceback
-            response = await _internal_error(request, e)
-        await response(scope, receive, send)
-
-
-def create_app(core: GatewayCore) -> GenerationFastPath:
+def create_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="kvfleet gateway", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     started = int(time.time())
@@ -86,8 +60,8 @@ def create_app(core: GatewayCore) -> GenerationFastPath:
     async def chat_completions(request: Request) -> Response:
         return await _generate(core, request, schema.ChatCompletionRequest, schema.chat, "chatcmpl")
 
-    # also routed in the app, so that other methods on these paths get its 405, and documented
-    # there (the fast path serves their POSTs and parses the bodies itself)
+    # the handlers parse the bodies themselves (size limit, UTF-8, strict schema); the routes
+    # document them. Every request, generation included, passes the app's middleware.
     app.post("/v1/completions", **_documented(schema.CompletionRequest))(completions)
     app.post("/v1/chat/completions", **_documented(schema.ChatCompletionRequest))(chat_completions)
     app.openapi = lambda: _openapi(app, (schema.CompletionRequest, schema.ChatCompletionRequest,
@@ -121,8 +95,7 @@ def create_app(core: GatewayCore) -> GenerationFastPath:
         return JSONResponse({"status": "ok" if serving else "unavailable", "detail": detail,
                              "model": core.model.name}, status_code=200 if serving else 503)
 
-    return GenerationFastPath(app, {"/v1/completions": completions,
-                                    "/v1/chat/completions": chat_completions})
+    return app
 
 
 async def _generate(core: GatewayCore, request: Request, model_cls, build, prefix: str) -> Response:

@@ -1,7 +1,7 @@
 """How the services run asyncio and gRPC: uvloop where installed, and one kind of internal channel.
 
-uvloop (libuv) makes each callback, socket read and write cheaper than the selector loop; a
-service relays every token, so this is on the per-token path of the gateway, router and workers.
+uvloop (libuv) makes each callback, socket read and write cheaper than the selector loop; the
+gateway and the workers are on the per-token path.
 grpc.aio runs on it unchanged.
 """
 from __future__ import annotations
@@ -31,12 +31,12 @@ def setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
 
 
-# The hosts a kvfleet service (router, worker, mux listener) may bind or connect to in this build.
+# The hosts a kvfleet service (router, worker, KV receiver) may bind or connect to in this build.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
-# Channels between the fleet's own services. grpc's transparent retries are off: the router
-# decides itself what is retried (a prefill, once, before any token), and the retry machinery
-# buffers every call's messages for nothing.
+# Channels between the fleet's own services. grpc's transparent retries are off: the gateway
+# decides itself what is retried (a prefill, once, before any token; another router), and the
+# retry machinery buffers every call's messages for nothing.
 INTERNAL_CHANNEL_OPTIONS = (("grpc.enable_retries", 0),)
 
 

@@ -3,9 +3,8 @@
 Threat: a process on the host that calls the router or a worker directly, skipping the gateway's
 API keys and quotas. The router and the workers serve only callers that present the fleet token:
 
-  gRPC      metadata `x-kvfleet-fleet-token` on every call (Health, Stats, Reserve, Mux, ...):
+  gRPC      metadata `x-kvfleet-fleet-token` on every call (Admit, Reserve, Prefill, Decode, ...):
             `server_interceptors` on the server, `client_interceptors` on `internal_channel`s.
-  TCP mux   the first message on a connection is the token (mux.py, "handshake").
   KV (tcp)  the transfer header carries it (kv_transfer/tcp.py).
 
 Missing or wrong: UNAUTHENTICATED with a message (a TCP connection is answered so, then closed).
@@ -82,7 +81,7 @@ class FleetAuth:
         if self.token is None:
             return "this service has no fleet token configured: it serves no one"
         if not presented or not isinstance(presented, (str, bytes)):
-            return f"no fleet token presented (gRPC metadata {METADATA_KEY}, or the mux handshake)"
+            return f"no fleet token presented (gRPC metadata {METADATA_KEY})"
         if isinstance(presented, str):
             presented = presented.encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(presented, self.token.encode()):
@@ -94,7 +93,7 @@ class FleetAuth:
         return ((METADATA_KEY, self.token),) if self.token else ()
 
     def presented(self) -> bytes:
-        """What a caller presents in a handshake (empty: none)."""
+        """What a caller presents in a transfer header (kv_transfer/tcp.py; empty: none)."""
         return (self.token or "").encode()
 
 

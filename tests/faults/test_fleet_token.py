@@ -1,7 +1,7 @@
 """Internal calls are authenticated: a process on the host that calls the router or a worker
 directly, skipping the gateway (its API keys and quotas), gets UNAUTHENTICATED and is served
-nothing, whether it speaks gRPC or the plain TCP mux. The fleet itself, which `Launcher` hands
-one token, serves end to end; the token shows up in no log and no command line.
+nothing. The fleet itself, which `Launcher` hands one token, serves end to end; the token shows
+up in no log and no command line.
 
 A real disaggregated fleet on 127.0.0.1 (redis-server, prefill, decode, router), shared by the
 module.
@@ -9,7 +9,6 @@ module.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -17,7 +16,7 @@ from contextlib import ExitStack
 import grpc
 import pytest
 
-from services.protocol import fleet_token, mux
+from services.protocol import fleet_token
 from services.protocol.fleet_token import FleetAuth, FleetTokenError
 from services.cli.launcher import Launcher
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -40,10 +39,6 @@ def reserve(rid: str) -> pb.ReserveRequest:
                              params=pb.SamplingParams(max_tokens=8, temperature=0))
 
 
-def frames(**call) -> pb.CallFrames:
-    return pb.CallFrames(frames=[pb.CallFrame(call_id=1, **call)])
-
-
 def nothing_held(fleet) -> bool:
     return all(fleet.stats(name).kv_blocks_reserved == 0 and fleet.stats(name).num_running == 0
                for name in fleet.workers)
@@ -60,14 +55,12 @@ def test_every_grpc_method_of_the_router_and_the_workers_asks_for_the_fleet_toke
         prefill = stub(pb_grpc.WorkerStub, fleet.workers["prefill-0"])
         calls = {
             "router Health": lambda: router.Health(pb.HealthRequest(), timeout=5),
-            "router Generate": lambda: list(router.Generate(route_request("in", PROMPT, 4), timeout=5)),
-            "router Mux": lambda: list(router.Mux(
-                iter([frames(generate=route_request("in", PROMPT, 4))]), timeout=5)),
-            "router Cancel": lambda: router.Cancel(pb.CancelRequest(request_id="in"), timeout=5),
+            "router Admit": lambda: router.Admit(route_request("in", PROMPT, 4), timeout=5),
             "decode Health": lambda: decode.Health(pb.HealthRequest(), timeout=5),
             "decode Stats": lambda: decode.Stats(pb.StatsRequest(), timeout=5),
             "decode Reserve": lambda: decode.Reserve(reserve("in"), timeout=5),
-            "decode Mux": lambda: list(decode.Mux(iter([frames(reserve=reserve("in"))]), timeout=5)),
+            "decode Decode": lambda: list(decode.Decode(pb.DecodeRequest(request_id="in"),
+                                                        timeout=5)),
             "decode Cancel": lambda: decode.Cancel(pb.CancelRequest(request_id="in"), timeout=5),
             "prefill Health": lambda: prefill.Health(pb.HealthRequest(), timeout=5),
             "prefill Prefill": lambda: list(prefill.Prefill(pb.PrefillRequest(), timeout=5)),
@@ -81,78 +74,9 @@ def test_every_grpc_method_of_the_router_and_the_workers_asks_for_the_fleet_toke
     assert nothing_held(fleet)                       # no Reserve or Generate got through
 
 
-# ---------------------------------------------------------------------------------- TCP mux
-def mux_addresses(fleet) -> dict[str, str]:
-    found = {}
-    with fleet.channel(fleet.router) as ch:
-        found["router"] = pb_grpc.RouterStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address
-    for name, address in fleet.workers.items():
-        with fleet.channel(address) as ch:
-            found[name] = pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address
-    return found
-
-
-def handshake(token: bytes) -> bytes:
-    body = mux.HANDSHAKE_MAGIC + token
-    return len(body).to_bytes(4, "big") + body
-
-
-def exchange(address: str, opening: bytes) -> tuple[pb.CallStatus | None, bytes]:
-    """Send `opening` on a new TCP connection; the handshake's answer and all that followed,
-    up to the end of the connection (which must come within 5 s: no hang)."""
-    host, port = address.rsplit(":", 1)
-    received = b""
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(opening)
-        try:
-            while chunk := sock.recv(65536):
-                received += chunk
-        except ConnectionResetError:
-            pass                                     # closed with our frames unread: dropped
-    if len(received) < 4:
-        return None, received
-    size = int.from_bytes(received[:4], "big")
-    return pb.CallStatus.FromString(received[4:4 + size]), received[4 + size:]
-
-
-def test_a_raw_tcp_connection_to_a_mux_listener_without_the_token_is_dropped_unserved(fleet):
-    addresses = mux_addresses(fleet)
-    openings = {
-        "a call, no handshake": mux._encode(frames(reserve=reserve("raw"))),
-        "a routed call, no handshake": mux._encode(frames(generate=route_request("raw", PROMPT, 4))),
-        "a wrong token": handshake(WRONG.presented()),
-        "an empty token": handshake(b""),
-    }
-    for name, address in addresses.items():
-        for what, opening in openings.items():
-            status, rest = exchange(address, opening)
-            assert status is not None and rest == b"", (name, what, rest)
-            assert status.code == grpc.StatusCode.UNAUTHENTICATED.value[0], (name, what)
-            assert "kvfleet internal call" in status.details
-    assert nothing_held(fleet)
-
-    # the same probe with the token is served: the refusals above were the token's doing
-    decode = addresses["decode-0"]
-    host, port = decode.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        reader = sock.makefile("rb")
-        sock.sendall(handshake(fleet.auth.presented()) + mux._encode(frames(reserve=reserve("probe"))))
-        status = pb.CallStatus.FromString(reader.read(int.from_bytes(reader.read(4), "big")))
-        assert status.code == grpc.StatusCode.OK.value[0]
-        replies = pb.ReplyFrames.FromString(reader.read(int.from_bytes(reader.read(4), "big")))
-        assert replies.frames[0].reserved.accepted
-        sock.sendall(mux._encode(pb.CallFrames(frames=[pb.CallFrame(
-            call_id=2, release=pb.CancelRequest(request_id="probe"))])))
-        while not any(f.WhichOneof("kind") == "released" for f in replies.frames):
-            replies = pb.ReplyFrames.FromString(reader.read(int.from_bytes(reader.read(4), "big")))
-        reader.close()
-    assert nothing_held(fleet)
-
-
 # ------------------------------------------------------------------------- the fleet itself
 def test_the_fleet_serves_end_to_end_with_its_token_and_shows_it_nowhere(fleet):
-    chunks = list(fleet.router_stub().Generate(route_request("own", PROMPT, 6, ignore_eos=True),
-                                               timeout=60))
+    chunks = list(fleet.generate(route_request("own", PROMPT, 6, ignore_eos=True)))
     assert sum(len(c.token_ids) for c in chunks) == 6
     token = fleet.auth.token
     for child in fleet.launcher.children.values():

@@ -32,6 +32,7 @@ from services.state.fleet_state import FleetState
 from services.cli.launcher import Launcher, wait_until
 from services.state.outage import Backoff, Outage, RedisDown
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol import status
 from services.state.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
 from services.gateway.server import LEASE_TTL_ENV
 from tests.fleet.fleet_helpers import Fleet, route_request
@@ -248,13 +249,12 @@ def test_the_router_fails_fast_with_unavailable_once_its_worker_list_is_too_old(
         def unavailable() -> bool:
             start = time.monotonic()
             try:
-                for _ in fleet.router_stub().Generate(route_request("outage-probe", [5, 6, 7], 2),
-                                                      timeout=10):
-                    pass
+                fleet.router_stub().Admit(route_request("outage-probe", [5, 6, 7], 2), timeout=10)
             except grpc.RpcError as e:
                 assert time.monotonic() - start < ANSWER_S
-                return (e.code() == grpc.StatusCode.UNAVAILABLE
-                        and "worker list unavailable" in e.details())
+                st = status.of(e)
+                return (e.code() == grpc.StatusCode.UNAVAILABLE and st.reason == pb.UNAVAILABLE
+                        and "worker list unavailable" in st.message and st.retry_after_s >= 1)
             return False
         assert wait_until(unavailable, 15.0, interval_s=0.5)
     finally:

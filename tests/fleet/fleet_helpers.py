@@ -1,21 +1,65 @@
-"""A real fleet on 127.0.0.1 for tests: redis-server, workers and router as processes. Their
-Launcher hands them one fleet token; `Fleet.channel` makes channels whose calls carry it."""
+"""A real fleet on 127.0.0.1 for tests: redis-server, workers and routers as processes. Their
+Launcher hands them one fleet token; `Fleet.channel` makes channels whose calls carry it.
+
+`Fleet.generate(request)` runs a request the way the gateway does (services/gateway/plan.py: a
+router's plan, then the workers' streams), on an event loop of its own thread, and returns a
+blocking `FleetCall`: iterate it for the TokenChunks, `cancel()` it like a gRPC call."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import ipaddress
 import itertools
 import os
+import threading
 from contextlib import contextmanager
 
 import grpc
 
 from services.protocol.fleet_token import FleetAuth
 from services.cli.launcher import Launcher
+from services.gateway.plan import Channels, PlanRun, Routers
+from services.protocol.timeouts import Timeouts
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 
 _db = itertools.count(1)
+
+
+class _Loop:
+    """An event loop on a thread of its own, for blocking tests to drive grpc.aio code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+class FleetCall:
+    """One request through the fleet, as a blocking call: iterate for its chunks; `cancel()`."""
+
+    def __init__(self, loop: _Loop, run: PlanRun) -> None:
+        self._loop = loop
+        self.run = run
+
+    def __iter__(self):
+        while True:
+            chunk = self._loop.run(self.run.next())
+            if chunk is None:
+                return
+            yield chunk
+
+    def cancel(self) -> None:
+        async def close():
+            self.run.close()
+        self._loop.run(close())
 
 
 class Fleet:
@@ -23,8 +67,28 @@ class Fleet:
         self.launcher = launcher
         self.redis_url = redis_url
         self.workers: dict[str, str] = {}
-        self.router = ""
+        self.routers: list[str] = []
         self.auth = FleetAuth.from_env(launcher.env)      # the token its processes ask for
+        self.timeouts = Timeouts()
+        self._loop: _Loop | None = None
+        self._channels: Channels | None = None
+
+    @property
+    def router(self) -> str:
+        return self.routers[0]
+
+    def generate(self, request: pb.WorkRequest) -> FleetCall:
+        """Run `request` as the gateway would: Admit on a router, then the plan's workers."""
+        if self._loop is None:
+            self._loop = _Loop()
+            self._channels = Channels(self.auth)
+        routers = Routers(self.routers, self._channels, self.timeouts)
+        return FleetCall(self._loop, PlanRun(request, routers, self._channels, self.timeouts))
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.run(self._channels.close())
+            self._loop.close()
 
     def channel(self, address: str) -> grpc.Channel:
         """A channel to one of the fleet's services, presenting the fleet token on every call."""
@@ -38,10 +102,11 @@ class Fleet:
         self.workers[name] = self.launcher.start(name, args)
         return self.workers[name]
 
-    def start_router(self, mode: str) -> str:
-        self.router = self.launcher.start("router", ["services.router", "--redis-url",
-                                                     self.redis_url, "--mode", mode])
-        return self.router
+    def start_router(self, mode: str, name: str = "router") -> str:
+        address = self.launcher.start(name, ["services.router", "--redis-url", self.redis_url,
+                                             "--mode", mode, "--router-id", name])
+        self.routers.append(address)
+        return address
 
     def router_stub(self) -> pb_grpc.RouterStub:
         return pb_grpc.RouterStub(self.channel(self.router))
@@ -88,7 +153,7 @@ def token_channel(address: str, auth: FleetAuth) -> grpc.Channel:
 
 @contextmanager
 def running_fleet(redis_base_url: str, model: str, mode: str, prefill: int = 1, decode: int = 1,
-                  kv_backend: str = "tcp", worker_args: tuple[str, ...] = ()):
+                  kv_backend: str = "tcp", worker_args: tuple[str, ...] = (), routers: int = 1):
     """Yields a Fleet; always stops every process it started. `worker_args`: more flags for
     every worker."""
     launcher = Launcher()
@@ -104,15 +169,17 @@ def running_fleet(redis_base_url: str, model: str, mode: str, prefill: int = 1, 
                 fleet.worker(f"prefill-{i}", "prefill", model, kv_backend, worker_args)
             for i in range(decode):
                 fleet.worker(f"decode-{i}", "decode", model, kv_backend, worker_args)
-        fleet.start_router(mode)
+        for i in range(routers):
+            fleet.start_router(mode, "router" if i == 0 else f"router-{i}")
         yield fleet
     finally:
+        fleet.close()
         launcher.stop_all()
 
 
-def route_request(rid: str, ids: list[int], max_tokens: int, **params) -> pb.RouteRequest:
-    return pb.RouteRequest(request_id=rid, prompt_token_ids=ids,
-                           params=pb.SamplingParams(max_tokens=max_tokens, **params))
+def route_request(rid: str, ids: list[int], max_tokens: int, **params) -> pb.WorkRequest:
+    return pb.WorkRequest(request_id=rid, prompt_token_ids=ids,
+                          params=pb.SamplingParams(max_tokens=max_tokens, **params))
 
 
 def listening_sockets(pids: list[int]) -> set[tuple[str, int]]:

@@ -24,7 +24,7 @@ def fleet(redis_url, tiny_model_dir):
 
 
 def test_greedy_tokens_equal_the_in_process_engine(fleet, tiny_model_dir):
-    chunks = list(fleet.router_stub().Generate(route_request("c1", PROMPT, 12, ignore_eos=True)))
+    chunks = list(fleet.generate(route_request("c1", PROMPT, 12, ignore_eos=True)))
     tokens = [t for c in chunks for t in c.token_ids]
     assert chunks[-1].finished and chunks[-1].finish_reason == "length"
     engine = LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=8))
@@ -36,13 +36,13 @@ def test_greedy_tokens_equal_the_in_process_engine(fleet, tiny_model_dir):
 
 def test_bad_request_gets_invalid_argument_with_the_limits(fleet):
     with pytest.raises(grpc.RpcError) as info:
-        list(fleet.router_stub().Generate(route_request("c2", PROMPT, 0)))
+        list(fleet.generate(route_request("c2", PROMPT, 0)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_tokens" in info.value.details()
 
 
 def test_client_cancel_frees_every_block_on_the_worker(fleet):
-    call = fleet.router_stub().Generate(route_request("c3", PROMPT, 2000, ignore_eos=True))
+    call = fleet.generate(route_request("c3", PROMPT, 2000, ignore_eos=True))
     next(iter(call))                                   # streaming has begun
     assert fleet.stats("mixed-0").kv_blocks_reserved > 0
     call.cancel()

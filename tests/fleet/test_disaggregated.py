@@ -1,6 +1,7 @@
 """A disaggregated fleet (router, prefill and decode worker processes, real Redis, KV over TCP or
-NIXL) serves the in-process engine's greedy tokens; cancellation frees everything on both
-workers; killed workers end streams with an error and the fleet keeps serving."""
+NIXL) serves the in-process engine's greedy tokens, the first from the prefill worker and the rest
+from the decode worker (the router relays none); cancellation frees everything on both workers;
+killed workers end streams with an error and the fleet keeps serving."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ import grpc
 import pytest
 
 from services.cli.launcher import wait_until
+from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine, engine_config
@@ -38,7 +40,7 @@ def idle(fleet, *names) -> bool:
 def test_greedy_tokens_through_the_fleet_equal_the_engine(redis_url, tiny_model_dir, backend):
     with running_fleet(redis_url, str(tiny_model_dir), "disagg", kv_backend=backend) as fleet:
         assert wait_until(lambda: serving(fleet), 10)
-        chunks = list(fleet.router_stub().Generate(
+        chunks = list(fleet.generate(
             route_request(f"d-{backend}", PROMPT, 16, ignore_eos=True)))
         assert chunks[0].served_by == "prefill-0" and len(chunks[0].token_ids) == 1
         assert {c.served_by for c in chunks[1:]} == {"decode-0"}
@@ -58,7 +60,7 @@ ALL = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 
 
 def test_cancel_during_decode_frees_both_workers(fleet):
-    call = fleet.router_stub().Generate(route_request("cancel-decode", PROMPT, 3000,
+    call = fleet.generate(route_request("cancel-decode", PROMPT, 3000,
                                                       ignore_eos=True))
     stream = iter(call)
     next(stream), next(stream)                           # first token, then decode tokens
@@ -68,7 +70,7 @@ def test_cancel_during_decode_frees_both_workers(fleet):
 
 def test_cancel_during_prefill_frees_both_workers(fleet):
     long_prompt = list(range(100, 3100))                  # ~3000 tokens: prefill takes a while
-    call = fleet.router_stub().Generate(route_request("cancel-prefill", long_prompt, 10))
+    call = fleet.generate(route_request("cancel-prefill", long_prompt, 10))
     time.sleep(0.15)
     call.cancel()
     assert wait_until(lambda: idle(fleet, *ALL), 1.0)
@@ -79,7 +81,7 @@ def test_cancel_right_after_the_first_token_during_the_kv_transfer_frees_both_wo
     # 4,000 tokens) into the decode reservation: a client that hangs up on the first token
     # cancels while that transfer runs or before decode starts
     long_prompt = [100 + i % 3900 for i in range(4000)]
-    call = fleet.router_stub().Generate(route_request("cancel-kv", long_prompt, 50,
+    call = fleet.generate(route_request("cancel-kv", long_prompt, 50,
                                                       ignore_eos=True))
     first = next(iter(call))
     assert first.served_by.startswith("prefill") and len(first.token_ids) == 1
@@ -88,7 +90,7 @@ def test_cancel_right_after_the_first_token_during_the_kv_transfer_frees_both_wo
 
 
 def test_an_answer_that_ends_at_the_first_token_releases_the_reservation(fleet):
-    chunks = list(fleet.router_stub().Generate(route_request("one", PROMPT, 1)))
+    chunks = list(fleet.generate(route_request("one", PROMPT, 1)))
     assert chunks[-1].finished and chunks[-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks) == 1
     assert wait_until(lambda: idle(fleet, *ALL), 1.0)
@@ -106,35 +108,39 @@ def test_a_request_id_can_be_reserved_again_once_its_reservation_was_released(fl
     assert wait_until(lambda: idle(fleet, *ALL), 1.0)
 
 
-def test_bad_request_is_invalid_argument(fleet):
+def test_bad_request_is_invalid_argument_with_the_engines_code(fleet):
     with pytest.raises(grpc.RpcError) as info:
-        list(fleet.router_stub().Generate(route_request("bad", [1, 999999], 4)))
+        list(fleet.generate(route_request("bad", [1, 999999], 4)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "token" in info.value.details()
+    st = status.of(info.value)
+    assert st.reason == pb.INVALID_REQUEST and st.code == "token_out_of_vocab"
+    assert "token" in st.message
 
 
-def test_every_service_names_its_mux_listener_and_nothing_listens_off_loopback(fleet):
-    list(fleet.router_stub().Generate(route_request("warm", PROMPT, 4)))   # KV has moved
-    with fleet.channel(fleet.router) as ch:
-        addresses = [pb_grpc.RouterStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address]
-    for name in ALL:
-        with fleet.channel(fleet.workers[name]) as ch:
-            addresses.append(pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5).mux_address)
+def test_the_plan_names_the_workers_and_the_router_is_on_no_token_path(fleet):
+    call = fleet.generate(route_request("planned", PROMPT, 6, ignore_eos=True))
+    chunks = list(call)
+    plan = call.run.plan
+    assert plan.mode == pb.Plan.DISAGGREGATED and plan.router_id == "router"
+    assert plan.decode.worker_id in ("decode-0", "decode-1") and plan.target.block_ids
+    assert chunks[0].served_by == plan.prefill[0].worker_id
+    assert {c.served_by for c in chunks[1:]} == {plan.decode.worker_id}
+
+
+def test_nothing_listens_off_loopback(fleet):
+    list(fleet.generate(route_request("warm", PROMPT, 4)))   # KV has moved
     pids = [child.proc.pid for child in fleet.launcher.children.values()]
     listening = listening_sockets(pids)
     assert listening, "found no listening socket at all: the /proc parsing is broken"
-    for address in addresses:                      # each names a loopback mux listener of its own
-        host, port = address.rsplit(":", 1)
-        assert host == "127.0.0.1" and ("127.0.0.1", int(port)) in listening
-    assert len(set(addresses)) == 5
-    assert {ip for ip, _ in listening} == {"127.0.0.1"}   # gRPC, mux and KV receivers alike
+    ports = {int(a.rsplit(":", 1)[1]) for a in [*fleet.routers, *fleet.workers.values()]}
+    assert ports <= {port for _, port in listening}
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}   # gRPC and KV receivers alike
 
 
 def test_a_killed_decode_worker_ends_the_stream_with_an_error_and_the_fleet_goes_on(fleet):
     # runs last in this module: it kills a worker of the shared fleet
-    stub = fleet.router_stub()
     victim = None
-    call = stub.Generate(route_request("victim", PROMPT, 3000, ignore_eos=True))
+    call = fleet.generate(route_request("victim", PROMPT, 3000, ignore_eos=True))
     stream = iter(call)
     for chunk in stream:
         if chunk.served_by.startswith("decode"):
@@ -149,7 +155,7 @@ def test_a_killed_decode_worker_ends_the_stream_with_an_error_and_the_fleet_goes
     assert wait_until(lambda: idle(fleet, *survivors), 2.0)
     # the dead worker's heartbeat goes stale; new requests are served by the rest
     time.sleep(1.2)
-    chunks = list(stub.Generate(route_request("after", PROMPT, 8, ignore_eos=True)))
+    chunks = list(fleet.generate(route_request("after", PROMPT, 8, ignore_eos=True)))
     assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 8
     assert victim not in {c.served_by for c in chunks}
 
@@ -159,6 +165,6 @@ def test_a_killed_prefill_worker_is_retried_elsewhere_before_the_first_token(fle
     # the router's first choice (equal cost, lowest id), so the first attempt hits a dead worker
     assert wait_until(lambda: "prefill-0" in {w for w in fleet.workers}, 1)
     fleet.launcher.kill("prefill-0")
-    chunks = list(fleet.router_stub().Generate(route_request("retry", PROMPT, 6, ignore_eos=True)))
+    chunks = list(fleet.generate(route_request("retry", PROMPT, 6, ignore_eos=True)))
     assert chunks[0].served_by == "prefill-1"
     assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 6

@@ -85,7 +85,7 @@ def start_worker(fleet: Fleet, model_dir: str, engine_config: str, name: str = "
 
 def start_gateway(fleet: Fleet, model_dir: str, name: str = "gateway", *extra: str) -> Gateway:
     http = fleet.launcher.start(name, ["services.gateway", "--model", model_dir, "--router",
-                                       fleet.router, "--redis-url", fleet.redis_url, *extra])
+                                       ",".join(fleet.routers), "--redis-url", fleet.redis_url, *extra])
     grpc_line = next(line for line in fleet.launcher.children[name].lines if line.startswith("GRPC "))
     model = model_dir.rstrip("/").rsplit("/", 1)[-1]
     return Gateway(http=http, grpc=grpc_line.split()[-1], model=model)

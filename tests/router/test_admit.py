@@ -1,0 +1,143 @@
+"""The router's decision, read directly: Admit answers with a plan (prefill worker and a fallback,
+decode worker, the reservation's KV target and deadline) and keeps nothing of the request; two
+routers over one Redis decide alike; a full fleet is refused with OVERLOADED and a retry hint, a
+fleet missing a role with UNAVAILABLE.
+
+Real worker processes and a real redis-server; the routers under test run in this process
+(RouterServicer, called through a real gRPC server on 127.0.0.1).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.cli.launcher import wait_until
+from services.protocol import status
+from services.protocol.aio import internal_channel
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.router.service import RouterServicer
+from services.state.fleet_state import FleetState
+from tests.fleet.fleet_helpers import route_request, running_fleet
+
+PROMPT = list(range(100, 166))          # 66 tokens: 5 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def workers(redis_url, tiny_model_dir):
+    """One prefill and one decode worker process (no router process: the tests bring theirs)."""
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", routers=0) as fleet:
+        assert wait_until(lambda: len(fleet.workers) == 2 and all(
+            fleet.stats(n).kv_blocks_total for n in fleet.workers), 30)
+        yield fleet
+
+
+async def serve_routers(fleet, n: int, mode: str = "disagg"):
+    """n routers over the fleet's Redis, each behind its own gRPC server; -> (stubs, closer)."""
+    servers, states, channels, stubs = [], [], [], []
+    for i in range(n):
+        state = FleetState(fleet.redis_url)
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(RouterServicer(state, mode, f"r{i}"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = internal_channel(f"127.0.0.1:{port}", fleet.auth)
+        servers.append(server), states.append(state), channels.append(channel)
+        stubs.append(pb_grpc.RouterStub(channel))
+
+    async def close():
+        for c in channels:
+            await c.close()
+        for s in servers:
+            await s.stop(0)
+        for s in states:
+            await s.close()
+    return stubs, close
+
+
+async def cancel(fleet, plan: pb.Plan) -> None:
+    async with internal_channel(plan.decode.address, fleet.auth) as ch:
+        assert (await pb_grpc.WorkerStub(ch).Cancel(
+            pb.CancelRequest(request_id=plan.request_id), timeout=5)).cancelled
+
+
+def test_a_plan_names_both_workers_and_holds_a_reservation_on_the_decode_worker(workers):
+    async def story():
+        (router,), close = await serve_routers(workers, 1)
+        try:
+            plan = await router.Admit(route_request("p1", PROMPT, 8), timeout=10)
+            assert plan.mode == pb.Plan.DISAGGREGATED and plan.router_id == "r0"
+            assert [w.worker_id for w in plan.prefill] == ["prefill-0"]
+            assert plan.prefill[0].address == workers.workers["prefill-0"]
+            assert plan.decode.worker_id == "decode-0"
+            assert plan.target.worker_id == "decode-0" and len(plan.target.block_ids) == 5
+            assert plan.deadline_unix_s > 0
+            # the reservation lives on the decode worker, not in the router
+            assert workers.stats("decode-0").kv_blocks_reserved > 0
+            await cancel(workers, plan)
+        finally:
+            await close()
+    asyncio.run(story())
+    assert wait_until(lambda: workers.stats("decode-0").kv_blocks_reserved == 0 and
+                      workers.stats("decode-0").kv_blocks_used == 0, 5)
+
+
+def test_two_routers_over_one_redis_place_alike(workers):
+    async def story():
+        routers, close = await serve_routers(workers, 2)
+        try:
+            plans = [await r.Admit(route_request(f"twin-{i}", PROMPT, 8), timeout=10)
+                     for i, r in enumerate(routers)]
+            assert {p.router_id for p in plans} == {"r0", "r1"}
+            assert {(p.prefill[0].worker_id, p.decode.worker_id) for p in plans} == {
+                ("prefill-0", "decode-0")}
+            for p in plans:
+                await cancel(workers, p)
+        finally:
+            await close()
+    asyncio.run(story())
+
+
+def test_a_full_decode_pool_is_refused_overloaded_with_a_retry_hint(workers):
+    stats = workers.stats("decode-0")
+    long = list(range(100, 100 + min(stats.max_model_len - 64, 2000)))
+    most = stats.kv_blocks_total // (len(long) // stats.block_size) + 2
+
+    async def story():
+        (router,), close = await serve_routers(workers, 1)
+        plans = []
+        try:
+            for i in range(most):                  # reserve until the decode pool is full
+                try:
+                    plans.append(await router.Admit(route_request(f"fill-{i}", long, 32),
+                                                    timeout=10))
+                except grpc.aio.AioRpcError as e:
+                    return plans, e
+            return plans, None
+        finally:
+            for p in plans:
+                await cancel(workers, p)
+            await close()
+    plans, error = asyncio.run(story())
+    assert plans and error is not None, f"{len(plans)} reservations and no refusal"
+    st = status.of(error)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and st.reason == pb.OVERLOADED
+    assert st.retry_after_s > 0 and "decode-0" in st.message and "blocks available" in st.message
+    assert wait_until(lambda: workers.stats("decode-0").kv_blocks_reserved == 0, 5)
+
+
+def test_a_fleet_without_a_mixed_worker_is_unavailable_to_a_colocated_router(workers):
+    async def story():
+        (router,), close = await serve_routers(workers, 1, mode="colocated")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await router.Admit(route_request("nomixed", PROMPT, 4), timeout=10)
+            return info.value
+        finally:
+            await close()
+    error = asyncio.run(story())
+    st = status.of(error)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and st.reason == pb.UNAVAILABLE
+    assert "no healthy mixed worker" in st.message and st.retry_after_s >= 1
