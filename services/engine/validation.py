@@ -2,15 +2,12 @@
 what is wrong and what the limits are. Nothing here touches engine state."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from services.engine import errors
 from services.engine.admission import cdiv
 from services.engine.config import SchedulerConfig, Tenant, TrafficClass
-from services.engine.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20
+from services.engine.sampling_params import SamplingParams, validate_sampling
 
 
 class RequestValidator:
@@ -52,25 +49,9 @@ class RequestValidator:
         return cls
 
     def _sampling(self, p: SamplingParams) -> None:
-        if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens <= 0:
-            raise errors.InvalidMaxTokensError(
-                f"max_tokens must be a positive integer, got {p.max_tokens!r}")
-        if not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature)
-                and p.temperature >= 0):
-            raise errors.InvalidSamplingError(f"temperature must be >= 0, got {p.temperature!r}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise errors.InvalidSamplingError(f"top_p must be in (0, 1], got {p.top_p!r}")
-        if p.top_k < -1:
-            raise errors.InvalidSamplingError(f"top_k must be -1, 0 (off) or positive, got {p.top_k}")
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(p, name)
-            if n is not None and not 0 <= n <= MAX_LOGPROBS:
-                raise errors.InvalidSamplingError(
-                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {n}")
+        validate_sampling(p, self.vocab_size)
         if p.stop and self.tokenizer is None:
             raise errors.InvalidSamplingError("stop strings need a model with a tokenizer")
-        if any(not isinstance(s, str) or not s for s in p.stop):
-            raise errors.InvalidSamplingError("stop strings must be non-empty strings")
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -6,20 +6,20 @@ the API key. Each check raises a GatewayError whose message says what is wrong a
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jinja2
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.engine import errors as engine_errors
 from services.engine.config import TrafficClass
+from services.engine.sampling_params import (MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE,
+                                             SamplingParams, validate_sampling)
 from services.gateway import errors
 from services.gateway.config import ApiKey
 from services.gateway.model import ServedModel
 
-MAX_LOGPROBS = 20          # the engine's limit (engine/validation.py)
-MAX_STOP_STRINGS = 16
-MAX_TEMPERATURE = 2.0      # OpenAI's range
+__all__ = ["MAX_LOGPROBS", "MAX_STOP_STRINGS", "MAX_TEMPERATURE", "Generation", "Validator"]
 
 
 @dataclass(frozen=True)
@@ -135,23 +135,22 @@ class Validator:
 
     # ---------------------------------------------------------- sampling params
     def check_params(self, p: pb.SamplingParams) -> None:
-        """Ranges of the wire params. Proto3 reads top_p 0 as 'off' (1.0)."""
-        if not (math.isfinite(p.temperature) and 0.0 <= p.temperature <= MAX_TEMPERATURE + 1e-6):
-            raise errors.bad_request(f"temperature must be in [0, {MAX_TEMPERATURE}], got "
-                                     f"{p.temperature:g}", "temperature", "invalid_value")
-        if not (math.isfinite(p.top_p) and 0.0 <= p.top_p <= 1.0 + 1e-6):
-            raise errors.bad_request(f"top_p must be in (0, 1], got {p.top_p:g}", "top_p", "invalid_value")
-        if p.top_k < -1:
-            raise errors.bad_request(f"top_k must be -1, 0 (off) or positive, got {p.top_k}", "top_k",
-                                     "invalid_value")
-        for name in ("logprobs", "prompt_logprobs"):
-            if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
-                raise errors.bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got "
-                                         f"{getattr(p, name)}", name, "invalid_value")
-        if len(p.stop) > MAX_STOP_STRINGS or any(not s for s in p.stop):
-            raise errors.bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings",
-                                     "stop", "invalid_value")
-        bad = [t for t in p.stop_token_ids if t >= self.model.vocab_size]
-        if bad:
-            raise errors.bad_request(f"stop_token_ids must be in [0, {self.model.vocab_size}), got "
-                                     f"{bad[:5]}", "stop_token_ids", "invalid_value")
+        """The wire params through the engine's own check (one validation for both), its error
+        as a 400 naming the field, with the engine's message."""
+        try:
+            validate_sampling(_engine_params(p), self.model.vocab_size)
+        except engine_errors.InvalidRequestError as e:
+            code = ("invalid_max_tokens" if isinstance(e, engine_errors.InvalidMaxTokensError)
+                    else "invalid_value")
+            raise errors.bad_request(e.message, getattr(e, "param", None), code) from None
+
+
+def _engine_params(p: pb.SamplingParams) -> SamplingParams:
+    """As services.protocol.convert.params_from_pb reads them (proto3: top_p 0 is 'not set'),
+    without importing that module's torch-side converters."""
+    return SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
+        seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
