@@ -1,4 +1,9 @@
-"""The `kvfleet` command line. Each subcommand is a thin parser over a module that does the work."""
+"""The `kvfleet` command line. Each subcommand is a thin parser over a module that does the work.
+
+Building the parser imports nothing heavy (no torch, no load tester, no fleet): a subcommand whose
+arguments are defined by its own module (`serve`, `up`, the load tests ...) is a `Delegate`, whose
+module is imported, and whose arguments are parsed, only when that subcommand runs.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +11,7 @@ import importlib
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -14,6 +20,34 @@ def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         return getattr(importlib.import_module(module), function)(args)
     return run
+
+
+@dataclass(frozen=True)
+class Delegate:
+    """A subcommand whose arguments another module defines: `add_args(parser)` adds them and
+    `run(namespace)` runs it, both named "module:function" and imported when it runs."""
+
+    prog: str                         # "kvfleet bench serve"
+    help: str
+    add_args: str                     # "loadtests.cli:add_serve_args"
+    run: str                          # "loadtests.cli:run_serve"
+
+    def __call__(self, argv: list[str]) -> int:
+        parser = argparse.ArgumentParser(prog=self.prog, description=self.help)
+        _function(self.add_args)(parser)
+        return _function(self.run)(parser.parse_args(argv))
+
+
+def _function(name: str) -> Callable:
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _delegate(sub, prog: str, help: str, add_args: str, run: str) -> None:
+    """The subcommand named by `prog`'s last word takes whatever follows it (`--help` included)
+    to its module's own parser."""
+    sub.add_parser(prog.rsplit(" ", 1)[-1], help=help, add_help=False).set_defaults(
+        delegate=Delegate(prog, help, add_args, run))
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -33,7 +67,8 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def run_worker(args: argparse.Namespace) -> int:
+    """`kvfleet serve`: one worker process until it is told to stop."""
     from services.protocol.aio import run
     from services.worker.serve import serve
     return run(serve(args))
@@ -92,15 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the baseline run whose prefills are not chunked")
     d.set_defaults(func=_demo)
 
-    from services.worker.serve import add_worker_args
-    w = sub.add_parser("serve", help="run one worker process (prefill | decode | mixed)")
-    add_worker_args(w)
-    w.set_defaults(func=_serve)
-
-    from services.cli.up import add_up_args
-    u = sub.add_parser("up", help="start the whole fleet on this host (Ctrl-C stops it)")
-    add_up_args(u)
-    u.set_defaults(func=_lazy("services.cli.up", "run_up"))
+    _delegate(sub, "kvfleet serve", "run one worker process (prefill | decode | mixed)",
+              "services.worker.serve:add_worker_args", "services.cli.cli:run_worker")
+    _delegate(sub, "kvfleet up", "start the whole fleet on this host (Ctrl-C stops it)",
+              "services.cli.up:add_up_args", "services.cli.up:run_up")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="target", required=True)
@@ -116,43 +146,38 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--repeats", type=int, default=40)
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_lazy("services.cli.fleet_bench", "run_fleet_bench"))
-    from loadtests.burst import add_burst_args
-    bb = bsub.add_parser("burst", help="N chats (+ M documents) at once against an OpenAI endpoint: "
-                                       "refusals, TTFT / ITL, tok/s")
-    add_burst_args(bb)
-    bb.set_defaults(func=_lazy("loadtests.burst", "run_burst"))
-    from services.cli.fleet_soak import add_soak_args
-    bk = bsub.add_parser("soak", help="a supervised fleet under closed-loop load with random "
-                                      "disconnects: outcomes, leaks, RSS")
-    add_soak_args(bk)
-    bk.set_defaults(func=_lazy("services.cli.fleet_soak", "run_soak"))
-    from loadtests.cli import add_compare_args, add_evaluation_args, add_serve_args
-    bs = bsub.add_parser("serve", help="open-loop load test of an OpenAI-compatible endpoint: SLO report")
-    add_serve_args(bs)
-    bs.set_defaults(func=_lazy("loadtests.cli", "run_serve"))
-    bc = bsub.add_parser("compare", help="the same seeded load test against two endpoints, and the ratios")
-    add_compare_args(bc)
-    bc.set_defaults(func=_lazy("loadtests.cli", "run_compare"))
-    bv = bsub.add_parser("evaluation", help="regenerate docs/evaluation.md: setups x arrival rates")
-    add_evaluation_args(bv)
-    bv.set_defaults(func=_lazy("loadtests.evaluation", "run_evaluation"))
+    _delegate(bsub, "kvfleet bench burst", "N chats (+ M documents) at once against an OpenAI "
+              "endpoint: refusals, TTFT / ITL, tok/s", "loadtests.burst:add_burst_args",
+              "loadtests.burst:run_burst")
+    _delegate(bsub, "kvfleet bench soak", "a supervised fleet under closed-loop load with random "
+              "disconnects: outcomes, leaks, RSS", "services.cli.fleet_soak:add_soak_args",
+              "services.cli.fleet_soak:run_soak")
+    _delegate(bsub, "kvfleet bench serve", "open-loop load test of an OpenAI-compatible endpoint: "
+              "SLO report", "loadtests.cli:add_serve_args", "loadtests.cli:run_serve")
+    _delegate(bsub, "kvfleet bench compare", "the same seeded load test against two endpoints, and "
+              "the ratios", "loadtests.cli:add_compare_args", "loadtests.cli:run_compare")
+    _delegate(bsub, "kvfleet bench evaluation", "regenerate docs/evaluation.md: setups x arrival "
+              "rates", "loadtests.cli:add_evaluation_args", "loadtests.evaluation:run_evaluation")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)
-    from loadtests.quality.gate import add_quality_args
-    eq = esub.add_parser("quality", help="gate: score a candidate model against the reference on an eval set")
-    add_quality_args(eq)
-    eq.set_defaults(func=_lazy("loadtests.quality.gate", "run_quality"))
+    _delegate(esub, "kvfleet eval quality", "gate: score a candidate model against the reference on "
+              "an eval set", "loadtests.quality.gate:add_quality_args",
+              "loadtests.quality.gate:run_quality")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    delegate = getattr(args, "delegate", None)
+    if delegate is None and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # SIGTERM ends a command as Ctrl-C does: its `finally` blocks stop the fleets and servers it
     # started (the bench and demo commands launch whole fleets). `kvfleet up` and the workers
     # install their own handlers on top of this one.
     signal.signal(signal.SIGTERM, _terminate)
-    return args.func(args)
+    return delegate(rest) if delegate is not None else args.func(args)
 
 
 def _terminate(signum: int, frame) -> None:
