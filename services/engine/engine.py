@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,7 +24,7 @@ from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.errors import DuplicateRequestError, UnknownRequestError
 from services.engine.model.batch import SeqChunk
 from services.engine.model.config import ModelConfig
-from services.engine.model.kv_cache import KVCache, kv_bytes_per_token
+from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape
 from services.engine.model.loader import load_model
 from services.engine.model.runner import ModelRunner
 from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
@@ -67,8 +67,13 @@ def resolve_model_dir(model: str) -> str:
     return model
 
 
+# Allocates the KV cache's memory: (shape, dtype) -> a zeroed tensor (e.g. in shared memory).
+KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock=time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, clock=time.monotonic,
+                 kv_alloc: KVAllocator | None = None) -> None:
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -77,7 +82,10 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         num_blocks = config.num_blocks or max(1, (config.kv_cache_mib << 20) // (
             kv_bytes_per_token(self.model_config, dtype) * config.block_size))
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype)
+        kv_data = (kv_alloc(kv_cache_shape(self.model_config, num_blocks, config.block_size), dtype)
+                   if kv_alloc is not None else None)
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype,
+                                data=kv_data)
         self.runner = ModelRunner(model, self.kv_cache)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

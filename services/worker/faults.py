@@ -3,6 +3,10 @@ fault. Production processes never set these; they exist so that a test can make 
 process fail the way a bug would, and check that the fleet survives it.
 
   KVFLEET_FAULT_ENGINE_STEP=N   the engine's N-th step() (1-based) raises InjectedFault
+
+The engine core process (services/worker/engine_core.py) installs them on its engine; it inherits
+the worker's environment. The fault then surfaces like a real one: the core sends a Failure naming
+InjectedFault and exits, and the server fails every request with EngineFailed and exits 70.
 """
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""Start one worker process: the engine in a role, served over gRPC on 127.0.0.1, heartbeating its
-capacity into Redis. `python -m services.prefill|services.decode` and `kvfleet serve ROLE` land here.
+"""Start one worker: the engine core process (services/worker/engine_core.py) and this server
+process, which serves gRPC on 127.0.0.1, moves KV and heartbeats its stats into Redis.
+`python -m services.prefill|services.decode` and `kvfleet serve ROLE` land here.
 
 Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
-for it). SIGTERM / SIGINT: stop accepting, drop the Redis record, stop the engine thread, exit 0.
+for it). SIGTERM / SIGINT: stop accepting, drop the Redis record, stop the engine core, exit 0.
+The engine core dies: its requests fail, the worker reports NOT_SERVING and exits
+ENGINE_FAILED_EXIT (the supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -12,30 +15,29 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 
 import grpc
 import torch
 from redis.exceptions import RedisError
 
-from services.worker import faults
-from services.protocol import fleet_token
-from services.protocol.aio import LOOPBACK, run, setup_logging
-from services.protocol.shutdown import wait_for_stop_signal
-from services.worker.engine_loop import EngineLoop
-from services.state.fleet_state import FleetState, WorkerRecord
-from services.state.outage import UNREACHABLE, Backoff, Outage
-from services.protocol.mux import MuxListener
-from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.worker.servicer import WorkerConfig, WorkerServicer
 from services.engine.config import EngineConfig
 from services.engine.config_file import load_engine_config
-from services.engine.engine import LLMEngine
-from dataclasses import replace
+from services.engine.engine import EngineStats
+from services.protocol import fleet_token
+from services.protocol.aio import LOOPBACK, run, setup_logging
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.shutdown import wait_for_stop_signal
+from services.state.fleet_state import FleetState
+from services.state.outage import UNREACHABLE, Backoff, Outage
+from services.worker.engine_client import EngineClient
+from services.worker.servicer import WorkerConfig, WorkerServicer
 
 log = logging.getLogger(__name__)
 
-SWITCH_INTERVAL_S = 0.0005
-ENGINE_FAILED_EXIT = 70     # EX_SOFTWARE: the engine loop died; the supervisor restarts the worker
+ENGINE_FAILED_EXIT = 70     # EX_SOFTWARE: the engine core died; the supervisor restarts the worker
+GRPC_GRACE_S = 1.0          # SIGTERM: in-flight calls get this long, then the engine core stops
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None:
@@ -75,9 +77,9 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
-async def heartbeat_forever(state: FleetState, loop: EngineLoop, config: WorkerConfig,
+async def heartbeat_forever(state: FleetState, engine: EngineClient, config: WorkerConfig,
                             address: str, ttl_s: float, every_s: float) -> None:
-    """Publish this worker's record every `every_s` until cancelled. A failed beat (Redis down, or
+    """Publish this worker's stats every `every_s` until cancelled. A failed beat (Redis down, or
     anything else) never ends the loop: it is retried with capped, jittered backoff (one warning
     per outage, one info line on recovery), and the first beat that lands re-registers the worker,
     also into an empty new Redis."""
@@ -86,7 +88,8 @@ async def heartbeat_forever(state: FleetState, loop: EngineLoop, config: WorkerC
     broken = False                 # the last beat failed on something other than Redis
     while True:
         try:
-            await redis.call(state.heartbeat, await _worker_record(loop, config, address), ttl_s)
+            stats = worker_stats(config, engine, await engine.stats(), address)
+            await redis.call(state.heartbeat, stats, ttl_s)
             delay, broken = every_s, False
         except UNREACHABLE:
             delay = max(redis.retry_in(), 0.05)
@@ -97,19 +100,18 @@ async def heartbeat_forever(state: FleetState, loop: EngineLoop, config: WorkerC
         await asyncio.sleep(delay)
 
 
-async def _worker_record(loop: EngineLoop, config: WorkerConfig, address: str) -> WorkerRecord:
-    engine = loop.engine
-    s = await loop.call(engine.stats)
-    return WorkerRecord(
-        worker_id=config.worker_id, role=config.role, grpc_address=address,
-        kv_backend=config.kv_backend, block_size=engine.pool.block_size,
-        kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
-        kv_blocks_reserved=s.kv_blocks_reserved, kv_blocks_used=s.kv_blocks_used,
-        running=s.num_running, queued=s.num_queued,
+def worker_stats(config: WorkerConfig, engine: EngineClient, s: EngineStats,
+                 address: str) -> pb.WorkerStats:
+    """The heartbeat record: the engine's stats and where and what this worker is."""
+    return pb.WorkerStats(
+        worker_id=config.worker_id, role=config.role, kv_blocks_total=s.kv_blocks_total,
+        kv_blocks_free=s.kv_blocks_free, kv_blocks_used=s.kv_blocks_used,
+        kv_blocks_reserved=s.kv_blocks_reserved, kv_blocks_cached=s.kv_blocks_cached,
+        num_running=s.num_running, num_queued=s.num_queued,
         queued_prefill_tokens=s.queued_prefill_tokens,
-        prefill_tokens_per_s=s.prefill_tokens_per_s,
-        decode_tokens_per_s=s.decode_tokens_per_s, model=engine.config.model,
-        max_model_len=engine.max_model_len, updated_at=time.time())
+        prefill_tokens_per_s=s.prefill_tokens_per_s, decode_tokens_per_s=s.decode_tokens_per_s,
+        block_size=engine.block_size, grpc_address=address, kv_backend=config.kv_backend,
+        model=engine.model, max_model_len=engine.max_model_len, updated_at_unix_s=time.time())
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -119,50 +121,51 @@ async def serve(args: argparse.Namespace) -> int:
     auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    # The engine thread and the asyncio gRPC thread share the GIL. At Python's default 5 ms switch
-    # interval a finished token could wait up to 5 ms for the thread that sends it.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     config = WorkerConfig(worker_id, args.role, args.kv_backend,
                           reserve_timeout_s=args.reserve_timeout_s)
-    engine = LLMEngine(engine_config_for(args))
-    faults.install(engine)
+    failed = asyncio.Event()     # the engine core died: shut down and exit non-zero (restarted)
+    engine = EngineClient(engine_config_for(args), on_failure=lambda _: failed.set(),
+                          torch_threads=args.threads)
+    await engine.start()
+    try:
+        return await _serve(args, auth, config, engine, failed)
+    finally:
+        await engine.close()
+
+
+async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
+                 failed: asyncio.Event) -> int:
     transport = None
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
-        transport = make_transport(args.kv_backend, worker_id)
+        transport = make_transport(args.kv_backend, config.worker_id)
         transport.register(engine.kv_cache)
-    failed = asyncio.Event()     # the engine died: shut down and exit non-zero (restarted)
-    loop = EngineLoop(engine, asyncio.get_running_loop(), on_failure=lambda _: failed.set())
-    loop.start()
-    servicer = WorkerServicer(config, loop, transport)
+    servicer = WorkerServicer(config, engine, transport)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
-    mux = MuxListener(servicer.mux, auth)
-    servicer.mux_address = await mux.start(args.host)
     address = f"{args.host}:{port}"
     state = FleetState(args.redis_url) if args.redis_url else None
-    beat = (asyncio.create_task(heartbeat_forever(state, loop, config, address,
+    beat = (asyncio.create_task(heartbeat_forever(state, engine, config, address,
                                                   ttl_s=3 * args.heartbeat_s,
                                                   every_s=args.heartbeat_s))
             if state else None)
-    print(f"READY {worker_id} {address}", flush=True)
+    print(f"READY {config.worker_id} {address}", flush=True)
     await wait_for_stop_signal(failed)
     if failed.is_set():
-        print(f"worker {worker_id}: {loop.failure}; exiting with status {ENGINE_FAILED_EXIT}",
-              file=sys.stderr, flush=True)
+        print(f"worker {config.worker_id}: {engine.failure}; exiting with status "
+              f"{ENGINE_FAILED_EXIT}", file=sys.stderr, flush=True)
     if beat:
         beat.cancel()
         try:
-            await state.remove_worker(worker_id)
+            await state.remove_worker(config.worker_id)
         except RedisError as e:            # Redis down: the record expires with its TTL anyway
-            log.warning("could not remove worker %s from Redis at shutdown: %s", worker_id, e)
+            log.warning("could not remove worker %s from Redis at shutdown: %s",
+                        config.worker_id, e)
         await state.close()
-    await mux.close()
-    await server.stop(grace=1.0)
-    loop.stop()
+    await server.stop(grace=GRPC_GRACE_S)
     if transport is not None:
         transport.close()
     return ENGINE_FAILED_EXIT if failed.is_set() else 0

@@ -22,9 +22,18 @@ def kv_bytes_per_token(model_config: ModelConfig, dtype: str | torch.dtype) -> i
     return model_config.num_layers * per_layer * resolve_dtype(dtype).itemsize
 
 
+def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The `data` layout: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    return (model_config.num_layers, 2, num_blocks, block_size, model_config.num_kv_heads,
+            model_config.head_dim)
+
+
 class KVCache:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: str | torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: str | torch.dtype, device: torch.device | str = "cpu",
+                 data: torch.Tensor | None = None):
+        """`data`: optional memory to hold the cache (e.g. shared with another process), zeroed,
+        of kv_cache_shape(...) and `dtype`; by default the cache allocates its own."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1 (got {num_blocks}, {block_size})")
         self.num_blocks = num_blocks
@@ -32,9 +41,22 @@ class KVCache:
         self.num_layers = model_config.num_layers
         self.dtype = resolve_dtype(dtype)
         self._bytes_per_token = kv_bytes_per_token(model_config, self.dtype)
-        shape = (model_config.num_layers, 2, num_blocks, block_size, model_config.num_kv_heads,
-                 model_config.head_dim)
-        self.data = torch.zeros(shape, dtype=self.dtype, device=device)
+        shape = kv_cache_shape(model_config, num_blocks, block_size)
+        if data is None:
+            data = torch.zeros(shape, dtype=self.dtype, device=device)
+        elif tuple(data.shape) != shape or data.dtype != self.dtype:
+            raise ValueError(f"KVCache: data {tuple(data.shape)} {data.dtype} != {shape} {self.dtype}")
+        self.data = data
+
+    @classmethod
+    def over(cls, data: torch.Tensor) -> KVCache:
+        """A KVCache over existing memory of the layout above (another process's cache, shared):
+        everything it needs is in the tensor's shape and dtype."""
+        cache = cls.__new__(cls)
+        layers, _, cache.num_blocks, cache.block_size, kv_heads, head_dim = data.shape
+        cache.num_layers, cache.dtype, cache.data = layers, data.dtype, data
+        cache._bytes_per_token = layers * 2 * kv_heads * head_dim * data.dtype.itemsize
+        return cache
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,419 @@
+"""The server process's handle on its engine core (services/worker/engine_core.py).
+
+    client = EngineClient(config, on_failure=...)
+    await client.start()                  spawn the core, wait for Ready, map its KV memory
+    stream = client.stream(rid)           open BEFORE adding, so no output can be missed
+    await client.add_request(rid, ...)    typed commands; each await resolves with the core's reply
+    async for out in stream: ...          that request's deltas; ends after `finished`
+    client.cancel_soon(rid)               fire-and-forget (safe in `finally` of a cancelled task)
+    await client.close()                  Shutdown, then SIGTERM, then SIGKILL; idempotent
+
+Everything runs on the asyncio loop: one reader task decodes the core's messages (replies resolve
+the futures of pending calls; each step's outputs are routed to the open streams) and the core
+process is watched with loop.add_reader on its pidfd. No threads, no GIL choreography.
+
+The core is `python -m services.worker.engine_core RUN_DIR` (a fresh interpreter: nothing of the
+server's main module is re-imported, as multiprocessing's spawn would). Its stdin carries the
+EngineConfig, then stays open: the core exits when it reaches EOF, i.e. when this process is gone.
+
+Backpressure: the core never waits for a client. Deltas queue per stream and a slow consumer
+receives them coalesced (tokens, text and logprobs concatenated) the next time it reads.
+
+Failure ([H2]): when the core sends a Failure, or exits without one (killed, crashed), every open
+stream and every pending and later call raises EngineFailed, `failure` is set, and `on_failure`
+runs once (the worker marks itself NOT_SERVING and exits ENGINE_FAILED_EXIT). Nothing that waited
+on the engine hangs.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from services.engine import errors
+from services.engine.config import EngineConfig
+from services.engine.engine import EngineStats
+from services.engine.model.kv_cache import KVCache
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.worker import engine_core as core
+from services.worker.engine_core import (ENCODER, REPLY_DECODER, Blocks, CallFailed, Cancelled,
+                                         Done, Failure, Ready, Reserved, Stats, StepOutputs)
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0    # loading a large model's weights takes a while
+EXIT_GRACE_S = 1.0         # close(): after Shutdown, then again after SIGTERM, before SIGKILL
+FAILURE_GRACE_S = 1.0      # the core exited: how long its Failure message may still be in flight
+
+
+class EngineFailed(RuntimeError):
+    """The engine core died (see EngineClient.failure); nothing more runs on this engine."""
+
+
+class EngineCallError(RuntimeError):
+    """A command raised in the core something other than the engine's typed errors."""
+
+
+class OutputStream:
+    """One request's deltas, delivered on the asyncio loop; iteration ends after `finished`."""
+
+    def __init__(self) -> None:
+        self._pending: list[RequestOutput] = []
+        self._event = asyncio.Event()
+        self._failure: EngineFailed | None = None
+
+    def deliver(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+        self._event.set()
+
+    def fail(self, error: EngineFailed) -> None:
+        self._failure = error
+        self._event.set()
+
+    async def next(self) -> RequestOutput:
+        """The deltas that arrived since the last read, merged into one. Raises EngineFailed once
+        the engine died (deltas that arrived before are still read first)."""
+        while not self._pending:
+            if self._failure is not None:
+                raise self._failure
+            self._event.clear()
+            await self._event.wait()
+        outs, self._pending = self._pending, []
+        return merge(outs)
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            out = await self.next()
+            yield out
+            if out.finished:
+                return
+
+
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    first = outs[0]
+    if len(outs) == 1:
+        return first
+    last = outs[-1]
+    return RequestOutput(
+        request_id=first.request_id,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        new_logprobs=[lp for o in outs for lp in o.new_logprobs],
+        finished=last.finished, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+        error=last.error, retry_after_s=last.retry_after_s,
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
+        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, *,
+                 on_failure: Callable[[EngineFailed], None] | None = None,
+                 torch_threads: int = 0, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self.config = config
+        self.failure: EngineFailed | None = None
+        self._on_failure = on_failure
+        self._torch_threads = torch_threads
+        self._start_timeout_s = start_timeout_s
+        self._ids = itertools.count(core.NO_REPLY + 1)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._streams: dict[str, OutputStream] = {}
+        self._ready: Ready | None = None
+        self._kv_cache: KVCache | None = None
+        self._run_dir: str | None = None
+        self._zmq: zmq.asyncio.Context | None = None
+        self._commands: zmq.asyncio.Socket | None = None
+        self._replies: zmq.asyncio.Socket | None = None
+        self._proc: subprocess.Popen | None = None
+        self._pidfd: int | None = None
+        self._reader: asyncio.Task | None = None
+        self._ready_fut: asyncio.Future | None = None
+        self._exited: asyncio.Event | None = None     # the core process ended
+        self._failed: asyncio.Event | None = None     # `failure` is set
+        self._closing = False
+
+    # ------------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Spawn the core and wait for Ready. Raises EngineFailed if it fails or dies first, or
+        does not answer within start_timeout_s (the core is then stopped)."""
+        loop = asyncio.get_running_loop()
+        self._run_dir = tempfile.mkdtemp(prefix="kvfleet-core-", dir=_shm_dir())
+        self._zmq = zmq.asyncio.Context()
+        self._commands = self._zmq.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)
+        self._commands.bind(core.ipc_address(self._run_dir, core.COMMANDS_SOCKET))
+        self._replies = self._zmq.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.RCVHWM, 0)
+        self._replies.bind(core.ipc_address(self._run_dir, core.REPLIES_SOCKET))
+        self._ready_fut = loop.create_future()
+        self._exited, self._failed = asyncio.Event(), asyncio.Event()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "services.worker.engine_core", self._run_dir,
+             "--threads", str(self._torch_threads)],
+            stdin=subprocess.PIPE, stdout=2, env=_core_env())   # stdout: the server's READY line
+        core.write_config(self._proc.stdin, self.config)   # stdin stays open (see above)
+        self._pidfd = os.pidfd_open(self._proc.pid)
+        loop.add_reader(self._pidfd, self._core_exited)
+        self._reader = asyncio.create_task(self._read(), name="engine-client-reader")
+        try:
+            self._ready = await asyncio.wait_for(asyncio.shield(self._ready_fut),
+                                                 self._start_timeout_s)
+            self._kv_cache = KVCache.over(core.SharedKV.attach(self._ready))
+        except BaseException as e:
+            await self.close()
+            if isinstance(e, asyncio.TimeoutError):
+                raise EngineFailed(f"the engine core did not start within "
+                                   f"{self._start_timeout_s:.0f} s") from None
+            raise
+
+    async def close(self) -> None:
+        """Stop the core (Shutdown; SIGTERM and SIGKILL if it lingers) and release everything.
+        Idempotent. Pending calls and open streams raise EngineFailed; on_failure does not run."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._proc is not None:
+            await self._stop_core()
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._proc.stdin.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for sock in (self._commands, self._replies):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._zmq is not None:
+            self._zmq.term()
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+        self._fail_waiters(self.failure or EngineFailed("the engine client is closed"))
+
+    async def _stop_core(self) -> None:
+        proc = self._proc
+        if proc.poll() is None:
+            self._commands.send(ENCODER.encode(core.Shutdown()))
+        for signal_next in (proc.terminate, proc.kill, None):
+            try:
+                await asyncio.wait_for(self._exited.wait(), EXIT_GRACE_S)
+                break
+            except asyncio.TimeoutError:
+                if signal_next is None:
+                    break
+                log.warning("the engine core (pid %s) did not exit; %s", proc.pid,
+                            signal_next.__name__)
+                signal_next()
+        proc.wait(EXIT_GRACE_S)    # it has exited: reaping takes no time
+
+    # ----------------------------------------------------------------------- properties
+    @property
+    def kv_cache(self) -> KVCache:
+        """The core's KV cache, over the same (shared) memory: for transport.register."""
+        return self._started(self._kv_cache)
+
+    @property
+    def block_size(self) -> int:
+        return self._started(self._ready).block_size
+
+    @property
+    def model(self) -> str:
+        return self._started(self._ready).model
+
+    @property
+    def max_model_len(self) -> int:
+        return self._started(self._ready).max_model_len
+
+    @property
+    def pid(self) -> int | None:
+        """The core process's pid (None before start)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @staticmethod
+    def _started(value):
+        if value is None:
+            raise RuntimeError("EngineClient.start() has not completed")
+        return value
+
+    # ------------------------------------------------------------------------- commands
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams, tenant: str | None,
+                          traffic_class: str | None) -> None:
+        """Raises the engine's InvalidRequestError subclass for a bad request."""
+        await self._call(lambda cid: core.AddRequest(cid, request_id, list(prompt_token_ids),
+                                                     params, tenant, traffic_class), Done)
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, tenant: str | None,
+                      traffic_class: str | None) -> list[int] | None:
+        """Decode role: the blocks the prompt's KV must be written into, or None if refused."""
+        reply = await self._call(lambda cid: core.Reserve(cid, request_id, list(prompt_token_ids),
+                                                          params, tenant, traffic_class), Reserved)
+        return reply.blocks
+
+    async def start_decode(self, request_id: str, first_token: int) -> None:
+        await self._call(lambda cid: core.StartDecode(cid, request_id, first_token), Done)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Frees every page the request holds; True if it was live."""
+        reply = await self._call(lambda cid: core.Cancel(cid, request_id), Cancelled)
+        return reply.was_live
+
+    def cancel_soon(self, request_id: str) -> None:
+        """Cancel without waiting for the answer (synchronous; a no-op once the core is gone)."""
+        if self.failure is None and not self._closing and self._commands is not None:
+            self._commands.send(ENCODER.encode(core.Cancel(core.NO_REPLY, request_id)))
+
+    async def stats(self) -> EngineStats:
+        return (await self._call(core.GetStats, Stats)).stats
+
+    async def prompt_blocks(self, request_id: str, n: int) -> list[int]:
+        """The first n blocks of the request's block table (where its prompt's KV lies)."""
+        reply = await self._call(lambda cid: core.PromptBlocks(cid, request_id, n), Blocks)
+        return reply.blocks
+
+    def stream(self, request_id: str) -> OutputStream:
+        stream = OutputStream()
+        if self.failure is not None:
+            stream.fail(self.failure)
+        else:
+            self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def _call(self, make: Callable[[int], core.Command], expect: type):
+        if self.failure is not None:
+            raise self.failure
+        if self._closing or self._commands is None:
+            raise EngineFailed("the engine client is not running")
+        call_id = next(self._ids)
+        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._commands.send(ENCODER.encode(make(call_id)))
+            reply = await fut
+        finally:
+            self._calls.pop(call_id, None)
+        if isinstance(reply, CallFailed):
+            raise _rebuild(reply)
+        assert isinstance(reply, expect), f"{type(reply).__name__} answered a {expect.__name__}"
+        return reply
+
+    # ---------------------------------------------------------------- the core's messages
+    async def _read(self) -> None:
+        try:
+            while True:
+                raw = await self._replies.recv(copy=False)
+                self._dispatch(REPLY_DECODER.decode(raw.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken reader must fail the waiters, not hang them
+            log.exception("engine client: reading the core's messages failed")
+            self._fail(EngineFailed(f"reading the engine core's messages failed: {e!r}"))
+
+    def _dispatch(self, msg: core.Reply) -> None:
+        if isinstance(msg, StepOutputs):
+            self._route(msg.outputs)
+        elif isinstance(msg, Failure):
+            self._core_failed(msg)
+        elif isinstance(msg, Ready):
+            if not self._ready_fut.done():
+                self._ready_fut.set_result(msg)
+        else:                          # a call's reply
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = (self._streams.pop(out.request_id, None) if out.finished
+                      else self._streams.get(out.request_id))
+            if stream is not None:
+                stream.deliver(out)
+
+    def _core_failed(self, msg: Failure) -> None:
+        log.critical("the engine core failed:\n%s", msg.traceback)
+        failure = EngineFailed(f"the engine core failed: {msg.kind}: {msg.message}")
+        failure.core_traceback = msg.traceback
+        self._fail(failure)
+
+    def _core_exited(self) -> None:
+        """The core process ended (its pidfd is readable)."""
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._exited.set()
+        if not self._closing and self.failure is None:
+            asyncio.create_task(self._exited_without_failure())
+
+    async def _exited_without_failure(self) -> None:
+        """A Failure the core sent just before exiting may still be in flight: give it a moment,
+        then fail with the exit status."""
+        try:
+            await asyncio.wait_for(self._failed.wait(), FAILURE_GRACE_S)
+        except asyncio.TimeoutError:
+            pass
+        code = self._proc.wait(FAILURE_GRACE_S)    # it has exited: reaping takes no time
+        if self.failure is None and not self._closing:
+            self._fail(EngineFailed(f"the engine core exited unexpectedly ({_describe_exit(code)})"))
+
+    def _fail(self, failure: EngineFailed) -> None:
+        if self.failure is not None:
+            return
+        self.failure = failure
+        self._failed.set()
+        self._fail_waiters(failure)
+        started = self._kv_cache is not None     # a core that fails to start: start() raises
+        if self._on_failure is not None and started and not self._closing:
+            self._on_failure(failure)
+
+    def _fail_waiters(self, failure: EngineFailed) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.fail(failure)
+        for fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(failure)
+        if self._ready_fut is not None and not self._ready_fut.done():
+            self._ready_fut.set_exception(failure)
+            self._ready_fut.exception()   # retrieved: no "never retrieved" warning
+
+
+def _rebuild(reply: CallFailed) -> Exception:
+    """The engine's typed error as raised in the core (same class, code and message)."""
+    cls = getattr(errors, reply.kind, None)
+    if isinstance(cls, type) and issubclass(cls, (errors.InvalidRequestError,
+                                                  errors.UnknownRequestError)):
+        error = cls(reply.message)
+        if reply.param is not None:
+            error.param = reply.param
+        return error
+    return EngineCallError(f"{reply.kind}: {reply.message}")
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"status {code}"
+
+
+def _core_env() -> dict[str, str]:
+    """This environment (fault injection included), with this checkout importable."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def _shm_dir() -> str | None:
+    """/dev/shm where there is one (the KV file is memory, not disk); else the temp dir."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None

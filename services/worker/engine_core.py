@@ -1,0 +1,369 @@
+"""The engine core: the process that owns an LLMEngine and its step() loop (the vLLM v1 EngineCore
+pattern). The worker's server process (gRPC, KV transfer, streaming) talks to it only by the typed
+messages below, msgpack-encoded over two ZeroMQ IPC sockets in a private run directory:
+
+    server PUSH --commands-->  core PULL      AddRequest, Reserve, StartDecode, Cancel, ... Shutdown
+    server PULL <--replies---  core PUSH      Ready, StepOutputs, Done/Reserved/..., CallFailed, Failure
+
+One PUSH/PULL pair each way keeps order: a command's reply is sent before any step that follows it,
+so a request's acceptance always reaches the server before its first token.
+
+Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineClient):
+  1. read the EngineConfig (msgpack, length-prefixed) from stdin, connect the sockets, build the engine with its KV cache in shared memory (`SharedKV`),
+     install fault injection (services/worker/faults.py), send Ready (where the KV memory is).
+  2. loop: run every queued command (each answered with its typed reply; a command that raises
+     is answered with CallFailed and the core goes on), then step() while there is work, sending
+     each step's outputs in ONE StepOutputs message; block on the sockets when idle.
+  3. Shutdown, or the server process gone (stdin, which the server keeps open and never writes
+     to again, reaches EOF) -> exit 0.
+     Any exception out of step() or the loop -> Failure (type + text + traceback), exit 1.
+
+KV memory: the core allocates the cache as a file in the run directory (on /dev/shm where there is
+one) mapped MAP_SHARED; the server maps the same file (`SharedKV.attach`) and unlinks it, so the
+memory lives exactly as long as the two mappings. The KV transport backends run in the server and
+write straight into the pages the core's model reads.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import struct
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import msgspec
+import torch
+import zmq
+
+from services.engine.config import EngineConfig
+from services.engine.engine import EngineStats, LLMEngine
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.worker import faults
+
+log = logging.getLogger(__name__)
+
+COMMANDS_SOCKET = "commands"      # names inside the run directory
+REPLIES_SOCKET = "replies"
+KV_FILE = "kv"
+FAILED_EXIT = 1
+
+
+# --------------------------------------------------------------------- commands (server -> core)
+# call_id: the server's handle for the reply; NO_REPLY asks for none (fire-and-forget).
+NO_REPLY = 0
+
+
+class AddRequest(msgspec.Struct, tag=1, array_like=True):
+    call_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str | None
+    traffic_class: str | None
+
+
+class Reserve(msgspec.Struct, tag=2, array_like=True):
+    """Decode role: engine.reserve_remote."""
+    call_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str | None
+    traffic_class: str | None
+
+
+class StartDecode(msgspec.Struct, tag=3, array_like=True):
+    call_id: int
+    request_id: str
+    first_token: int
+
+
+class Cancel(msgspec.Struct, tag=4, array_like=True):
+    call_id: int
+    request_id: str
+
+
+class GetStats(msgspec.Struct, tag=5, array_like=True):
+    call_id: int
+
+
+class PromptBlocks(msgspec.Struct, tag=6, array_like=True):
+    """The first n blocks of the request's block table (where its prompt KV lies)."""
+    call_id: int
+    request_id: str
+    n: int
+
+
+class Shutdown(msgspec.Struct, tag=7, array_like=True):
+    pass
+
+
+Command = AddRequest | Reserve | StartDecode | Cancel | GetStats | PromptBlocks | Shutdown
+
+
+# ---------------------------------------------------------------------- replies (core -> server)
+class Ready(msgspec.Struct, tag=20, array_like=True):
+    pid: int
+    model: str
+    block_size: int
+    max_model_len: int
+    kv_path: str                  # the shared KV file (SharedKV.attach maps it, then unlinks it)
+    kv_shape: list[int]           # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv_dtype: str                 # torch dtype name without "torch."
+
+
+class StepOutputs(msgspec.Struct, tag=21, array_like=True):
+    """Everything one step() produced, for every request, in one message."""
+    outputs: list[RequestOutput]
+    sent_at_s: float              # time.monotonic() at send (one clock for the whole host)
+
+
+class Done(msgspec.Struct, tag=22, array_like=True):
+    """AddRequest / StartDecode succeeded."""
+    call_id: int
+
+
+class Reserved(msgspec.Struct, tag=23, array_like=True):
+    call_id: int
+    blocks: list[int] | None      # None: this engine cannot back the reservation
+
+
+class Cancelled(msgspec.Struct, tag=24, array_like=True):
+    call_id: int
+    was_live: bool
+
+
+class Stats(msgspec.Struct, tag=25, array_like=True):
+    call_id: int
+    stats: EngineStats
+
+
+class Blocks(msgspec.Struct, tag=26, array_like=True):
+    call_id: int
+    blocks: list[int]
+
+
+class CallFailed(msgspec.Struct, tag=30, array_like=True):
+    """The command raised; the core goes on. `kind` names the exception's class (for the engine's
+    typed errors, a class of services/engine/errors.py, rebuilt by the client)."""
+    call_id: int
+    kind: str
+    message: str
+    param: str | None = None
+
+
+class Failure(msgspec.Struct, tag=31, array_like=True):
+    """The core failed and is exiting: nothing more runs on this engine."""
+    kind: str
+    message: str
+    traceback: str
+
+
+Reply = Ready | StepOutputs | Done | Reserved | Cancelled | Stats | Blocks | CallFailed | Failure
+
+ENCODER = msgspec.msgpack.Encoder()
+COMMAND_DECODER = msgspec.msgpack.Decoder(Command)
+REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
+
+
+def ipc_address(run_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(run_dir, name)}"
+
+
+# ------------------------------------------------------------------------------ shared KV memory
+class SharedKV:
+    """The KV cache's memory as a file mapped MAP_SHARED by both processes (CPU caches).
+
+    On a GPU the same role would be played by CUDA IPC: the core allocates the cache on its
+    device and sends the handle (torch.multiprocessing.reductions.reduce_tensor(data)) in Ready,
+    and the server rebuilds a view with it; the KVCache.over(data) view and the Ready message
+    stay as they are. This build's engine runs on CPU, so only the file path is implemented.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Core side (an LLMEngine kv_alloc): a zeroed tensor over a new shared file."""
+        size = math.prod(shape)
+        return torch.from_file(self.path, shared=True, size=size, dtype=dtype).view(shape)
+
+    @staticmethod
+    def attach(ready: Ready) -> torch.Tensor:
+        """Server side: the core's KV memory as a tensor. The file is unlinked once mapped (the
+        mappings keep the memory; nothing is left behind whichever process dies first)."""
+        dtype = getattr(torch, ready.kv_dtype)
+        data = torch.from_file(ready.kv_path, shared=True, size=math.prod(ready.kv_shape),
+                               dtype=dtype).view(ready.kv_shape)
+        os.unlink(ready.kv_path)
+        return data
+
+
+# ------------------------------------------------------------------------------------- the core
+class EngineCore:
+    """The loop of one engine core process (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine, commands: zmq.Socket, replies: zmq.Socket,
+                 parent_fd: int | None) -> None:
+        self.engine = engine
+        self.commands = commands
+        self.replies = replies
+        self.poller = zmq.Poller()
+        self.poller.register(commands, zmq.POLLIN)
+        self.parent_fd = parent_fd
+        if parent_fd is not None:                # readable (EOF) once the server process is gone
+            self.poller.register(parent_fd, zmq.POLLIN)
+        self.handlers: dict[type, Callable] = {
+            AddRequest: self._add, Reserve: self._reserve, StartDecode: self._start_decode,
+            Cancel: self._cancel, GetStats: self._stats, PromptBlocks: self._prompt_blocks}
+
+    def send(self, reply: Reply) -> None:
+        self.replies.send(ENCODER.encode(reply), copy=False)
+
+    def run(self) -> None:
+        """Until Shutdown or the server is gone. Exceptions out of step() propagate."""
+        while True:
+            busy = self.engine.has_unfinished()
+            ready = dict(self.poller.poll(0 if busy else None))   # idle: block, no spinning
+            if self.parent_fd is not None and self.parent_fd in ready:
+                log.warning("the server process is gone; the engine core exits")
+                return
+            if self.commands in ready and not self._drain():
+                return
+            if self.engine.has_unfinished():
+                outputs = self.engine.step()
+                if outputs:
+                    self.send(StepOutputs(outputs, time.monotonic()))
+
+    def _drain(self) -> bool:
+        """Run every queued command; False on Shutdown."""
+        while True:
+            try:
+                raw = self.commands.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            cmd = COMMAND_DECODER.decode(raw.buffer)
+            if isinstance(cmd, Shutdown):
+                return False
+            self._handle(cmd)
+
+    def _handle(self, cmd: Command) -> None:
+        try:
+            reply = self.handlers[type(cmd)](cmd)
+        except Exception as e:  # noqa: BLE001 - the caller's error, not the core's
+            if cmd.call_id == NO_REPLY:
+                log.warning("%s failed: %s: %s", type(cmd).__name__, type(e).__name__, e)
+                return
+            reply = CallFailed(cmd.call_id, type(e).__name__, _message(e),
+                               getattr(e, "param", None))
+        if cmd.call_id != NO_REPLY:
+            self.send(reply)
+
+    def _add(self, cmd: AddRequest) -> Done:
+        self.engine.add_request(cmd.prompt_token_ids, cmd.params, tenant=cmd.tenant,
+                                traffic_class=cmd.traffic_class, request_id=cmd.request_id)
+        return Done(cmd.call_id)
+
+    def _reserve(self, cmd: Reserve) -> Reserved:
+        blocks = self.engine.reserve_remote(cmd.prompt_token_ids, cmd.params,
+                                            request_id=cmd.request_id, tenant=cmd.tenant,
+                                            traffic_class=cmd.traffic_class)
+        return Reserved(cmd.call_id, None if blocks is None else list(blocks))
+
+    def _start_decode(self, cmd: StartDecode) -> Done:
+        self.engine.start_decode(cmd.request_id, cmd.first_token)
+        return Done(cmd.call_id)
+
+    def _cancel(self, cmd: Cancel) -> Cancelled:
+        return Cancelled(cmd.call_id, self.engine.cancel(cmd.request_id))
+
+    def _stats(self, cmd: GetStats) -> Stats:
+        return Stats(cmd.call_id, self.engine.stats())
+
+    def _prompt_blocks(self, cmd: PromptBlocks) -> Blocks:
+        return Blocks(cmd.call_id, list(self.engine.pool.block_table(cmd.request_id)[:cmd.n]))
+
+
+def _message(e: BaseException) -> str:
+    message = getattr(e, "message", None)
+    if isinstance(message, str):
+        return message
+    if len(e.args) == 1 and isinstance(e.args[0], str):
+        return e.args[0]               # KeyError's str() would quote it
+    return str(e)
+
+
+# ----------------------------------------------------------------------------------- entry point
+def write_config(stream, config: EngineConfig) -> None:
+    """The server's half of the start-up handshake (the core reads it with read_config)."""
+    blob = ENCODER.encode(config)
+    stream.write(struct.pack("<I", len(blob)) + blob)
+    stream.flush()
+
+
+def read_config(fd: int) -> EngineConfig:
+    (size,) = struct.unpack("<I", _read_exactly(fd, 4))
+    return msgspec.msgpack.decode(_read_exactly(fd, size), type=EngineConfig)
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError("the server closed the engine core's stdin before sending its config")
+        data += chunk
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The core process. Returns 0 after Shutdown (or the server gone), FAILED_EXIT after a
+    Failure (sent to the server first)."""
+    p = argparse.ArgumentParser(prog="python -m services.worker.engine_core")
+    p.add_argument("run_dir", help="the directory whose sockets the server has bound")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    args = p.parse_args(argv)
+    from services.protocol.aio import setup_logging   # noqa: PLC0415
+    setup_logging("engine-core")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C: the server decides and stops us
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(ipc_address(args.run_dir, COMMANDS_SOCKET))
+    replies = ctx.socket(zmq.PUSH)
+    replies.setsockopt(zmq.SNDHWM, 0)                 # never drop or block on our own output
+    replies.connect(ipc_address(args.run_dir, REPLIES_SOCKET))
+    status = 0
+    try:
+        config = read_config(sys.stdin.fileno())
+        kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
+        engine = LLMEngine(config, kv_alloc=kv.alloc)
+        faults.install(engine)
+        data = engine.kv_cache.data
+        core = EngineCore(engine, commands, replies, sys.stdin.fileno())
+        core.send(Ready(os.getpid(), config.model, engine.pool.block_size, engine.max_model_len,
+                        kv.path, list(data.shape), str(data.dtype).removeprefix("torch.")))
+        core.run()
+    except BaseException as e:  # noqa: BLE001 - a core failure is reported, never silent
+        log.critical("the engine core failed", exc_info=e)
+        failure = Failure(type(e).__name__, _message(e), traceback.format_exc())
+        replies.send(ENCODER.encode(failure))
+        status = FAILED_EXIT
+    commands.close(linger=0)
+    replies.close(linger=2000)        # let a Failure reach the server before we go
+    ctx.term()
+    return status
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)                    # no interpreter teardown (torch's can take a while)

@@ -1,0 +1,248 @@
+"""The engine core in its own process, driven from asyncio through EngineClient: a real core with
+the tiny model per test, started and stopped by the test. Tokens match the engine run in-process,
+errors come back typed, the KV cache is one memory seen by both processes, and a core that dies
+(killed, or an injected step fault) fails every stream and call at once ([H2])."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from services.engine.engine import LLMEngine, engine_config
+from services.engine.errors import (DuplicateRequestError, EmptyPromptError, InvalidRequestError,
+                                    UnknownRequestError)
+from services.engine.sampling_params import SamplingParams
+from services.worker.engine_client import EngineClient, EngineFailed
+from services.worker.faults import ENGINE_STEP
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+DEADLINE_S = 30.0    # every wait is bounded: a hang fails the test instead of stalling the suite
+
+
+def config(model_dir, **overrides):
+    return engine_config(str(model_dir), kv_cache_mib=16, **overrides)
+
+
+def with_core(cfg, scenario, **client_kwargs):
+    """Run `scenario(client)` against a started core; the core is always stopped afterwards."""
+    async def main():
+        client = EngineClient(cfg, **client_kwargs)
+        await asyncio.wait_for(client.start(), DEADLINE_S)
+        try:
+            return await scenario(client)
+        finally:
+            await client.close()
+    return asyncio.run(main())
+
+
+async def collect(stream) -> list:
+    async def run():
+        return [out async for out in stream]
+    return await asyncio.wait_for(run(), DEADLINE_S)
+
+
+async def until_idle(client: EngineClient) -> None:
+    """Poll the core's stats until nothing runs (bounded by DEADLINE_S)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (await client.stats()).num_running:
+        assert time.monotonic() < deadline, "the core never went idle"
+        await asyncio.sleep(0.01)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_stream_gets_the_same_tokens_as_the_engine_in_process(tiny_model_dir):
+    expected = LLMEngine(config(tiny_model_dir)).generate([PROMPT], GREEDY)[0].token_ids
+
+    async def scenario(client: EngineClient):
+        stream = client.stream("r1")
+        await client.add_request("r1", PROMPT, GREEDY, None, None)
+        outs = await collect(stream)
+        return outs, await client.stats()
+
+    outs, stats = with_core(config(tiny_model_dir), scenario)
+    assert [t for o in outs for t in o.new_token_ids] == list(expected)
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0   # finished: pages freed
+
+
+def test_a_slow_reader_gets_the_missed_deltas_merged(tiny_model_dir):
+    async def scenario(client: EngineClient):
+        stream = client.stream("r2")
+        await client.add_request("r2", [5, 6, 7], GREEDY, None, None)
+        await until_idle(client)                         # the core finishes meanwhile
+        return await collect(stream)
+
+    outs = with_core(config(tiny_model_dir), scenario)
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 12
+    assert len(outs) == 1                                # one read, every delta merged
+
+
+def test_cancel_frees_the_requests_pages_and_errors_come_back_typed(tiny_model_dir):
+    async def scenario(client: EngineClient):
+        stream = client.stream("long")
+        await client.add_request("long", PROMPT, LONG, None, None)
+        await asyncio.wait_for(stream.next(), DEADLINE_S)            # it is decoding
+        held = (await client.stats()).kv_blocks_used
+        was_live = await client.cancel("long")
+        ended = await collect(stream)
+        after = await client.stats()
+        again = await client.cancel("long")
+        with pytest.raises(EmptyPromptError) as empty:
+            await client.add_request("empty", [], GREEDY, None, None)
+        await client.add_request("dup", PROMPT, LONG, None, None)
+        with pytest.raises(DuplicateRequestError):
+            await client.add_request("dup", PROMPT, LONG, None, None)
+        client.cancel_soon("dup")                        # fire-and-forget, answered by nobody
+        with pytest.raises(UnknownRequestError):
+            await client.start_decode("nobody", 7)
+        await until_idle(client)                         # the cancel_soon landed
+        return held, was_live, ended, after, again, empty.value
+
+    held, was_live, ended, after, again, empty = with_core(config(tiny_model_dir), scenario)
+    assert held > 0 and was_live and not again
+    assert ended[-1].finished and ended[-1].finish_reason == "abort"
+    assert after.kv_blocks_used == 0 and after.num_running == 0
+    assert isinstance(empty, InvalidRequestError) and empty.code == "empty_prompt" and empty.message
+
+
+def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_model_dir):
+    """Core -> server: the prefill role keeps the prompt's KV after "prefilled"; the server reads
+    those blocks straight from its view of the cache (what the KV senders do)."""
+    ref = LLMEngine(config(tiny_model_dir, role="prefill"))
+    ref.add_request(PROMPT, GREEDY, request_id="p")
+    ref_first = [o for o in ref.stream() if o.request_id == "p"][-1].new_token_ids
+    ref_kv = ref.export_kv("p")
+
+    async def scenario(client: EngineClient):
+        stream = client.stream("p")
+        await client.add_request("p", PROMPT, GREEDY, None, None)
+        outs = await collect(stream)
+        blocks = await client.prompt_blocks("p", ref_kv.shape[2])
+        return outs, client.kv_cache.read_blocks(blocks)
+
+    outs, kv = with_core(config(tiny_model_dir, role="prefill"), scenario)
+    assert outs[-1].finish_reason == "prefilled" and outs[-1].new_token_ids == ref_first
+    assert kv.abs().sum() > 0 and torch.allclose(kv, ref_kv, atol=1e-5)
+
+
+def test_kv_the_server_writes_is_what_the_decode_core_attends_to(tiny_model_dir):
+    """Server -> core: the decode role reserves blocks, the server writes the prompt's KV into
+    them (as a KV receiver does) and the core decodes from it: the same tokens as the prompt run
+    in one engine. With no KV written the continuation differs."""
+    expected = LLMEngine(config(tiny_model_dir)).generate([PROMPT], GREEDY)[0].token_ids
+    prefill = LLMEngine(config(tiny_model_dir, role="prefill"))
+    prefill.add_request(PROMPT, GREEDY, request_id="d")
+    first = [o for o in prefill.stream() if o.request_id == "d"][-1].new_token_ids[0]
+    kv = prefill.export_kv("d")
+
+    async def decode(client: EngineClient, rid: str, write: bool) -> list[int]:
+        blocks = await client.reserve(rid, PROMPT, GREEDY, None, None)
+        if write:
+            client.kv_cache.write_blocks(blocks[:kv.shape[2]], kv)
+        stream = client.stream(rid)
+        await client.start_decode(rid, first)
+        return [t for o in await collect(stream) for t in o.new_token_ids]
+
+    async def scenario(client: EngineClient):
+        zeros = await decode(client, "d0", False)        # first: the cache is still all zeros
+        return await decode(client, "d", True), zeros
+
+    written, zeros = with_core(config(tiny_model_dir, role="decode",
+                                      enable_prefix_caching=False), scenario)
+    assert first == expected[0] and written == list(expected[1:])
+    assert zeros != written
+
+
+def test_killing_the_core_fails_every_stream_and_call_and_reports_once(tiny_model_dir):
+    reported: list[EngineFailed] = []
+
+    async def scenario(client: EngineClient):
+        streams = [client.stream(f"k{i}") for i in range(3)]
+        for i in range(3):
+            await client.add_request(f"k{i}", PROMPT, LONG, None, None)
+        for stream in streams:
+            await asyncio.wait_for(stream.next(), DEADLINE_S)       # all three are decoding
+        os.kill(client.pid, signal.SIGKILL)
+        pending = asyncio.create_task(client.stats())    # sent before the death is noticed
+        for stream in streams:
+            with pytest.raises(EngineFailed, match="killed by signal 9"):
+                await collect(stream)
+        with pytest.raises(EngineFailed):
+            await asyncio.wait_for(pending, DEADLINE_S)
+        with pytest.raises(EngineFailed):
+            await client.cancel("k0")                    # later calls fail at once
+        late = client.stream("late")                     # a stream opened after the death too
+        with pytest.raises(EngineFailed):
+            await asyncio.wait_for(late.next(), DEADLINE_S)
+        client.cancel_soon("k1")                         # a no-op, never an error
+        return client.failure
+
+    failure = with_core(config(tiny_model_dir), scenario, on_failure=reported.append)
+    assert isinstance(failure, EngineFailed) and reported == [failure]
+
+
+def test_an_injected_step_fault_surfaces_as_engine_failed_naming_it(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(ENGINE_STEP, "3")                 # the core inherits the environment
+    reported: list[EngineFailed] = []
+
+    async def scenario(client: EngineClient):
+        stream = client.stream("f")
+        await client.add_request("f", PROMPT, GREEDY, None, None)
+        with pytest.raises(EngineFailed, match=r"InjectedFault: injected failure at engine step 3"):
+            await collect(stream)
+        return client.failure, client.pid
+
+    failure, pid = with_core(config(tiny_model_dir), scenario, on_failure=reported.append)
+    assert reported == [failure] and "Traceback" in failure.core_traceback
+    assert gone(pid)
+
+
+def test_a_core_that_fails_to_start_raises_and_leaves_nothing(tmp_path):
+    client = EngineClient(engine_config(str(tmp_path / "no-such-model")))
+
+    async def main():
+        with pytest.raises(EngineFailed, match="the engine core failed"):
+            await asyncio.wait_for(client.start(), DEADLINE_S)
+    asyncio.run(main())
+    assert gone(client.pid)
+
+
+def test_an_idle_core_sleeps_and_close_leaves_no_process(tiny_model_dir):
+    async def scenario(client: EngineClient):
+        await client.stats()
+        cpu = _cpu_s(client.pid)
+        await asyncio.sleep(0.5)                         # measuring: an idle core uses no CPU
+        idle_cpu = _cpu_s(client.pid) - cpu
+        stream = client.stream("open")
+        await client.add_request("open", PROMPT, LONG, None, None)
+        t0 = time.monotonic()
+        await client.close()
+        closed_in = time.monotonic() - t0
+        with pytest.raises(EngineFailed):
+            await collect(stream)                        # a stream open at close ends
+        await client.close()                             # idempotent
+        return idle_cpu, closed_in, client.pid
+
+    reported = []
+    idle_cpu, closed_in, pid = with_core(config(tiny_model_dir), scenario,
+                                         on_failure=reported.append)
+    assert idle_cpu < 0.05 and closed_in < 2.0
+    assert gone(pid) and reported == []                  # closing is not a failure
+
+
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
