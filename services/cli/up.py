@@ -2,26 +2,32 @@
 
   Redis      an embedded Redis-protocol server in this process, unless --redis-url names one
   workers    --prefill N prefill + --decode M decode workers (disagg), or M mixed (colocated)
-  router     one, reading worker capacity from Redis
-  gateway    OpenAI REST on --http-port and gRPC on --grpc-port
+  routers    --routers N (default 1), router-0..N-1: they keep all state in Redis, so any decides
+  gateway    OpenAI REST on --http-port and gRPC on --grpc-port; asks any of the routers
+
+Workers and routers start side by side, then the gateway. Every timeout of the fleet is one
+`Timeouts` (services/protocol/timeouts.py): `kvfleet up` takes its flags, refuses to start on a
+contradiction, and hands the same values to every child.
 
 Prints the endpoints, then supervises: a child that exits is restarted with backoff, on the same
 port (services/cli/supervisor.py), while the rest keep serving. Only Ctrl-C or SIGTERM stops
-the fleet: every child it started (SIGTERM, then SIGKILL after a grace period) and the embedded
-Redis, with no orphan process and no port left open.
+the fleet, within SHUTDOWN_BUDGET_S (3 s) even with streams in flight: SIGTERM to every child
+at once, SIGKILL to whatever of them and their own children is left at the grace
+(services/cli/launcher.py), then the embedded Redis; no orphan process and no port left open.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
-import threading
+import time
 
-from services.protocol import fleet_token
-from services.cli.launcher import Launcher
-from services.state.redis_server import EmbeddedRedis
+from services.cli.launcher import LaunchError, Launcher
 from services.cli.supervisor import Supervisor
 from services.engine.engine import resolve_model_dir
+from services.protocol import fleet_token, timeouts
+from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
+from services.state.redis_server import EmbeddedRedis
 
 
 SUPERVISE_EVERY_S = 0.2   # how often children are checked (a dead one is seen this late at most)
@@ -32,6 +38,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--routers", type=int, default=1,
+                   help="router processes; the gateway spreads its Admit calls over them")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
@@ -42,6 +50,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--config", default=None,
                    help="engine config YAML (classes, tenants, budgets) for workers and gateway")
+    timeouts.add_args(p)
 
 
 def worker_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -54,29 +63,29 @@ def worker_threads(args: argparse.Namespace) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // sum(n for _, n in worker_roles(args)))
 
 
-def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str) -> dict[str, str]:
+def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
+                limits: Timeouts = Timeouts()) -> dict[str, str]:
+    """Workers and routers side by side, then the gateway; returns every child's address (and
+    `gateway-grpc`). `args` as `add_up_args` makes them (`routers` may be missing: one)."""
     model = resolve_model_dir(args.model)
     config = ["--config", args.config] if args.config else []
+    limit_args = limits.as_args()
+    # split the host's cores between the workers, leaving one for the gateway and the routers
     common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
-              *config]
-    roles = worker_roles(args)
-    threads = worker_threads(args)
-    # split the host's cores between the workers, leaving one for gateway and router: they relay
-    # every token, and torch threads spinning on a shared core slow them down more than a second
-    # intra-op thread speeds up the tiny model (measured: 1,310 vs 1,101-1,236 tok/s, colocated)
-    common += ["--threads", str(threads)]
-    endpoints = {}
-    for role, count in roles:
-        for i in range(count):
-            name = f"{role}-{i}"
-            endpoints[name] = launcher.start(name, [
-                "services.cli.cli", "serve", role, "--worker-id", name,
-                "--kv-backend", args.kv_backend, *common])
-    endpoints["router"] = launcher.start("router", ["services.router", "--redis-url", redis_url,
-                                                    "--mode", args.mode])
-    gateway = ["services.gateway", "--model", model, "--router", endpoints["router"],
+              "--threads", str(worker_threads(args)), *config, *limit_args]
+    specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
+                             "--kv-backend", args.kv_backend, *common]
+             for role, count in worker_roles(args) for i in range(count)}
+    routers = [f"router-{k}" for k in range(getattr(args, "routers", 1))]
+    for name in routers:
+        specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
+                       "--router-id", name, *limit_args]
+    endpoints = launcher.start_many(specs)
+    gateway = ["services.gateway", "--model", model,
+               "--router", ",".join(endpoints[name] for name in routers),
                "--redis-url", redis_url, "--host", args.host,
-               "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port), *config]
+               "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port), *config,
+               *limit_args]
     if args.api_keys:
         gateway += ["--api-keys", args.api_keys]
     if args.insecure:
@@ -113,15 +122,28 @@ def check_keys(args: argparse.Namespace) -> None:
                          f"({args.config or 'the defaults'}): " + "; ".join(problems))
 
 
+def check_routers(args: argparse.Namespace) -> None:
+    if args.routers < 1:
+        raise SystemExit(f"kvfleet up: --routers must be >= 1, got {args.routers}")
+
+
+def stop_grace_s(limits: Timeouts) -> float:
+    """SIGTERM to SIGKILL for the children: their own stop (shutdown_grace_s) and a second to exit,
+    within the budget less what SIGKILL, reaping and stopping Redis take."""
+    return min(limits.shutdown_grace_s + 1.0, SHUTDOWN_BUDGET_S - 0.5)
+
+
 def run_up(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    limits = timeouts.from_args(args)       # SystemExit naming every contradiction
+    check_routers(args)
     check_keys(args)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    redis = None if args.redis_url else EmbeddedRedis().start()
     launcher = Launcher()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: launcher.stopping.set())
+    redis = None if args.redis_url else EmbeddedRedis().start()
     try:
-        endpoints = start_fleet(args, launcher, args.redis_url or redis.url)
+        endpoints = start_fleet(args, launcher, args.redis_url or redis.url, limits)
         print(f"kvfleet up ({args.mode}); logs in {launcher.log_dir}")
         print(f"  OpenAI REST  http://{endpoints['gateway']}/v1")
         print(f"  gRPC         {endpoints['gateway-grpc']}")
@@ -130,13 +152,84 @@ def run_up(args: argparse.Namespace) -> int:
         for name, addr in endpoints.items():
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")
+        print(f"  started in   {time.monotonic() - started:.1f} s")
         print("READY up " + endpoints["gateway"], flush=True)
         supervisor = Supervisor(launcher, pinned=pinned_ports(endpoints))
-        while not stop.wait(SUPERVISE_EVERY_S):
+        while not launcher.stopping.wait(SUPERVISE_EVERY_S):
             supervisor.poll()
         return 0
+    except LaunchError:
+        if launcher.stopping.is_set():
+            return 0                        # stopped while starting
+        raise
     finally:
-        launcher.stop_all()
+        stopping_at = time.monotonic()
+        launcher.stop_all(stop_grace_s(limits))
         if redis is not None:
             redis.stop()
-        print("kvfleet up: stopped", flush=True)
+        print(f"kvfleet up: stopped in {time.monotonic() - stopping_at:.1f} s", flush=True)
+
+
+# --- `kvfleet bench startup`: how long `kvfleet up` takes to serve, and to stop ------------------
+
+def add_startup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="colocated")
+    p.add_argument("--routers", type=int, default=1)
+    p.add_argument("--kv-cache-mib", type=int, default=64)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long")
+
+
+def run_startup(args: argparse.Namespace) -> int:
+    """Start `kvfleet up` as a user would, time its READY line and its first served completion
+    (over HTTP, retried until it answers 200), then SIGTERM it and time its exit. Prints JSON."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from services.state.redis_server import free_port  # noqa: PLC0415
+    http = free_port()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.cli", "up", "--model", args.model, "--mode", args.mode,
+         "--routers", str(args.routers), "--kv-cache-mib", str(args.kv_cache_mib),
+         "--http-port", str(http), "--grpc-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        ready_s = _ready_after(proc, t0)
+        first_s = _first_completion_after(f"http://127.0.0.1:{http}", t0, args.timeout_s)
+        stop_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        result = {"mode": args.mode, "routers": args.routers, "ready_s": round(ready_s, 2),
+                  "first_request_s": round(first_s, 2),
+                  "stopped_s": round(time.monotonic() - stop_at, 2)}
+        print(json.dumps(result))
+        return 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _ready_after(proc, t0: float) -> float:
+    for line in proc.stdout:
+        if line.startswith("READY up"):
+            return time.monotonic() - t0
+    raise SystemExit(f"kvfleet up exited with status {proc.wait()} before READY")
+
+
+def _first_completion_after(url: str, t0: float, timeout_s: float) -> float:
+    import httpx  # noqa: PLC0415
+    deadline = t0 + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            r = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "model": model, "prompt": "hello", "max_tokens": 1, "temperature": 0})
+            if r.status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"no completion served within {timeout_s:.0f} s")

@@ -1,13 +1,17 @@
 """`kvfleet up`'s supervisor, on real child processes and a driven clock: a child that dies is
 restarted after a backoff that doubles while it keeps dying young and resets once it has run long
-enough; a restarted child gets its pinned arguments (its port); a child that runs is left alone."""
+enough; a restarted child gets its pinned arguments (its port); a child that runs is left alone.
+And the launcher's stop: every child and grandchild gone within the grace, stubborn or not."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher, descendants, wait_until
 from services.cli.supervisor import RestartPolicy, Supervisor
 
 DIES_AT_ONCE = ["json.tool", "/nonexistent/kvfleet-supervisor-test"]   # exits 2 straight away
@@ -78,3 +82,60 @@ def test_a_restarted_child_gets_its_pinned_arguments_once(launcher):
         assert dead(launcher, "flaky")
         sup.poll()
     assert launcher.children["flaky"].module_args == DIES_AT_ONCE + ["--indent", "2"]
+
+
+# --- stopping: everything, at once, within the budget --------------------------------------------
+
+STUBBORN = ["tests.cli.test_supervisor", "stubborn"]     # ignores SIGTERM; so do its two children
+POLITE = ["tests.cli.test_supervisor", "polite"]         # READY, then dies of SIGTERM
+
+
+def test_stop_all_takes_down_stubborn_children_and_grandchildren_within_the_grace(launcher):
+    launcher.start("polite", POLITE)
+    launcher.start("stubborn", STUBBORN)
+    root = launcher.children["stubborn"].proc.pid
+    tree = [root, *descendants(root)]
+    assert len(tree) == 3, tree                 # one grandchild in its group, one in its own session
+    polite = launcher.children["polite"].proc.pid
+    t0 = time.monotonic()
+    launcher.stop_all(grace_s=0.5)
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 1.5, took              # SIGTERM ignored: SIGKILL at the grace, not later
+    assert not any(_alive(pid) for pid in [*tree, polite])
+    assert launcher.children == {}
+
+
+def test_children_that_obey_sigterm_are_not_held_for_the_grace(launcher):
+    for i in range(3):
+        launcher.start(f"polite-{i}", POLITE)
+    t0 = time.monotonic()
+    launcher.stop_all(grace_s=10)
+    assert time.monotonic() - t0 < 2.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _stubborn() -> None:
+    """A child that ignores SIGTERM, with one grandchild in its process group and one that left it
+    (its own session): what a stop must still take down."""
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    kids = [subprocess.Popen([sys.executable, "-c", ignore], stdout=subprocess.PIPE,
+                             start_new_session=new) for new in (False, True)]
+    for kid in kids:
+        kid.stdout.readline()
+    print("READY stubborn 127.0.0.1:0", flush=True)
+    time.sleep(60)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["stubborn"]:
+    _stubborn()
+elif __name__ == "__main__" and sys.argv[1:] == ["polite"]:
+    print("READY polite 127.0.0.1:0", flush=True)
+    time.sleep(60)
