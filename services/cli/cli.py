@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--model", default="tiny")
     bf.add_argument("--mode", choices=["disagg", "colocated"], default="colocated")
     bf.add_argument("--kv-backend", choices=["tcp", "nixl"], default="tcp")
-    bf.add_argument("--repeats", type=int, default=40)
-    bf.add_argument("--json", action="store_true")
+    bf.add_argument("--repeats", type=int, default=40, help="lone requests per side for TTFT")
+    bf.add_argument("--json", action="store_true",
+                    help="one JSON object: added_ttft_ms, added_per_token_ms, fleet_tok_s, "
+                         "engine_tok_s, then both sides")
     bf.set_defaults(func=_lazy("services.cli.fleet_bench", "run_fleet_bench"))
     _delegate(bsub, "kvfleet bench burst", "N chats (+ M documents) at once against an OpenAI "
               "endpoint: refusals, TTFT / ITL, tok/s", "loadtests.burst:add_burst_args",

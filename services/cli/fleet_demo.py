@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-
-from loadtests.http_client import sse_post
 import yaml
 
 from services.cli.launcher import Launcher
@@ -41,7 +41,26 @@ def write_configs(tmp: Path) -> tuple[str, str]:
     return str(tmp / "engine.yaml"), str(tmp / "keys.yaml")
 
 
-async def one_request(address: str, model: str, arrival, start: float) -> dict:
+class StreamError(RuntimeError):
+    """A generation answered something other than 200 (the status and the start of the body)."""
+
+
+async def sse_events(client: httpx.AsyncClient, path: str, body: dict,
+                     headers: dict[str, str] | None = None) -> AsyncIterator[tuple[float, dict]]:
+    """POST `body` on `client` (its connections kept alive between requests, as the OpenAI client
+    does); yield (seconds since the send, event) per SSE `data:` event until [DONE]."""
+    t0 = time.perf_counter()
+    async with client.stream("POST", path, json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise StreamError(f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: [DONE]"):
+                return
+            if line.startswith("data: "):
+                yield time.perf_counter() - t0, json.loads(line[6:])
+
+
+async def one_request(client: httpx.AsyncClient, model: str, arrival, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
     sent = time.perf_counter()
     times, status = [], 200
@@ -49,10 +68,10 @@ async def one_request(address: str, model: str, arrival, start: float) -> dict:
             "temperature": 0, "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer sk-demo-{arrival.tenant}"}
     try:
-        async for _, event in sse_post(address, "/v1/completions", body, headers):
+        async for _, event in sse_events(client, "/v1/completions", body, headers):
             if event.get("choices"):
                 times.append(time.perf_counter())
-    except RuntimeError:
+    except (StreamError, httpx.HTTPError):
         status = 500
     return {"cls": arrival.traffic_class, "sent": sent, "times": times, "status": status}
 
@@ -72,11 +91,12 @@ def report(results: list[dict]) -> None:
 
 
 async def drive(address: str, arrivals) -> list[dict]:
-    async with httpx.AsyncClient(base_url=f"http://{address}") as client:
+    limits = httpx.Limits(max_connections=len(arrivals) + 1, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=f"http://{address}", timeout=300, limits=limits) as client:
         model = (await client.get("/v1/models", headers={
             "Authorization": "Bearer sk-demo-acme"})).json()["data"][0]["id"]
-    start = time.perf_counter()
-    return await asyncio.gather(*(one_request(address, model, a, start) for a in arrivals))
+        start = time.perf_counter()
+        return await asyncio.gather(*(one_request(client, model, a, start) for a in arrivals))
 
 
 def run_fleet_demo(args: argparse.Namespace) -> int:

@@ -99,3 +99,33 @@ def test_sigterm_to_a_command_that_launched_a_fleet_stops_the_fleet_too(tiny_mod
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_kvfleet_help_imports_neither_torch_nor_the_load_tester():
+    code = ("import sys; from services.cli.cli import build_parser; build_parser(); "
+            "heavy = [m for m in sys.modules if m == 'torch' or m.startswith('loadtests')]; "
+            "assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: kvfleet bench serve" in kvfleet("bench", "serve", "--help").stdout
+
+
+def test_a_delegated_subcommand_parses_its_own_arguments():
+    run = kvfleet("bench", "serve", "--workload", "chat-only", check=False)   # no --endpoint
+    assert run.returncode == 2 and "kvfleet bench serve: error" in run.stderr
+    assert "--endpoint" in run.stderr
+    run = kvfleet("generate", "--no-such-flag", check=False)
+    assert run.returncode == 2 and "unrecognized arguments: --no-such-flag" in run.stderr
+
+
+def test_bench_fleet_json_leads_with_what_the_fleet_adds():
+    from services.cli.fleet_bench import Side, bench_result
+    fleet = Side(ttft_s=[0.010, 0.014, 0.012], per_token_s=[0.003, 0.002], tok_s=900.0)
+    engine = Side(ttft_s=[0.009, 0.008, 0.0085], per_token_s=[0.0015, 0.0015], tok_s=1000.0)
+    r = json.loads(json.dumps(bench_result(fleet, engine, mode="disagg", kv_backend="tcp")))
+    assert list(r)[:4] == ["added_ttft_ms", "added_per_token_ms", "fleet_tok_s", "engine_tok_s"]
+    assert r["added_ttft_ms"] == pytest.approx(12.0 - 8.5)               # medians, fleet - engine
+    assert r["added_per_token_ms"] == pytest.approx(2.5 - 1.5)
+    assert (r["fleet_tok_s"], r["engine_tok_s"], r["fleet_over_engine_tok_s"]) == (900.0, 1000.0, 0.9)
+    assert (r["mode"], r["kv_backend"]) == ("disagg", "tcp")
+    assert r["fleet"]["samples"] == {"ttft": 3, "per_token": 2}
