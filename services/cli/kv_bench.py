@@ -13,6 +13,7 @@ target's blocks. Reports the median GB/s (1 GB = 1e9 bytes). Not a test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -121,12 +122,13 @@ def main(argv=None) -> None:
         results[backend] = {"gbps_median": nbytes / statistics.median(times) / 1e9,
                             "ms_median": 1e3 * statistics.median(times), "runs": len(times)}
     blocks = "contiguous" if args.contiguous else "scattered"
-    report = {"bytes": nbytes, "blocks": n, "block_order": blocks, "layout": LAYOUT.encode(), "results": results}
+    report = {"bytes": nbytes, "blocks": n, "block_order": blocks, "layout": dataclasses.asdict(LAYOUT),
+              "results": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"{nbytes / (1 << 20):.0f} MiB = {n} {blocks} blocks of {LAYOUT.bytes_per_block >> 10} KiB "
-          f"({LAYOUT.encode()}), median of {args.runs}")
+          f"({LAYOUT}), median of {args.runs}")
     for backend, r in results.items():
         print(f"  {backend:7s} {r['gbps_median']:6.2f} GB/s  {r['ms_median']:8.1f} ms")
 

@@ -8,21 +8,25 @@ source = prefill worker:
     2. desc = target.descriptor(reserved_blocks)                      a kvfleet.v1.KVDescriptor
     3. desc travels to the source inside the workers' gRPC (Reserve reply -> PrefillRequest.target)
     4. t = target.expect(request_id, reserved_blocks, timeout_s)      the target starts waiting (and polling)
-       s = source.write(request_id, prompt_blocks, desc, timeout_s)   returns at once
-    5. s.wait(...) on the source, t.wait(...) on the target: both return, or both raise KVTransferError
+       s = source.write(request_id, prompt_blocks, desc, timeout_s,   returns at once; the first token (a
+                        hand_off=pb.HandOff(...))                     kvfleet.v1.HandOff) travels with the KV
+    5. await wait_done(s) on the source, await wait_done(t) on the target (asyncio; or s.wait(...) in a
+       thread): both return, or both raise KVTransferError; then t.hand_off is the source's HandOff
 
 expect() may come before or after the bytes arrive. The source must not free or overwrite its blocks until s
 is done; the target must not read its blocks until t is done (a failed transfer may leave them half
-written). Both pools must have the same KVLayout (layers, block size, kv heads, head dim, dtype); their
-num_blocks may differ. Byte order and checksums: base.py. See docs/kv_transfer.md.
+written). When may the target reuse its blocks: transport.receiver_stops_writes (base.py, Ownership). Both
+pools must have the same KVLayout (layers, block size, kv heads, head dim, dtype); their num_blocks may
+differ. Byte order and checksums: base.py. See docs/kv_transfer.md.
 """
 from __future__ import annotations
 
-from services.kv_transfer.base import KVLayout, KVTransferError, KVTransport, TransferHandle
+from services.kv_transfer.base import KVLayout, KVTransferError, KVTransport, TransferHandle, wait_done
 
 BACKENDS = ("nixl", "tcp", "local")
 
-__all__ = ["BACKENDS", "KVLayout", "KVTransferError", "KVTransport", "TransferHandle", "make_transport"]
+__all__ = ["BACKENDS", "KVLayout", "KVTransferError", "KVTransport", "TransferHandle", "make_transport",
+           "wait_done"]
 
 
 def make_transport(backend: str, worker_id: str) -> KVTransport:

@@ -4,14 +4,28 @@ Wire order (every backend, and the checksum): for layer in range(num_layers), fo
 in enumerate(block_ids): the region data[layer, kv, block], i.e. block_size * kv_heads * head_dim * itemsize
 contiguous bytes of KVCache.data [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]. The source's
 i-th block lands in the target's i-th block, every layer, K and V; no other target block is touched.
+
+A handle (Completion) is finished once: landed (with the writer's pb.HandOff, if it sent one), failed, timed
+out at its deadline, or finish()ed by its owner. Ownership, what the decode worker relies on:
+
+    receiver_stops_writes = True (tcp, local): the receiver copies chunk by chunk, each chunk under the
+        expect() handle's lock after checking it is still open (Completion.writing). Once the handle is
+        done, by any outcome, no byte of that transfer is written into the pool afterwards: its blocks may
+        be reused the moment the handle is done.
+    receiver_stops_writes = False (nixl): the writer's one-sided RDMA WRITE lands without the receiver;
+        finish() on the receiver cannot stop it. The decode worker holds the blocks until the expect()
+        handle is done by landing (the notification follows the data) or by its own deadline, and gives
+        the writer a shorter timeout: the writer releases its request (cancels it) at its deadline.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -19,6 +33,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.model.config import resolve_dtype
 
 EARLY_TTL_S = 60.0  # how long an outcome that came before its expect() is kept
+MAX_ID_BYTES = 1024  # a transfer id, UTF-8
 
 
 class KVTransferError(RuntimeError):
@@ -39,22 +54,21 @@ class KVLayout:
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.data.shape
         return cls(layers, block_size, kv_heads, head_dim, str(kv_cache.data.dtype).removeprefix("torch."))
 
-    def encode(self) -> str:
-        return (f"layers={self.num_layers},kv=2,block={self.block_size},kv_heads={self.kv_heads},"
-                f"head_dim={self.head_dim},dtype={self.dtype}")
+    def to_pb(self) -> pb.KVLayout:
+        return pb.KVLayout(num_layers=self.num_layers, block_size=self.block_size, kv_heads=self.kv_heads,
+                           head_dim=self.head_dim, dtype=self.dtype)
 
     @classmethod
-    def decode(cls, text: str) -> KVLayout:
+    def from_pb(cls, message: pb.KVLayout) -> KVLayout:
+        """-> the layout; ValueError naming what is wrong (a zero size, an unknown dtype)."""
+        layout = cls(message.num_layers, message.block_size, message.kv_heads, message.head_dim, message.dtype)
+        if min(layout.num_layers, layout.block_size, layout.kv_heads, layout.head_dim) < 1:
+            raise ValueError(f"bad KV layout {layout}: every size must be at least 1")
         try:
-            fields = dict(item.split("=", 1) for item in text.split(","))
-            if sorted(fields) != ["block", "dtype", "head_dim", "kv", "kv_heads", "layers"] or fields["kv"] != "2":
-                raise ValueError(text)
-            layout = cls(int(fields["layers"]), int(fields["block"]), int(fields["kv_heads"]),
-                         int(fields["head_dim"]), fields["dtype"])
             resolve_dtype(layout.dtype)
-            return layout
-        except ValueError:
-            raise ValueError(f"bad KV layout string {text!r}") from None
+        except ValueError as e:
+            raise ValueError(f"bad KV layout {layout}: {e}") from None
+        return layout
 
     @property
     def itemsize(self) -> int:
@@ -72,25 +86,32 @@ class KVLayout:
 
 
 class TransferHandle(Protocol):
+    what: str
+    deadline: float               # time.monotonic() at which it fails, if nothing finished it before
+    error: str | None
+    hand_off: pb.HandOff | None   # an expect() handle that landed: what the writer handed over
     def done(self) -> bool: ...
     def wait(self, timeout_s: float) -> None: ...
-    def finish(self, error: str | None = None) -> bool: ...
+    def finish(self, error: str | None = None, hand_off: pb.HandOff | None = None) -> bool: ...
+    def add_done_callback(self, fn: Callable[[], None]) -> None: ...
+    def remove_done_callback(self, fn: Callable[[], None]) -> None: ...
 
 
 class KVTransport(Protocol):
     name: str
+    receiver_stops_writes: bool  # see the module docstring: may the target reuse blocks once its handle is done
     def register(self, kv_cache) -> None: ...
     def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor: ...
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> TransferHandle: ...
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
-              timeout_s: float, checksum: bool = False) -> TransferHandle: ...
+              timeout_s: float, checksum: bool = False, hand_off: pb.HandOff | None = None) -> TransferHandle: ...
     def close(self) -> None: ...
 
 
 class Completion:
-    """A TransferHandle: finished once, by whoever sees the outcome first (a poller, a socket thread, a timeout).
-
-    Its deadline is the transfer's (timeout_s from write/expect); wait(t) gives up after t without failing it.
+    """A TransferHandle: finished once, by whoever sees the outcome first (a poller, a socket thread, a timeout,
+    its owner). Its deadline is the transfer's (timeout_s from write/expect); wait(t) gives up after t without
+    failing it. Callbacks run once, on the thread that finished it; wait_done() awaits it in asyncio.
     """
 
     def __init__(self, what: str, timeout_s: float):
@@ -98,18 +119,25 @@ class Completion:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.error: str | None = None
+        self.hand_off: pb.HandOff | None = None
         self.on_wait: Callable[[], None] | None = None   # a backend's hook: someone waits now
+        self._callbacks: list[Callable[[], None]] = []
         self._event = threading.Event()
         self._lock = threading.Lock()
 
-    def finish(self, error: str | None = None) -> bool:
-        """Record the outcome (None = success) unless one was recorded already; -> whether this call did."""
+    def finish(self, error: str | None = None, hand_off: pb.HandOff | None = None) -> bool:
+        """Record the outcome (None = success) unless one was recorded already; -> whether this call did.
+        Waits for a chunk being copied under writing() to end."""
         with self._lock:
             if self._event.is_set():
                 return False
             self.error = error
+            self.hand_off = hand_off if error is None else None
             self._event.set()
-            return True
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+        return True
 
     def done(self) -> bool:
         """True once finished, successfully or not (a passed deadline counts as finished: failed)."""
@@ -127,10 +155,64 @@ class Completion:
         if self.error is not None:
             raise KVTransferError(self.error)
 
+    @contextmanager
+    def writing(self) -> Iterator[bool]:
+        """A receiver about to copy one chunk into the pool: -> whether it may (not finished, deadline not
+        passed). finish() waits for the block to end, so once done() no chunk is being copied, none will be."""
+        self.done()  # a passed deadline finishes it first
+        with self._lock:
+            yield not self._event.is_set() and time.monotonic() < self.deadline
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """fn() once finished: at once (here) if it is already, else on the finishing thread."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def remove_done_callback(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._callbacks:
+                self._callbacks.remove(fn)
+
+
+async def wait_done(handle: TransferHandle) -> None:
+    """Await a handle in asyncio: return when it succeeded, raise KVTransferError when it failed or its deadline
+    passed. No thread waits: the finishing thread wakes the loop (call_soon_threadsafe), and a timer on the
+    loop finishes the handle at its deadline (taking its lock: at most one chunk copy's wait)."""
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+
+    if getattr(handle, "on_wait", None) is not None:
+        handle.on_wait()
+    handle.add_done_callback(wake)
+    timer = None
+
+    def expire() -> None:  # the loop's clock may fire a hair early: re-arm until done() agrees
+        nonlocal timer
+        if not handle.done():
+            timer = loop.call_later(max(0.001, handle.deadline - time.monotonic()), expire)
+
+    expire()
+    try:
+        await woken
+    finally:
+        if timer is not None:
+            timer.cancel()
+        handle.remove_done_callback(wake)
+    if handle.error is not None:
+        raise KVTransferError(handle.error)
+
 
 class PoolTransport:
     """What every backend shares: the registered pool and its layout, the target-side Inbox, and
     expect() on it. Subclasses register(kv_cache) by setting `_kv` and `_layout`."""
+
+    receiver_stops_writes = True
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
@@ -150,12 +232,21 @@ class PoolTransport:
         return self._kv
 
 
+@dataclass
+class _Early:
+    """An outcome that came before its expect()."""
+    at: float
+    error: str | None
+    checksum: int | None
+    hand_off: pb.HandOff | None
+
+
 class Inbox:
     """Target-side bookkeeping shared by the backends: the transfers this worker expects, by id.
 
-    A backend reports an outcome with finish(id, error, checksum). An outcome for an id not expected yet is
-    kept for EARLY_TTL_S and settles the expect() that follows. claim() hands an expected id to exactly one
-    incoming connection (tcp), waiting for the expect() if the source was quicker than the target.
+    A backend reports an outcome with finish(id, error, checksum, hand_off). An outcome for an id not expected
+    yet is kept for EARLY_TTL_S and settles the expect() that follows. claim() hands an expected id to exactly
+    one incoming connection (tcp), waiting for the expect() if the source was quicker than the target.
     """
 
     def __init__(self, worker_id: str, checksum_of: Callable[[Sequence[int]], int]):
@@ -164,7 +255,7 @@ class Inbox:
         self._cv = threading.Condition()
         self._expected: dict[str, tuple[list[int], Completion]] = {}
         self._claimed: set[str] = set()
-        self._early: dict[str, tuple[float, str | None, int | None]] = {}
+        self._early: dict[str, _Early] = {}
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
         handle = Completion(f"transfer {transfer_id!r} into {self.worker_id}", timeout_s)
@@ -176,30 +267,38 @@ class Inbox:
             early = self._early.pop(transfer_id, None)
             self._cv.notify_all()
         if early is not None:
-            self.finish(transfer_id, early[1], early[2])
+            self.finish(transfer_id, early.error, early.checksum, early.hand_off)
         return handle
 
-    def claim(self, transfer_id: str, timeout_s: float) -> list[int] | None:
-        """-> the expected block ids (once per id), or None when no expect() came within timeout_s."""
+    def claim(self, transfer_id: str, timeout_s: float) -> tuple[list[int], Completion] | None:
+        """-> the expected block ids and handle (once per id), or None when no expect() came within timeout_s."""
         with self._cv:
             ready = self._cv.wait_for(lambda: transfer_id in self._expected, max(0.0, timeout_s))
             if not ready or transfer_id in self._claimed:
                 return None
             self._claimed.add(transfer_id)
-            return list(self._expected[transfer_id][0])
+            ids, handle = self._expected[transfer_id]
+            return list(ids), handle
 
-    def finish(self, transfer_id: str, error: str | None = None, checksum: int | None = None) -> None:
+    def lookup(self, transfer_id: str) -> tuple[list[int], Completion] | None:
+        """The block ids and handle of an expected transfer, or None when none is expected (yet, or any more)."""
+        with self._cv:
+            entry = self._expected.get(transfer_id)
+            return (list(entry[0]), entry[1]) if entry else None
+
+    def finish(self, transfer_id: str, error: str | None = None, checksum: int | None = None,
+               hand_off: pb.HandOff | None = None) -> None:
         with self._cv:
             entry = self._expected.pop(transfer_id, None)
             if entry is None and transfer_id not in self._claimed:  # (a claimed one timed out: drop it)
-                self._early[transfer_id] = (time.monotonic(), error, checksum)
+                self._early[transfer_id] = _Early(time.monotonic(), error, checksum, hand_off)
             self._claimed.discard(transfer_id)
             if entry is None:
                 return
         block_ids, handle = entry
         if error is None and checksum is not None and self._checksum_of(block_ids) != checksum:
             error = "checksum mismatch: the received blocks differ from the source's"
-        handle.finish(error if error is None else f"{handle.what}: {error}")
+        handle.finish(error if error is None else f"{handle.what}: {error}", hand_off)
 
     def still_expected(self, transfer_ids: set[str]) -> set[str]:
         """Those of `transfer_ids` that are expected and have not landed (nor timed out) yet."""
@@ -214,11 +313,11 @@ class Inbox:
             handle.finish(f"{handle.what}: transport closed")
 
     def _prune(self) -> None:
-        """Drop expects that timed out and early outcomes nobody asked for."""
+        """Drop expects that are done (timed out, or finished by their owner) and early outcomes nobody asked for."""
         for tid in [t for t, (_, h) in self._expected.items() if h.done()]:
             del self._expected[tid]  # stays in _claimed until its connection finishes
         now = time.monotonic()
-        for tid in [t for t, (at, _, _) in self._early.items() if now - at > EARLY_TTL_S]:
+        for tid in [t for t, early in self._early.items() if now - early.at > EARLY_TTL_S]:
             del self._early[tid]
 
 
@@ -231,27 +330,39 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, who: str) -> list
     return ids
 
 
+def layout_of(target: pb.KVDescriptor) -> KVLayout:
+    """The descriptor's layout; KVTransferError when it has none, or a bad one."""
+    if not target.HasField("layout"):
+        raise KVTransferError(f"descriptor from {target.worker_id!r} carries no layout")
+    try:
+        return KVLayout.from_pb(target.layout)
+    except ValueError as e:
+        raise KVTransferError(str(e)) from None
+
+
 def check_write(backend: str, layout: KVLayout, num_blocks: int, transfer_id: str,
                 src_block_ids: Sequence[int], target: pb.KVDescriptor) -> list[int]:
     """Source-side checks before anything moves; -> the source ids as ints."""
-    if not transfer_id or "\n" in transfer_id:
-        raise KVTransferError(f"transfer id {transfer_id!r} must be non-empty, one line")
+    if not transfer_id or "\n" in transfer_id or len(transfer_id.encode()) > MAX_ID_BYTES:
+        raise KVTransferError(f"transfer id {transfer_id!r} must be non-empty, one line, "
+                              f"at most {MAX_ID_BYTES} bytes")
     if not src_block_ids:
         raise KVTransferError("no blocks to transfer")
     if target.backend != backend:
         raise KVTransferError(f"descriptor is for backend {target.backend!r}, this transport is {backend!r}")
-    if target.layout != layout.encode():
-        raise KVTransferError(f"layout mismatch: source {layout.encode()!r}, target {target.layout!r}")
+    theirs = layout_of(target)
+    if theirs != layout:
+        raise KVTransferError(f"layout mismatch: source {layout}, target {theirs}")
     if len(src_block_ids) != len(target.block_ids):
         raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(target.block_ids)} target blocks")
     return check_block_ids(src_block_ids, num_blocks, "source")
 
 
-def make_descriptor(worker_id: str, backend: str, layout: KVLayout, block_ids: Sequence[int],
-                    address: str = "", agent_metadata: bytes = b"") -> pb.KVDescriptor:
+def make_descriptor(worker_id: str, backend: str, layout: KVLayout, block_ids: Sequence[int], address: str = "",
+                    agent_metadata: bytes = b"", nixl: pb.NixlTarget | None = None) -> pb.KVDescriptor:
     return pb.KVDescriptor(worker_id=worker_id, backend=backend, agent_metadata=agent_metadata, address=address,
                            block_ids=list(block_ids), bytes_per_block=layout.bytes_per_block,
-                           layout=layout.encode())
+                           layout=layout.to_pb(), nixl=nixl)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -1,14 +1,19 @@
 """local backend: source and target pools live in the same process (tests, co-located workers).
 
-A process-wide registry maps worker_id -> the transport that registered that worker's pool; write() copies
-synchronously, one copy_ per block of the strided view data[:, :, block] (every layer, K and V), and settles
-the target's expect() on the spot. (KVCache.read_blocks' index_select over dim 2 ran at ~0.1 GB/s here;
-per-block copy_ runs near memcpy speed and needs no gathered intermediate.)
+A process-wide registry maps worker_id -> the transport that registered that worker's pool. write() hands the
+target a _Write: copied on the spot when the target expects the id, else parked until its expect() (or until
+the writer's deadline drops it), so no block is written that the target has not reserved for that id. The
+copy is one copy_ per block of the strided view data[:, :, block] (every layer, K and V), each under both
+handles' writing() guard, so finish() on either side stops it between blocks; the hand-off is passed as is.
+(KVCache.read_blocks' index_select over dim 2 ran at ~0.1 GB/s here; per-block copy_ runs near memcpy speed.)
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Sequence
+
+import torch
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
@@ -19,8 +24,25 @@ _REGISTRY: dict[str, LocalTransport] = {}  # worker_id -> its transport, this pr
 _REGISTRY_LOCK = threading.Lock()
 
 
+@dataclass
+class _Write:
+    transfer_id: str
+    source: torch.Tensor        # the source pool's data
+    src: list[int]
+    dst: list[int]
+    crc: int | None
+    hand_off: pb.HandOff | None
+    handle: Completion          # the writer's
+
+
 class LocalTransport(PoolTransport):
     name = "local"
+    receiver_stops_writes = True
+
+    def __init__(self, worker_id: str):
+        super().__init__(worker_id)
+        self._lock = threading.Lock()  # makes "expected yet? else park" and expect() atomic
+        self._parked: dict[str, _Write] = {}
 
     def register(self, kv_cache) -> None:
         with _REGISTRY_LOCK:
@@ -33,8 +55,16 @@ class LocalTransport(PoolTransport):
         return make_descriptor(self.worker_id, self.name, self._layout, self._target_ids(block_ids),
                                address=f"local:{self.worker_id}")
 
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
+        with self._lock:
+            handle = super().expect(transfer_id, block_ids, timeout_s)
+            parked = self._parked.pop(transfer_id, None)
+        if parked is not None:
+            self._copy(parked, self._target_ids(block_ids), handle)
+        return handle
+
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
-              timeout_s: float, checksum: bool = False) -> Completion:
+              timeout_s: float, checksum: bool = False, hand_off: pb.HandOff | None = None) -> Completion:
         src = check_write(self.name, self._layout, self._pool().num_blocks, transfer_id,
                           src_block_ids, target)
         handle = Completion(f"local write {transfer_id!r} to {target.worker_id}", timeout_s)
@@ -44,29 +74,64 @@ class LocalTransport(PoolTransport):
             handle.finish(f"{handle.what}: no worker {target.worker_id!r} registered in this process")
             return handle
         crc = blocks_checksum(self._kv.data, src) if checksum else None
-        try:
-            peer._receive(transfer_id, self._kv.data, src, list(target.block_ids), crc)
-            handle.finish()
-        except (KVTransferError, ValueError) as e:
-            handle.finish(f"{handle.what}: {e}")
+        peer._receive(_Write(transfer_id, self._kv.data, src, list(target.block_ids), crc, hand_off, handle))
         return handle
 
     def close(self) -> None:
         with _REGISTRY_LOCK:
             if _REGISTRY.get(self.worker_id) is self:
                 del _REGISTRY[self.worker_id]
+        with self._lock:
+            parked, self._parked = list(self._parked.values()), {}
+        for write in parked:
+            write.handle.finish(f"{write.handle.what}: target transport closed")
         self._inbox.close()
 
-    def _receive(self, transfer_id: str, source, src: list[int], dst: list[int], crc: int | None) -> None:
-        """Target side: source pool's blocks src[i] -> this pool's dst[i], every layer, K and V."""
-        mine = self._kv.data
+    # ---- target side -------------------------------------------------------------------------------------
+
+    def _receive(self, write: _Write) -> None:
+        """Check the write against this pool, then copy it now (expected) or park it until its expect()."""
+        error = self._refusal(write)
+        if error is not None:
+            self._inbox.finish(write.transfer_id, error)  # the target hears it too
+            write.handle.finish(f"{write.handle.what}: {error}")
+            return
+        with self._lock:
+            expected = self._inbox.lookup(write.transfer_id)
+            if expected is None:
+                self._parked = {t: w for t, w in self._parked.items() if not w.handle.done()}
+                self._parked[write.transfer_id] = write
+                return
+        self._copy(write, *expected)
+
+    def _refusal(self, write: _Write) -> str | None:
+        mine, source = self._kv.data, write.source
         try:
-            ids = check_block_ids(dst, self._pool().num_blocks, "target")
-            if (*source.shape[:2], *source.shape[3:], source.dtype) != (*mine.shape[:2], *mine.shape[3:], mine.dtype):
-                raise KVTransferError(f"layout mismatch: target is {self._layout.encode()!r}")
+            check_block_ids(write.dst, self._pool().num_blocks, "target")
         except KVTransferError as e:
-            self._inbox.finish(transfer_id, str(e))  # the target hears it too
-            raise
-        for s, d in zip(src, ids):
-            mine[:, :, d].copy_(source[:, :, s])
-        self._inbox.finish(transfer_id, checksum=crc)
+            return str(e)
+        if (*source.shape[:2], *source.shape[3:], source.dtype) != (*mine.shape[:2], *mine.shape[3:], mine.dtype):
+            return f"layout mismatch: target is {self._layout}"
+        return None
+
+    def _copy(self, write: _Write, expected: list[int], target: Completion) -> None:
+        """Source blocks src[i] -> this pool's dst[i], every layer, K and V; block by block, each while both
+        handles are still open (target first, then source: the one lock order)."""
+        if write.dst != expected:
+            error = f"blocks {write.dst} are not the ones expected for {write.transfer_id!r}: {expected}"
+            self._inbox.finish(write.transfer_id, error)
+            write.handle.finish(f"{write.handle.what}: {error}")
+            return
+        mine = self._kv.data
+        for s, d in zip(write.src, write.dst):
+            with target.writing() as target_open, write.handle.writing() as source_open:
+                if target_open and source_open:
+                    mine[:, :, d].copy_(write.source[:, :, s])
+                    continue
+            error = ("the target finished the transfer before it landed" if not target_open else
+                     "the writer's deadline passed before it landed")
+            self._inbox.finish(write.transfer_id, error)
+            write.handle.finish(f"{write.handle.what}: {error}")
+            return
+        self._inbox.finish(write.transfer_id, checksum=write.crc, hand_off=write.hand_off)
+        write.handle.finish()

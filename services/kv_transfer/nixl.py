@@ -8,8 +8,17 @@ regions, indexed like KVCache.data itself:
     region r = (layer * 2 + kv) * num_blocks + block     at  base + r * region_bytes,  region_bytes long
 
 so a transfer is one make_prepped_xfer(WRITE) from local regions to the same-position remote regions, in wire
-order (base.py), with the notification "<transfer id>\\n<crc32 or empty>". The target's pool geometry is
-in descriptor.address: "agent=<name>,base=0x..,num_blocks=N,mem=DRAM|VRAM,dev=D".
+order (base.py), with a Notice as its notification (delivered after the data): the transfer id, the crc32
+if asked for, the writer's pb.HandOff, packed as
+
+    b"KVN1" | flags u8 (1: crc, 2: hand-off) | crc32 u32 | id length u16 | id UTF-8 | serialized HandOff
+
+(big-endian). The target's pool geometry travels in descriptor.nixl (a kvfleet.v1.NixlTarget).
+
+Ownership (base.py): receiver_stops_writes is False. The WRITE is one-sided: the target's finish() cannot
+stop it. The decode worker holds the blocks until its expect() handle is done by landing or by its deadline,
+and gives the writer a shorter timeout: the writer's poller releases (cancels) a request still in flight
+within a poll of the writer's deadline.
 
 Without a progress thread both sides must keep calling into their agent while a transfer runs (the source
 stalls until the target polls). A poller thread owned by the transport does that: every POLL_BUSY_S while a
@@ -27,6 +36,7 @@ import os
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # else UCX also advertises the external interface
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO logs go to stdout
 
+import struct  # noqa: E402
 import threading  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -35,15 +45,46 @@ from typing import Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 from nixl import _bindings  # noqa: E402
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
+from google.protobuf.message import DecodeError  # noqa: E402
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError,  # noqa: E402
                                        PoolTransport, blocks_checksum, check_write,
                                        make_descriptor)
 
+NOTICE = struct.Struct(">4sBIH")  # magic, flags, crc32, id length; then the id, then the hand-off
+NOTICE_MAGIC, HAS_CRC, HAS_HAND_OFF = b"KVN1", 1, 2
 POLL_BUSY_S = 0.0002
 POLL_IDLE_S = 0.02
 NIXL_ERRORS = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error"))
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A write's notification: which transfer landed, its crc32 (None: not asked for), the writer's hand-off."""
+    transfer_id: str
+    crc: int | None = None
+    hand_off: pb.HandOff | None = None
+
+    def encode(self) -> bytes:
+        tid = self.transfer_id.encode()
+        flags = (HAS_CRC if self.crc is not None else 0) | (HAS_HAND_OFF if self.hand_off is not None else 0)
+        tail = self.hand_off.SerializeToString() if self.hand_off is not None else b""
+        return NOTICE.pack(NOTICE_MAGIC, flags, self.crc or 0, len(tid)) + tid + tail
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Notice:
+        """ValueError when it is not one."""
+        try:
+            magic, flags, crc, size = NOTICE.unpack_from(raw)
+            tid = raw[NOTICE.size:NOTICE.size + size].decode()
+            tail = raw[NOTICE.size + size:]
+            if magic != NOTICE_MAGIC or not tid or len(tid.encode()) != size or (tail and not flags & HAS_HAND_OFF):
+                raise ValueError("not a kvfleet notice")
+            return cls(tid, crc if flags & HAS_CRC else None,
+                       pb.HandOff.FromString(tail) if flags & HAS_HAND_OFF else None)
+        except (struct.error, UnicodeDecodeError, DecodeError) as e:
+            raise ValueError(f"not a kvfleet notice: {e}") from None
 
 
 @dataclass
@@ -62,6 +103,7 @@ class _Sending:
 
 class NixlTransport(PoolTransport):
     name = "nixl"
+    receiver_stops_writes = False  # one-sided writes: see the module docstring
 
     def __init__(self, worker_id: str):
         super().__init__(worker_id)
@@ -91,9 +133,10 @@ class NixlTransport(PoolTransport):
 
     def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
         ids = self._target_ids(block_ids)
-        address = (f"agent={self._agent_name},base={self._kv.data.data_ptr():#x},"
-                   f"num_blocks={self._kv.num_blocks},mem={self._mem},dev={self._dev}")
-        return make_descriptor(self.worker_id, self.name, self._layout, ids, address, self._metadata)
+        target = pb.NixlTarget(agent=self._agent_name, base=self._kv.data.data_ptr(),
+                               num_blocks=self._kv.num_blocks, mem=self._mem, device=self._dev)
+        return make_descriptor(self.worker_id, self.name, self._layout, ids, agent_metadata=self._metadata,
+                               nixl=target)
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
         handle = super().expect(transfer_id, block_ids, timeout_s)
@@ -108,12 +151,12 @@ class NixlTransport(PoolTransport):
             self._cv.notify()
 
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
-              timeout_s: float, checksum: bool = False) -> Completion:
+              timeout_s: float, checksum: bool = False, hand_off: pb.HandOff | None = None) -> Completion:
         src = check_write(self.name, self._layout, self._pool().num_blocks, transfer_id,
                           src_block_ids, target)
         handle = Completion(f"nixl write {transfer_id!r} to {target.worker_id}", timeout_s)
         crc = blocks_checksum(self._kv.data, src) if checksum else None
-        notif = f"{transfer_id}\n{'' if crc is None else crc}".encode()
+        notif = Notice(transfer_id, crc, hand_off).encode()
         with self._cv:
             peer = xfer = None
             try:
@@ -152,18 +195,18 @@ class NixlTransport(PoolTransport):
 
     def _peer(self, target: pb.KVDescriptor) -> _Peer:
         """The target's agent and prepared region list, loaded once per peer."""
-        info = _parse_address(target.address)
-        if info["agent"] in self._peers:
-            return self._peers[info["agent"]]
+        info = _nixl_target(target)
+        if info.agent in self._peers:
+            return self._peers[info.agent]
         try:
             name = self._agent.add_remote_agent(target.agent_metadata)
         except NIXL_ERRORS as e:  # UCX connects here: a dead or unreachable peer fails now
-            raise KVTransferError(f"cannot reach agent {info['agent']!r} ({_describe(e)})") from None
+            raise KVTransferError(f"cannot reach agent {info.agent!r} ({_describe(e)})") from None
         name = name.decode() if isinstance(name, bytes) else name
-        if name != info["agent"]:
-            raise KVTransferError(f"descriptor names agent {info['agent']!r} but its metadata is {name!r}")
-        table = _region_table(info["base"], self._layout, info["num_blocks"], info["dev"])
-        peer = _Peer(name, info["num_blocks"], self._agent.prep_xfer_dlist(name, table, info["mem"]))
+        if name != info.agent:
+            raise KVTransferError(f"descriptor names agent {info.agent!r} but its metadata is {name!r}")
+        table = _region_table(info.base, self._layout, info.num_blocks, info.device)
+        peer = _Peer(name, info.num_blocks, self._agent.prep_xfer_dlist(name, table, info.mem))
         self._peers[name] = peer
         return peer
 
@@ -192,8 +235,11 @@ class NixlTransport(PoolTransport):
             notifs = {}
         for messages in notifs.values():
             for message in messages:
-                transfer_id, _, crc = message.decode(errors="replace").partition("\n")
-                self._inbox.finish(transfer_id, checksum=int(crc) if crc else None)
+                try:
+                    notice = Notice.decode(message)
+                except ValueError:
+                    continue  # not ours: it names no transfer to fail
+                self._inbox.finish(notice.transfer_id, checksum=notice.crc, hand_off=notice.hand_off)
         self._awaited = self._inbox.still_expected(self._awaited)
         return bool(self._sending) or bool(self._awaited)
 
@@ -211,14 +257,12 @@ class NixlTransport(PoolTransport):
         _quietly(peer.dlist.release)
         _quietly(self._agent.remove_remote_agent, peer.name)
 
-def _parse_address(address: str) -> dict:
-    """"agent=<name>,base=0x..,num_blocks=N,mem=DRAM|VRAM,dev=D" -> its fields, numbers as ints."""
-    try:
-        info = dict(item.split("=", 1) for item in address.split(","))
-        return {"agent": info["agent"], "base": int(info["base"], 16), "num_blocks": int(info["num_blocks"]),
-                "mem": info["mem"], "dev": int(info["dev"])}
-    except (KeyError, ValueError):
-        raise KVTransferError(f"bad nixl descriptor address {address!r}") from None
+def _nixl_target(target: pb.KVDescriptor) -> pb.NixlTarget:
+    """The descriptor's target pool; KVTransferError when it has none, or an incomplete one."""
+    info = target.nixl
+    if not target.HasField("nixl") or not info.agent or not info.num_blocks or info.mem not in ("DRAM", "VRAM"):
+        raise KVTransferError(f"descriptor from {target.worker_id!r} has no usable nixl target: {info}")
+    return info
 
 
 def _region_table(base: int, layout: KVLayout, num_blocks: int, dev: int) -> np.ndarray:

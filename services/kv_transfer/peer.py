@@ -3,8 +3,9 @@
     with TargetProcess("tcp", layout, num_blocks=64) as target:     # spawns serve() in a fresh interpreter
         desc = target.descriptor([7, 3, 12])                         # a KVDescriptor, as it would come over gRPC
         target.call("expect", "req-1", [7, 3, 12], 10.0)
-        source.write("req-1", [0, 1, 2], desc, 10.0).wait(10.0)
-        status, error = target.call("wait", "req-1", 10.0)           # ("ok", None) | ("error", message)
+        source.write("req-1", [0, 1, 2], desc, 10.0, hand_off=h).wait(10.0)
+        status, detail = target.call("wait", "req-1", 10.0)          # ("ok", serialized HandOff | None)
+                                                                     # | ("error", message)
 
 Commands (serve): descriptor, expect, wait, fill, pool (the whole pool's bytes), checksum, close.
 """
@@ -42,9 +43,9 @@ def pool_from_bytes(raw: bytes, layout: KVLayout, num_blocks: int) -> torch.Tens
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(resolve_dtype(layout.dtype)).view(shape)
 
 
-def serve(conn, backend: str, layout: str, num_blocks: int, worker_id: str) -> None:
+def serve(conn, backend: str, layout: KVLayout, num_blocks: int, worker_id: str) -> None:
     """Child main: one pool, one transport, commands until 'close' or the parent goes away."""
-    kv = make_cache(KVLayout.decode(layout), num_blocks)
+    kv = make_cache(layout, num_blocks)
     transport = make_transport(backend, worker_id)
     handles = {}
     try:
@@ -75,12 +76,13 @@ def serve(conn, backend: str, layout: str, num_blocks: int, worker_id: str) -> N
         conn.close()
 
 
-def _wait(handle, timeout_s: float) -> tuple[str, str | None]:
+def _wait(handle, timeout_s: float) -> tuple[str, bytes | str | None]:
+    """-> ("ok", the hand-off serialized, or None) | ("error", why)."""
     try:
         handle.wait(timeout_s)
-        return "ok", None
     except KVTransferError as e:
         return "error", str(e)
+    return "ok", None if handle.hand_off is None else handle.hand_off.SerializeToString()
 
 
 class TargetProcess:
@@ -90,7 +92,7 @@ class TargetProcess:
                  start_timeout_s: float = 30.0):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, backend, layout.encode(), num_blocks, worker_id),
+        self.process = ctx.Process(target=serve, args=(child, backend, layout, num_blocks, worker_id),
                                    daemon=True)
         self.process.start()
         child.close()

@@ -3,24 +3,33 @@
 The target listens on 127.0.0.1:<chosen port> (descriptor.address); one connection = one transfer, served on
 its own thread. The source sends from its own thread, so write() returns at once.
 
-    source -> target  HEADER {token, id, layout, blocks, nbytes, checksum, timeout_s}
+    source -> target  HEADER {token, id, layout, blocks, nbytes, checksum, timeout_s, hand_off}
                       target checks the fleet token (else refuses, claiming nothing), claims its
-                      expect(id) (waiting for it if need be), checks layout, ids, size
+                      expect(id) (waiting for it if need be), checks that it is still open, layout, ids, size
     source <- target  REPLY {error: null | why refused}
     source -> target  PAYLOAD in wire order (base.py), recvmsg_into the destination regions
     source <- target  REPLY {error: null | "checksum mismatch ..."}
+                      target finishes its expect() handle: landed, with the hand-off
 
-Frames are a 4-byte big-endian length + UTF-8 JSON. A CPU pool is sent and received in place: each run of
-consecutive block ids is one contiguous region per (layer, K/V), gathered by sendmsg, scattered by
-recvmsg_into; a device pool is staged through one CPU copy. Every socket op is bounded by what is left of the
-transfer's timeout; a closed or reset peer fails the transfer on both sides at once. `token` is the fleet
-token (services/protocol/fleet_token.py): a writer without this process's is refused before it touches
-an expect(). The target writes only
-into the blocks of its own expect() for that id, once; a failed transfer may leave those half written.
+Frames are a 4-byte big-endian length + UTF-8 JSON. In the header, `layout` is a serialized kvfleet.v1.KVLayout
+and `hand_off` a serialized kvfleet.v1.HandOff (or null), both base64; `checksum` is a crc32 or null. A CPU
+pool is sent and received in place: each run of consecutive block ids is one contiguous region per (layer, K/V),
+gathered by sendmsg, scattered by recvmsg_into; a device pool is staged through one CPU copy. Every socket op
+is bounded by what is left of the transfer's timeout; a closed or reset peer fails the transfer on both sides
+at once. `token` is the fleet token (services/protocol/fleet_token.py): a writer without this process's is
+refused before it touches an expect(). The target writes only into the blocks of its own expect() for that id,
+once; a failed transfer may leave those half written.
+
+Ownership (base.py): the payload is taken off the socket at most RECV_CHUNK bytes at a time, each
+non-blocking recvmsg_into straight into the pool under the expect() handle's writing() guard (a device pool:
+write_blocks from staging, about RECV_CHUNK at a time, each synchronized, under it). Once the handle is done,
+whoever finished it, nothing more is copied; the target drops the connection and the writer sees the peer go.
 """
 from __future__ import annotations
 
+import base64
 import json
+import select
 import socket
 import struct
 import threading
@@ -30,6 +39,7 @@ from contextlib import contextmanager
 from typing import Sequence
 
 import torch
+from google.protobuf.message import DecodeError
 
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -41,11 +51,13 @@ HEADER_TIMEOUT_S = 5.0   # a new connection must send its header within this
 MAX_FRAME = 64 << 20
 IOV_BATCH = 256          # buffers per sendmsg / recvmsg_into call (Linux IOV_MAX is 1024)
 SOCK_BUF = 4 << 20
+RECV_CHUNK = 1 << 20     # the most copied into the pool under one hold of the handle's lock
 CLAIM_SHARE = 0.8        # wait for the expect() this share of the source's time, so a refusal still reaches it
 
 
 class TcpTransport(PoolTransport):
     name = "tcp"
+    receiver_stops_writes = True
 
     def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None):
         """`auth`: the fleet token writers present and this target asks for (else this process's)."""
@@ -77,11 +89,11 @@ class TcpTransport(PoolTransport):
                                address=self.address)
 
     def write(self, transfer_id: str, src_block_ids: Sequence[int], target: pb.KVDescriptor,
-              timeout_s: float, checksum: bool = False) -> Completion:
+              timeout_s: float, checksum: bool = False, hand_off: pb.HandOff | None = None) -> Completion:
         src = check_write(self.name, self._layout, self._pool().num_blocks, transfer_id,
                           src_block_ids, target)
         handle = Completion(f"tcp write {transfer_id!r} to {target.worker_id}", timeout_s)
-        self._spawn(self._send, "kv-tcp-send", transfer_id, src, target, checksum, handle)
+        self._spawn(self._send, "kv-tcp-send", transfer_id, src, target, checksum, hand_off, handle)
         return handle
 
     def close(self) -> None:
@@ -102,16 +114,18 @@ class TcpTransport(PoolTransport):
     # ---- source side -------------------------------------------------------------------------------------
 
     def _send(self, transfer_id: str, src: list[int], target: pb.KVDescriptor, checksum: bool,
-              handle: Completion) -> None:
+              hand_off: pb.HandOff | None, handle: Completion) -> None:
         deadline = handle.deadline
         try:
             host, port = target.address.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock, self._tracked(sock):
                 _tune(sock)
                 views = self._source_views(src)
-                header = {"token": self._auth.presented().decode(), "id": transfer_id, "layout": self._layout.encode(), "blocks": list(target.block_ids),
+                header = {"token": self._auth.presented().decode(), "id": transfer_id,
+                          "layout": b64(self._layout.to_pb()), "blocks": list(target.block_ids),
                           "nbytes": len(src) * self._layout.bytes_per_block,
-                          "checksum": _crc(views) if checksum else None, "timeout_s": _left(deadline)}
+                          "checksum": _crc(views) if checksum else None, "timeout_s": _left(deadline),
+                          "hand_off": None if hand_off is None else b64(hand_off)}
                 _send_frame(sock, header, deadline)
                 _check_reply(_recv_frame(sock, deadline), "refused the transfer")
                 _send_views(sock, views, deadline)
@@ -148,7 +162,7 @@ class TcpTransport(PoolTransport):
             self._spawn(self._serve, "kv-tcp-recv", conn)
 
     def _serve(self, conn: socket.socket) -> None:
-        transfer_id, ids = None, None
+        transfer_id, claimed = None, None
         with conn, self._tracked(conn):
             try:
                 _tune(conn)
@@ -159,44 +173,65 @@ class TcpTransport(PoolTransport):
                                 time.monotonic() + HEADER_TIMEOUT_S)
                     return
                 transfer_id, deadline = str(header["id"]), time.monotonic() + float(header["timeout_s"])
-                ids = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
-                refusal = self._refusal(header, ids)
+                claimed = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
+                refusal, hand_off = self._check_header(header, claimed)
                 _send_frame(conn, {"error": refusal}, deadline)
                 if refusal:
-                    if ids is not None:
+                    if claimed is not None:
                         self._inbox.finish(transfer_id, refusal)
                     return
-                views, commit = self._dest_views(ids)
-                _recv_views(conn, views, deadline)
-                if commit:
-                    commit()
+                views = self._receive_payload(conn, *claimed, deadline)
                 error = None
                 if header["checksum"] is not None and _crc(views) != header["checksum"]:
                     error = "checksum mismatch: the received bytes differ from the source's"
                 _send_frame(conn, {"error": error}, deadline)
-                self._inbox.finish(transfer_id, error)
+                self._inbox.finish(transfer_id, error, hand_off=hand_off)
             except Exception as e:  # a thread's last word: a claimed expect always hears it
-                if ids is not None:
+                if claimed is not None:
                     self._inbox.finish(transfer_id, f"receive failed: {self._describe(e)}")
 
-    def _refusal(self, header: dict, ids: list[int] | None) -> str | None:
-        if ids is None:
-            return f"{self.worker_id} expects no transfer {header['id']!r} (no expect() in time, or already taken)"
-        if header["layout"] != self._layout.encode():
-            return f"layout mismatch: source {header['layout']!r}, target {self._layout.encode()!r}"
+    def _check_header(self, header: dict, claimed) -> tuple[str | None, pb.HandOff | None]:
+        """-> (why the transfer is refused, or None; the hand-off it carries)."""
+        if claimed is None:
+            return (f"{self.worker_id} expects no transfer {header['id']!r} (no expect() in time, or already "
+                    "taken)"), None
+        ids, handle = claimed
+        if handle.done():
+            return f"the target's expect() of {header['id']!r} is over: {handle.error}", None
+        try:
+            layout = KVLayout.from_pb(pb.KVLayout.FromString(base64.b64decode(header["layout"], validate=True)))
+            raw = header["hand_off"]
+            hand_off = None if raw is None else pb.HandOff.FromString(base64.b64decode(raw, validate=True))
+        except (ValueError, TypeError, DecodeError) as e:
+            return f"bad header: {e}", None
+        if layout != self._layout:
+            return f"layout mismatch: source {layout}, target {self._layout}", None
         if header["blocks"] != ids:
-            return f"blocks {header['blocks']} are not the ones expected for {header['id']!r}: {ids}"
+            return f"blocks {header['blocks']} are not the ones expected for {header['id']!r}: {ids}", None
         if header["nbytes"] != len(ids) * self._layout.bytes_per_block:
-            return f"payload of {header['nbytes']} bytes does not fill {len(ids)} blocks"
-        return None
+            return f"payload of {header['nbytes']} bytes does not fill {len(ids)} blocks", None
+        return None, hand_off
 
-    def _dest_views(self, ids: list[int]):
-        """-> (views to receive into, in wire order; a commit() to run after, or None)."""
+    def _receive_payload(self, conn: socket.socket, ids: list[int], handle: Completion,
+                         deadline: float) -> list[memoryview]:
+        """Take the payload into the pool while the handle is open; -> the views it landed in, in wire order."""
         if self._flat is not None:
-            return self._pool_views(ids), None
-        data = self._kv.data  # device pool: receive into a CPU staging copy, then one write_blocks
+            views = self._pool_views(ids)
+            _recv_views(conn, views, deadline, guard=handle)
+            return views
+        data = self._kv.data  # device pool: receive into a CPU staging copy, then write_blocks
         staged = torch.empty((*data.shape[:2], len(ids), *data.shape[3:]), dtype=data.dtype)
-        return [byte_view(staged)], lambda: self._kv.write_blocks(ids, staged)
+        views = [byte_view(staged)]
+        _recv_views(conn, views, deadline)
+        step = max(1, RECV_CHUNK // self._layout.bytes_per_block)
+        for i in range(0, len(ids), step):
+            with handle.writing() as still_open:
+                if not still_open:
+                    raise KVTransferError(_OVER)
+                self._kv.write_blocks(ids[i:i + step], staged[:, :, i:i + step])
+                if data.is_cuda:  # copied, not just queued, before finish() may return
+                    torch.cuda.current_stream(data.device).synchronize()
+        return views
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
@@ -232,6 +267,15 @@ class TcpTransport(PoolTransport):
         if isinstance(e, (OSError, KVTransferError)):
             return str(e) or type(e).__name__
         return f"{type(e).__name__}: {e}"
+
+
+_OVER = "the target's expect() is over (finished or past its deadline): nothing more is written"
+
+
+def b64(message) -> str:
+    """A protobuf message as a header field."""
+    return base64.b64encode(message.SerializeToString()).decode()
+
 
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
@@ -285,15 +329,50 @@ def _send_views(sock: socket.socket, views: list[memoryview], deadline: float) -
             batch = _advance(batch, sock.sendmsg(batch))
 
 
-def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float,
+                guard: Completion | None = None) -> None:
+    """Fill the views from the socket; with a guard, each non-blocking recvmsg_into (at most RECV_CHUNK bytes)
+    runs under guard.writing(), and waiting for data happens outside it."""
     for start in range(0, len(views), IOV_BATCH):
         batch = views[start:start + IOV_BATCH]
         while batch:
-            sock.settimeout(_left(deadline))
-            got = sock.recvmsg_into(batch)[0]
+            got = (_recv_some(sock, batch, deadline) if guard is None else
+                   _recv_guarded(sock, batch, deadline, guard))
             if got == 0:
                 raise KVTransferError("peer closed the connection mid-transfer")
             batch = _advance(batch, got)
+
+
+def _recv_some(sock: socket.socket, batch: list[memoryview], deadline: float) -> int:
+    sock.settimeout(_left(deadline))
+    return sock.recvmsg_into(batch)[0]
+
+
+def _recv_guarded(sock: socket.socket, batch: list[memoryview], deadline: float, guard: Completion) -> int:
+    sock.settimeout(0.0)
+    while True:
+        with guard.writing() as still_open:
+            if not still_open:
+                raise KVTransferError(_OVER)
+            try:
+                return sock.recvmsg_into(_first_bytes(batch, RECV_CHUNK))[0]
+            except BlockingIOError:
+                pass
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(1000 * _left(min(deadline, guard.deadline))):
+            raise TimeoutError("timed out")
+
+
+def _first_bytes(views: list[memoryview], n: int) -> list[memoryview]:
+    """The first n bytes of a buffer list (all of it when shorter)."""
+    out = []
+    for view in views:
+        if n <= 0:
+            break
+        out.append(view[:n])
+        n -= len(view)
+    return out
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:

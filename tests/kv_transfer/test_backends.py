@@ -5,13 +5,15 @@ two-process versions are in test_two_processes.py.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 import torch
 
-from services.kv_transfer import KVLayout, KVTransferError
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.kv_transfer import KVLayout, KVTransferError, wait_done
 from tests.kv_transfer.helpers import DST, SRC, Pair, expected_target, new_id
 
 BACKENDS = ["local", "tcp", "nixl"]
@@ -49,14 +51,54 @@ def test_bf16_blocks_arrive_bit_exact(backend):
         pair.close()
 
 
+def test_the_first_token_arrives_with_the_kv_and_both_sides_can_await_it(pair):
+    """The prefill worker hands the first token over inside the transfer; the decode worker's expect()
+    handle has it once done, awaited in asyncio without a thread."""
+    before = pair.refill(seed=2)
+    tid = new_id()
+    hand_off = pb.HandOff(request_id=tid, first_token=42, num_prompt_tokens=23,
+                          first_logprob=pb.TokenLogprob(token_id=42, logprob=-0.25))
+
+    async def both():
+        target = pair.target.expect(tid, DST, timeout_s=10.0)
+        source = pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=10.0, checksum=True,
+                                   hand_off=hand_off)
+        await asyncio.wait_for(asyncio.gather(wait_done(source), wait_done(target)), 10.0)
+        return source, target
+
+    source, target = asyncio.run(both())
+    assert target.hand_off == hand_off and source.hand_off is None
+    assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
+
+
+def test_a_transfer_without_a_hand_off_lands_with_none(pair):
+    tid = new_id()
+    target = pair.target.expect(tid, [3], timeout_s=10.0)
+    pair.source.write(tid, [4], pair.target.descriptor([3]), timeout_s=10.0).wait(10.0)
+    target.wait(10.0)
+    assert target.hand_off is None
+
+
 def test_the_write_may_come_before_the_targets_expect(pair):
     before = pair.refill(seed=5)
     tid = new_id()
-    source = pair.source.write(tid, SRC[:2], pair.target.descriptor(DST[:2]), timeout_s=10.0)
-    time.sleep(0.05)
+    arrived = threading.Event()
+    if pair.backend == "tcp":  # the receiver holds the connection until the expect() comes
+        claim = pair.target._inbox.claim
+        pair.target._inbox.claim = lambda *args: (arrived.set(), claim(*args))[1]
+    hand_off = pb.HandOff(request_id=tid, first_token=9)
+    source = pair.source.write(tid, SRC[:2], pair.target.descriptor(DST[:2]), timeout_s=10.0, hand_off=hand_off)
+    if pair.backend == "tcp":
+        assert arrived.wait(10.0)
+        del pair.target._inbox.claim
+    elif pair.backend == "nixl":
+        source.wait(10.0)                    # landed (one-sided) before anyone expected it
+    else:
+        assert not source.done()             # local: parked until the expect()
     target = pair.target.expect(tid, DST[:2], timeout_s=10.0)
     source.wait(10.0)
     target.wait(10.0)
+    assert target.hand_off == hand_off
     assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC[:2], DST[:2]))
 
 
@@ -66,6 +108,28 @@ def test_a_transfer_that_never_comes_fails_the_target_at_its_deadline(pair):
     with pytest.raises(KVTransferError, match="timed out after 0.2s"):
         target.wait(10.0)
     assert time.monotonic() - start < 1.5
+
+
+def test_an_awaited_transfer_that_never_comes_fails_at_its_deadline(pair):
+    target = pair.target.expect(new_id("never"), [1, 2], timeout_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="timed out after 0.2s"):
+        asyncio.run(asyncio.wait_for(wait_done(target), 10.0))
+    assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.parametrize("backend", ["local", "tcp"])  # a nixl target hears only of writes that landed
+def test_a_refused_transfer_fails_its_awaiting_target(backend):
+    pair = Pair(backend)
+    try:
+        tid = new_id()
+        target = pair.target.expect(tid, [1, 2], timeout_s=10.0)
+        descriptor = pair.target.descriptor([1, 5])  # not the blocks the target expects for this id
+        pair.source.write(tid, [1, 2], descriptor, timeout_s=10.0)
+        with pytest.raises(KVTransferError, match="not the ones expected"):
+            asyncio.run(asyncio.wait_for(wait_done(target), 10.0))
+    finally:
+        pair.close()
 
 
 def test_a_short_wait_raises_but_the_transfer_still_completes(pair):
@@ -120,3 +184,23 @@ def test_close_fails_what_is_pending_and_leaves_no_thread_behind(backend):
         target.wait(1.0)
     ours = (pair.source.worker_id, pair.target.worker_id)
     assert not [t.name for t in threading.enumerate() if any(w in t.name for w in ours)]
+
+
+def test_a_nixl_notice_carries_id_crc_and_hand_off_and_garbage_is_not_one():
+    from services.kv_transfer.nixl import Notice
+    for notice in (Notice("req-1"), Notice("req-ü", crc=0), Notice("r", 123, pb.HandOff(first_token=5))):
+        assert Notice.decode(notice.encode()) == notice
+    for garbage in (b"", b"req-1\n123", Notice("req-1").encode()[:-1], b"KVN1" + bytes(7) + b"\xff"):
+        with pytest.raises(ValueError, match="not a kvfleet notice"):
+            Notice.decode(garbage)
+
+
+def test_a_nixl_descriptor_without_its_target_pool_is_refused():
+    pair = Pair("nixl")
+    try:
+        descriptor = pair.target.descriptor([1])
+        descriptor.ClearField("nixl")
+        with pytest.raises(KVTransferError, match="no usable nixl target"):
+            pair.source.write(new_id(), [1], descriptor, timeout_s=5.0).wait(5.0)
+    finally:
+        pair.close()

@@ -39,7 +39,7 @@ def test_the_receiver_refuses_a_layout_it_does_not_have(pair):
         tid = new_id()
         target = pair.target.expect(tid, [1], timeout_s=5.0)
         descriptor = pair.target.descriptor([1])
-        descriptor.layout = KVLayout.of(other.source_kv).encode()  # lies to get past the source's own check
+        descriptor.layout.CopyFrom(KVLayout.of(other.source_kv).to_pb())  # lies to get past the source's check
         with pytest.raises(KVTransferError, match="target refused the transfer: layout mismatch"):
             other.source.write(tid, [1], descriptor, timeout_s=5.0).wait(5.0)
         with pytest.raises(KVTransferError, match="layout mismatch"):
@@ -88,12 +88,12 @@ def test_a_source_that_dies_mid_payload_fails_the_target_at_once(pair):
     tid = new_id()
     target = pair.target.expect(tid, [1, 2], timeout_s=30.0)
     layout = pair.target.descriptor([1, 2]).layout
-    nbytes = 2 * KVLayout.decode(layout).bytes_per_block
+    nbytes = 2 * KVLayout.from_pb(layout).bytes_per_block
     deadline = time.monotonic() + 5.0
     host, port = pair.target.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5.0) as sock:
-        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": layout, "blocks": [1, 2], "nbytes": nbytes, "checksum": None,
-                  "timeout_s": 30.0}
+        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": tcp.b64(layout),
+                  "blocks": [1, 2], "nbytes": nbytes, "checksum": None, "timeout_s": 30.0, "hand_off": None}
         tcp._send_frame(sock, header, deadline)
         assert tcp._recv_frame(sock, deadline) == {"error": None}
         sock.sendall(bytes(nbytes // 2))
@@ -122,3 +122,21 @@ def test_a_writer_without_the_fleet_token_is_refused_and_claims_nothing(pair):
     pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=5.0, checksum=True).wait(5.0)
     target.wait(5.0)
     assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
+
+
+def test_a_header_with_a_garbled_hand_off_is_refused_and_writes_nothing(pair):
+    before = pair.refill(seed=29)
+    tid = new_id()
+    target = pair.target.expect(tid, [1], timeout_s=5.0)
+    layout = pair.target.descriptor([1]).layout
+    deadline = time.monotonic() + 5.0
+    host, port = pair.target.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": tcp.b64(layout),
+                  "blocks": [1], "nbytes": KVLayout.from_pb(layout).bytes_per_block, "checksum": None,
+                  "timeout_s": 5.0, "hand_off": "not base64 of a HandOff!"}
+        tcp._send_frame(sock, header, deadline)
+        assert "bad header" in tcp._recv_frame(sock, deadline)["error"]
+    with pytest.raises(KVTransferError, match="bad header"):
+        target.wait(5.0)
+    assert torch.equal(pair.target_kv.data, before)

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer import KVTransferError, make_transport
 from services.kv_transfer.peer import TargetProcess, fill_random, make_cache, pool_from_bytes
 from tests.kv_transfer.helpers import DST, LAYOUT, SOURCE_BLOCKS, SRC, TARGET_BLOCKS, expected_target, new_id
@@ -31,13 +32,16 @@ def target(source):
 
 
 def transfer(target: TargetProcess, source, src: list[int], dst: list[int]) -> None:
-    """One transfer the way the workers do it: descriptor, expect on the target, write, both handles done."""
+    """One transfer the way the workers do it: descriptor, expect on the target, write with the first token,
+    both handles done, the first token in the target's hands."""
     transport, _ = source
     tid = new_id()
+    hand_off = pb.HandOff(request_id=tid, first_token=len(src), num_prompt_tokens=4 * len(src))
     descriptor = target.descriptor(dst)
     assert target.call("expect", tid, dst, 10.0) == "ok"
-    transport.write(tid, src, descriptor, timeout_s=10.0, checksum=True).wait(10.0)
-    assert target.call("wait", tid, 10.0) == ("ok", None)
+    transport.write(tid, src, descriptor, timeout_s=10.0, checksum=True, hand_off=hand_off).wait(10.0)
+    status, detail = target.call("wait", tid, 10.0)
+    assert (status, pb.HandOff.FromString(detail)) == ("ok", hand_off)
 
 
 def target_pool(target: TargetProcess) -> torch.Tensor:
