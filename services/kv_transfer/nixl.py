@@ -9,11 +9,7 @@ regions, indexed like KVCache.data itself:
 
 so a transfer is one make_prepped_xfer(WRITE) from local regions to the same-position remote regions, in wire
 order (base.py), with a Notice as its notification (delivered after the data): the transfer id, the crc32
-if asked for, the writer's pb.HandOff, packed as
-
-    b"KVN1" | flags u8 (1: crc, 2: hand-off) | crc32 u32 | id length u16 | id UTF-8 | serialized HandOff
-
-(big-endian). The target's pool geometry travels in descriptor.nixl (a kvfleet.v1.NixlTarget).
+if asked for, the writer's pb.HandOff, as a serialized kvfleet.v1.KVNotice. The target's pool geometry travels in descriptor.nixl (a kvfleet.v1.NixlTarget).
 
 Ownership (base.py): receiver_stops_writes is False. The WRITE is one-sided: the target's finish() cannot
 stop it. The decode worker holds the blocks until its expect() handle is done by landing or by its deadline,
@@ -36,7 +32,6 @@ import os
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # else UCX also advertises the external interface
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO logs go to stdout
 
-import struct  # noqa: E402
 import threading  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -52,8 +47,6 @@ from services.kv_transfer.base import (Completion, KVLayout, KVTransferError,  #
                                        PoolTransport, blocks_checksum, check_write,
                                        make_descriptor)
 
-NOTICE = struct.Struct(">4sBIH")  # magic, flags, crc32, id length; then the id, then the hand-off
-NOTICE_MAGIC, HAS_CRC, HAS_HAND_OFF = b"KVN1", 1, 2
 POLL_BUSY_S = 0.0002
 POLL_IDLE_S = 0.02
 NIXL_ERRORS = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error"))
@@ -61,30 +54,31 @@ NIXL_ERRORS = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.startswit
 
 @dataclass(frozen=True)
 class Notice:
-    """A write's notification: which transfer landed, its crc32 (None: not asked for), the writer's hand-off."""
+    """A write's notification, as a kvfleet.v1.KVNotice: which transfer landed, its crc32 (None: not asked
+    for), the writer's hand-off."""
     transfer_id: str
     crc: int | None = None
     hand_off: pb.HandOff | None = None
 
     def encode(self) -> bytes:
-        tid = self.transfer_id.encode()
-        flags = (HAS_CRC if self.crc is not None else 0) | (HAS_HAND_OFF if self.hand_off is not None else 0)
-        tail = self.hand_off.SerializeToString() if self.hand_off is not None else b""
-        return NOTICE.pack(NOTICE_MAGIC, flags, self.crc or 0, len(tid)) + tid + tail
+        msg = pb.KVNotice(transfer_id=self.transfer_id)
+        if self.crc is not None:
+            msg.crc32 = self.crc
+        if self.hand_off is not None:
+            msg.hand_off.CopyFrom(self.hand_off)
+        return msg.SerializeToString()
 
     @classmethod
     def decode(cls, raw: bytes) -> Notice:
         """ValueError when it is not one."""
         try:
-            magic, flags, crc, size = NOTICE.unpack_from(raw)
-            tid = raw[NOTICE.size:NOTICE.size + size].decode()
-            tail = raw[NOTICE.size + size:]
-            if magic != NOTICE_MAGIC or not tid or len(tid.encode()) != size or (tail and not flags & HAS_HAND_OFF):
-                raise ValueError("not a kvfleet notice")
-            return cls(tid, crc if flags & HAS_CRC else None,
-                       pb.HandOff.FromString(tail) if flags & HAS_HAND_OFF else None)
-        except (struct.error, UnicodeDecodeError, DecodeError) as e:
+            msg = pb.KVNotice.FromString(raw)
+        except DecodeError as e:
             raise ValueError(f"not a kvfleet notice: {e}") from None
+        if not msg.transfer_id:
+            raise ValueError("not a kvfleet notice: no transfer id")
+        return cls(msg.transfer_id, msg.crc32 if msg.HasField("crc32") else None,
+                   msg.hand_off if msg.HasField("hand_off") else None)
 
 
 @dataclass

@@ -302,6 +302,16 @@ class HandOff(_message.Message):
     num_prompt_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class KVNotice(_message.Message):
+    __slots__ = ("transfer_id", "crc32", "hand_off")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    crc32: int
+    hand_off: HandOff
+    def __init__(self, transfer_id: _Optional[str] = ..., crc32: _Optional[int] = ..., hand_off: _Optional[_Union[HandOff, _Mapping]] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
