@@ -1,0 +1,149 @@
+"""The decode worker owns its blocks (R2, item 3): a reservation's blocks go back to the engine only
+once no write into them can land, whatever order anyone cancels in.
+
+A real engine core process (the tiny model) behind an EngineClient, the decode role over it, and a
+real KV source (a second pool with its own transport) writing into the reservation, over tcp and
+nixl:
+  - tcp (the receiver copies): ending a reservation stops its transfer at once and frees the
+    blocks; a write that comes afterwards is refused and changes none of them;
+  - nixl (one-sided writes): ending a reservation holds its blocks until the write lands, or until
+    the reservation's deadline when none comes;
+  - a landed transfer starts decode by itself, from the HandOff's first token: nobody relays it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.decode.reservations import DecodeRole
+from services.engine.engine import engine_config
+from services.kv_transfer import make_transport
+from services.kv_transfer.base import KVLayout, KVTransferError, wait_done
+from services.kv_transfer.peer import fill_random, make_cache
+from services.protocol.convert import params_to_pb
+from services.engine.sampling_params import SamplingParams
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.timeouts import Timeouts
+from services.worker.config import WorkerConfig
+from services.worker.engine_client import EngineClient
+
+PROMPT = list(range(100, 166))          # 66 tokens: 5 blocks of 16
+RESERVATION_S = 3.0
+
+
+async def eventually(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await check():
+            return True
+        await asyncio.sleep(0.02)
+    return await check()
+
+
+class Rig:
+    """The decode side (engine core, transport, DecodeRole) and a KV source of the same layout."""
+
+    def __init__(self, model_dir: str, backend: str) -> None:
+        self.model_dir, self.backend = model_dir, backend
+
+    async def __aenter__(self) -> Rig:
+        self.engine = EngineClient(engine_config(self.model_dir, kv_cache_mib=8))
+        await self.engine.start()
+        self.transport = make_transport(self.backend, f"decode-{self.backend}")
+        self.transport.register(self.engine.kv_cache)
+        config = WorkerConfig("decode-0", "decode", self.backend,
+                              Timeouts(reservation_s=RESERVATION_S))
+        self.role = DecodeRole(config, self.engine, self.transport)
+        layout = KVLayout.of(self.engine.kv_cache)
+        self.source_kv = make_cache(layout, 16)
+        fill_random(self.source_kv, seed=7)
+        self.source = make_transport(self.backend, f"source-{self.backend}")
+        self.source.register(self.source_kv)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.role.close()
+        self.source.close()
+        self.transport.close()
+        await self.engine.close()
+
+    async def reserve(self, rid: str, max_tokens: int = 8) -> pb.ReserveResponse:
+        resp = await self.role.reserve(pb.ReserveRequest(
+            request_id=rid, prompt_token_ids=PROMPT,
+            params=params_to_pb(SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                               ignore_eos=True))), context=None)
+        assert resp.accepted, resp.reason
+        return resp
+
+    def write(self, rid: str, target: pb.KVDescriptor, first_token: int = 42):
+        return self.source.write(rid, list(range(len(target.block_ids))), target, 10.0,
+                                 hand_off=pb.HandOff(request_id=rid, first_token=first_token))
+
+    async def reserved(self) -> int:
+        """Blocks the engine holds for requests (a remote reservation allocates its blocks)."""
+        s = await self.engine.stats()
+        return s.kv_blocks_used + s.kv_blocks_reserved
+
+    def target_bytes(self, target: pb.KVDescriptor):
+        return self.engine.kv_cache.data[:, :, list(target.block_ids)].clone()
+
+
+def test_tcp_ending_a_reservation_frees_it_at_once_and_a_late_write_lands_nowhere(tiny_model_dir):
+    async def story():
+        async with Rig(str(tiny_model_dir), "tcp") as rig:
+            resp = await rig.reserve("tcp-1")
+            assert await rig.reserved() > 0
+            before = rig.target_bytes(resp.target)
+            assert rig.role.end("tcp-1")
+            assert rig.role.held_blocks == 0                 # the receiver stops writes itself
+            assert await eventually(lambda: _is(rig.reserved(), 0))
+            with pytest.raises(KVTransferError):
+                await wait_done(rig.write("tcp-1", resp.target))
+            assert (rig.target_bytes(resp.target) == before).all()
+    asyncio.run(story())
+
+
+def test_nixl_an_ended_reservation_holds_its_blocks_until_the_write_lands(tiny_model_dir):
+    async def story():
+        async with Rig(str(tiny_model_dir), "nixl") as rig:
+            resp = await rig.reserve("nixl-1")
+            rig.role.end("nixl-1")                           # cancelled before its KV came
+            assert rig.role.held_blocks == len(resp.target.block_ids)
+            assert await rig.reserved() > 0                  # not handed to anyone meanwhile
+            await wait_done(rig.write("nixl-1", resp.target))    # the write lands after all
+            assert await eventually(lambda: _is(rig.reserved(), 0))
+            assert rig.role.held_blocks == 0
+    asyncio.run(story())
+
+
+def test_nixl_an_ended_reservation_with_no_write_is_freed_at_its_deadline(tiny_model_dir):
+    async def story():
+        async with Rig(str(tiny_model_dir), "nixl") as rig:
+            started = time.monotonic()
+            await rig.reserve("nixl-2")
+            rig.role.end("nixl-2")
+            assert rig.role.held_blocks > 0
+            assert await eventually(lambda: _is(rig.reserved(), 0), RESERVATION_S + 5)
+            assert time.monotonic() - started >= RESERVATION_S - 0.5   # not before the deadline
+            assert rig.role.held_blocks == 0
+    asyncio.run(story())
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_a_landed_transfer_starts_decode_from_its_hand_off(tiny_model_dir, backend):
+    async def story():
+        async with Rig(str(tiny_model_dir), backend) as rig:
+            resp = await rig.reserve(f"land-{backend}", max_tokens=6)
+            await wait_done(rig.write(f"land-{backend}", resp.target, first_token=42))
+            chunks = [c async for c in rig.role.decode(
+                pb.DecodeRequest(request_id=f"land-{backend}"), context=None)]
+            assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+            assert sum(len(c.token_ids) for c in chunks) == 5    # tokens 2..6
+            assert await eventually(lambda: _is(rig.reserved(), 0))
+    asyncio.run(story())
+
+
+async def _is(value, expected) -> bool:
+    return (await value) == expected
