@@ -93,6 +93,9 @@ def alive(pid: int) -> bool:
         return False
 
 
+_alive = alive     # the name tests/cli/test_cli.py imports
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -144,7 +147,7 @@ def test_up_serves_then_stops_everything_it_started(tiny_model_dir, mode, router
             == routers
         kids = [pid for pid in descendants(proc.pid) if alive(pid)]
         workers = 1 if mode == "colocated" else 2
-        assert len(set(kids) & set(_children(proc.pid))) == workers + routers + 1   # + gateway
+        assert len(set(kids) & set(children_of(proc.pid))) == workers + routers + 1   # + gateway
         url = f"http://127.0.0.1:{http}"
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         r = httpx.post(f"{url}/v1/completions", timeout=60,
@@ -186,6 +189,6 @@ def test_up_refuses_contradictory_timeouts_before_starting_anything():
     assert "READY" not in out.stdout
 
 
-def _children(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
