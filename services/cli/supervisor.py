@@ -8,11 +8,13 @@ dying, whatever its exit status, is logged and restarted while the rest keep ser
     -> restarted at t + min(max_backoff_s, initial_backoff_s * 2 ** (failures - 1)) (first: initial)
 
 A restarted child is started with the arguments it first ran with plus its `pinned` arguments,
-the listening ports it got the first time, so that the gateway's `--router` address and clients'
+the listening ports it got the first time, so that the gateway's `--router` addresses and clients'
 URLs stay valid across restarts (workers are found through Redis, but keep their port too).
 What the other services do meanwhile: a request on a dead worker ends with UNAVAILABLE (an SSE
 error event once streaming), a prefill that fails before its first token is retried elsewhere,
-and the gateway reconnects to a restarted router on its next call.
+a dead router is off every stream's path (the gateway asks another router, and reconnects to
+the restarted one). Stopping is the launcher's (services/cli/launcher.py); the supervisor only
+restarts.
 """
 from __future__ import annotations
 
