@@ -52,12 +52,14 @@ from services.worker.engine_core import (ENCODER, REPLY_DECODER, Blocks, CallFai
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0    # loading a large model's weights takes a while
-EXIT_GRACE_S = 1.0         # close(): after Shutdown, then again after SIGTERM, before SIGKILL
+EXIT_GRACE_S = 0.5         # close(): after Shutdown, then again after SIGTERM, before SIGKILL
 FAILURE_GRACE_S = 1.0      # the core exited: how long its Failure message may still be in flight
 
 
 class EngineFailed(RuntimeError):
     """The engine core died (see EngineClient.failure); nothing more runs on this engine."""
+
+    core_traceback: str | None = None     # the core's own traceback, when it sent a Failure
 
 
 class EngineCallError(RuntimeError):
@@ -142,6 +144,7 @@ class EngineClient:
         self._ready_fut: asyncio.Future | None = None
         self._exited: asyncio.Event | None = None     # the core process ended
         self._failed: asyncio.Event | None = None     # `failure` is set
+        self._watch: asyncio.Task | None = None       # _exited_without_failure, once the core ended
         self._closing = False
 
     # ------------------------------------------------------------------------ lifecycle
@@ -189,9 +192,10 @@ class EngineClient:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._proc.stdin.close()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for sock in (self._commands, self._replies):
             if sock is not None:
                 sock.close(linger=0)
@@ -354,7 +358,7 @@ class EngineClient:
         asyncio.get_running_loop().remove_reader(self._pidfd)
         self._exited.set()
         if not self._closing and self.failure is None:
-            asyncio.create_task(self._exited_without_failure())
+            self._watch = asyncio.create_task(self._exited_without_failure())
 
     async def _exited_without_failure(self) -> None:
         """A Failure the core sent just before exiting may still be in flight: give it a moment,

@@ -248,10 +248,27 @@ class EngineCore:
                 raw = self.commands.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return True
-            cmd = COMMAND_DECODER.decode(raw.buffer)
+            try:
+                cmd = COMMAND_DECODER.decode(raw.buffer)
+            except msgspec.DecodeError as e:        # ValidationError included
+                self._refuse(raw.buffer, e)
+                continue
             if isinstance(cmd, Shutdown):
                 return False
             self._handle(cmd)
+
+    def _refuse(self, raw: memoryview, error: msgspec.DecodeError) -> None:
+        """A command that does not decode is the server's bug, not the core's: answered with
+        CallFailed when its call id can be read, else logged; the core goes on."""
+        try:
+            fields = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError:
+            fields = None
+        call_id = fields[1] if isinstance(fields, list) and len(fields) > 1 else None
+        if isinstance(call_id, int) and call_id != NO_REPLY:
+            self.send(CallFailed(call_id, type(error).__name__, str(error)))
+        else:
+            log.error("dropped a command that does not decode: %s", error)
 
     def _handle(self, cmd: Command) -> None:
         try:

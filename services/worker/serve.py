@@ -124,18 +124,18 @@ async def serve(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     config = WorkerConfig(worker_id, args.role, args.kv_backend,
                           reserve_timeout_s=args.reserve_timeout_s)
-    failed = asyncio.Event()     # the engine core died: shut down and exit non-zero (restarted)
-    engine = EngineClient(engine_config_for(args), on_failure=lambda _: failed.set(),
+    stop = asyncio.Event()       # SIGTERM / SIGINT, or the engine core died (engine.failure)
+    engine = EngineClient(engine_config_for(args), on_failure=lambda _: stop.set(),
                           torch_threads=args.threads)
     await engine.start()
     try:
-        return await _serve(args, auth, config, engine, failed)
+        return await _serve(args, auth, config, engine, stop)
     finally:
         await engine.close()
 
 
 async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
-                 failed: asyncio.Event) -> int:
+                 stop: asyncio.Event) -> int:
     transport = None
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
@@ -152,9 +152,12 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
                                                   ttl_s=3 * args.heartbeat_s,
                                                   every_s=args.heartbeat_s))
             if state else None)
+    stopping = asyncio.create_task(wait_for_stop_signal(stop))
+    await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     print(f"READY {config.worker_id} {address}", flush=True)
-    await wait_for_stop_signal(failed)
-    if failed.is_set():
+    await stopping
+    failed = engine.failure is not None
+    if failed:
         print(f"worker {config.worker_id}: {engine.failure}; exiting with status "
               f"{ENGINE_FAILED_EXIT}", file=sys.stderr, flush=True)
     if beat:
@@ -168,7 +171,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     await server.stop(grace=GRPC_GRACE_S)
     if transport is not None:
         transport.close()
-    return ENGINE_FAILED_EXIT if failed.is_set() else 0
+    return ENGINE_FAILED_EXIT if failed else 0
 
 
 def main(role: str | None = None, argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import statistics
 import time
 
 from services.engine.engine import engine_config
+from services.protocol.aio import run
 from services.engine.sampling_params import SamplingParams
 from services.worker.engine_client import EngineClient
 from services.worker.engine_core import StepOutputs
@@ -64,4 +65,4 @@ if __name__ == "__main__":
     p.add_argument("--n", type=int, default=500)
     p.add_argument("--threads", type=int, default=1, help="the core's torch threads")
     args = p.parse_args()
-    asyncio.run(main(args.n, args.threads))
+    run(main(args.n, args.threads))       # uvloop where installed, as the worker runs

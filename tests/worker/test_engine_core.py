@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -16,7 +17,8 @@ from services.engine.engine import LLMEngine, engine_config
 from services.engine.errors import (DuplicateRequestError, EmptyPromptError, InvalidRequestError,
                                     UnknownRequestError)
 from services.engine.sampling_params import SamplingParams
-from services.worker.engine_client import EngineClient, EngineFailed
+from services.worker.engine_client import EngineCallError, EngineClient, EngineFailed
+from services.worker.engine_core import Done
 from services.worker.faults import ENGINE_STEP
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -116,6 +118,20 @@ def test_cancel_frees_the_requests_pages_and_errors_come_back_typed(tiny_model_d
     assert ended[-1].finished and ended[-1].finish_reason == "abort"
     assert after.kv_blocks_used == 0 and after.num_running == 0
     assert isinstance(empty, InvalidRequestError) and empty.code == "empty_prompt" and empty.message
+
+
+class MalformedAdd(msgspec.Struct, tag=1, array_like=True):    # AddRequest's tag, bad fields
+    call_id: int
+    request_id: int
+
+
+def test_a_command_that_does_not_decode_is_refused_and_the_core_goes_on(tiny_model_dir):
+    async def scenario(client: EngineClient):
+        with pytest.raises(EngineCallError, match="ValidationError"):
+            await client._call(lambda cid: MalformedAdd(cid, 7), Done)
+        return await client.stats()
+
+    assert with_core(config(tiny_model_dir), scenario).kv_blocks_used == 0
 
 
 def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_model_dir):

@@ -1,0 +1,95 @@
+"""A worker as the fleet runs it (`python -m services.decode`): a server process and its engine
+core process. SIGTERM stops both within 3 s, exit 0; a core that dies takes the worker down with
+ENGINE_FAILED_EXIT (70) so that the supervisor restarts it ([H2])."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.worker.serve import ENGINE_FAILED_EXIT
+
+START_DEADLINE_S = 60.0
+STOP_DEADLINE_S = 3.0
+
+
+@pytest.fixture
+def worker(tiny_model_dir, tmp_path):
+    """A decode worker on the tiny model, READY; always killed (with its core) afterwards."""
+    stderr = open(tmp_path / "worker.stderr", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.decode", "--model", str(tiny_model_dir),
+         "--kv-cache-mib", "16", "--kv-backend", "tcp", "--insecure-internal", "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        line = _read_line(proc, START_DEADLINE_S)
+        assert line.startswith("READY "), (line, _tail(stderr))
+        proc.core_pid = _engine_core_of(proc.pid)
+        proc.stderr_file = stderr
+        yield proc
+    finally:
+        for pid in (proc.pid, getattr(proc, "core_pid", None)):
+            if pid is not None and not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(10)
+        stderr.close()
+
+
+def test_sigterm_stops_the_server_and_its_engine_core_within_3_s(worker):
+    t0 = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(STOP_DEADLINE_S) == 0, _tail(worker.stderr_file)
+    _wait_gone(worker.core_pid, t0 + STOP_DEADLINE_S)
+
+
+def test_a_killed_engine_core_ends_the_worker_with_engine_failed_exit(worker):
+    os.kill(worker.core_pid, signal.SIGKILL)
+    assert worker.wait(10) == ENGINE_FAILED_EXIT
+    assert "killed by signal 9" in _tail(worker.stderr_file)
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    return proc.stdout.readline() if ready else ""
+
+
+def _engine_core_of(pid: int) -> int:
+    """The worker's engine core: its child running services.worker.engine_core."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"services.worker.engine_core" in cmdline:
+            return int(entry)
+    raise AssertionError(f"worker {pid} has no engine core process")
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie whose parent has not reaped it yet counts as gone)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pid: int, deadline: float) -> None:
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"engine core {pid} still running"
+        time.sleep(0.02)
+
+
+def _tail(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-3000:]
