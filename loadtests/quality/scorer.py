@@ -35,8 +35,8 @@ what an OpenAI server reports; so a DIR reference and a URL candidate compare li
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -214,12 +214,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _served_quality_version(path: str) -> str | None:
-    """The quality version a kvfleet gateway serving this dir reports (without --quality-version)."""
+    """The quality version a kvfleet gateway serving this dir reports without --quality-version:
+    the checkpoint's dtype and a hash of its config.json (services/gateway/model.py; the two
+    agree, checked by tests/loadtests/test_quality.py, without the load tester importing the gateway)."""
     try:
-        from services.gateway.model import load_served_model
-        return load_served_model(path, os.path.basename(path)).quality_version
-    except Exception:  # reported only; the fingerprint identifies the weights regardless
+        raw = (Path(path) / "config.json").read_bytes()
+        config = json.loads(raw)
+    except (OSError, ValueError):  # reported only; the fingerprint identifies the weights regardless
         return None
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    return f"{dtype}-{hashlib.sha256(raw).hexdigest()[:10]}"
 
 
 # --- over HTTP -----------------------------------------------------------------------------------

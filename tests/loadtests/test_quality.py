@@ -425,3 +425,18 @@ def test_http_scorer_places_the_continuation_under_each_offset_convention(conven
 def test_clean_answer_cuts_at_the_first_newline():
     assert clean_answer("  Paris.\nQuestion: next") == "Paris."
     assert clean_answer("\n\n") == ""
+
+
+@pytest.mark.parametrize("dtype_key", ["torch_dtype", "dtype"])     # transformers < 5, >= 5
+def test_a_checkpoint_dir_reports_the_quality_version_its_gateway_would(tiny_model_dir, tmp_path,
+                                                                        dtype_key):
+    from loadtests.quality.scorer import _served_quality_version
+    from services.gateway.model import load_served_model
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("torch_dtype", None), config.pop("dtype", None)
+    (model / "config.json").write_text(json.dumps({**config, dtype_key: "bfloat16"}))
+    version = _served_quality_version(str(model))
+    assert version.startswith("bfloat16-")
+    assert version == load_served_model(str(model), "m").quality_version
