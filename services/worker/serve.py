@@ -24,21 +24,19 @@ from redis.exceptions import RedisError
 
 from services.engine.config import EngineConfig
 from services.engine.config_file import load_engine_config
-from services.engine.engine import EngineStats
-from services.protocol import fleet_token
+from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
-from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
 from services.state.fleet_state import FleetState
 from services.state.outage import UNREACHABLE, Backoff, Outage
 from services.worker.engine_client import EngineClient
-from services.worker.servicer import WorkerConfig, WorkerServicer
+from services.worker.config import WorkerConfig
+from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 
 ENGINE_FAILED_EXIT = 70     # EX_SOFTWARE: the engine core died; the supervisor restarts the worker
-GRPC_GRACE_S = 1.0          # SIGTERM: in-flight calls get this long, then the engine core stops
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None:
@@ -52,12 +50,11 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
-    p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default); several workers on one "
                         "host should split the cores between them")
-    p.add_argument("--reserve-timeout-s", type=float, default=30.0)
     fleet_token.add_args(p)
+    timeouts.add_args(p)
     if role is not None:
         p.set_defaults(role=role)
 
@@ -78,18 +75,21 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
-async def heartbeat_forever(state: FleetState, engine: EngineClient, config: WorkerConfig,
-                            address: str, ttl_s: float, every_s: float) -> None:
-    """Publish this worker's stats every `every_s` until cancelled. A failed beat (Redis down, or
-    anything else) never ends the loop: it is retried with capped, jittered backoff (one warning
-    per outage, one info line on recovery), and the first beat that lands re-registers the worker,
-    also into an empty new Redis."""
+async def heartbeat_forever(state: FleetState, servicer: WorkerServicer) -> None:
+    """Publish this worker's stats (the Stats RPC's message) every `heartbeat_s` until cancelled;
+    each beat lives `heartbeat_ttl_s`. A failed beat (Redis down, or anything else) never ends
+    the loop: it is retried with capped, jittered backoff (one warning per outage, one info line
+    on recovery), and the first beat that lands re-registers the worker, also into an empty new
+    Redis."""
+    config = servicer.config
+    every_s, ttl_s = config.timeouts.heartbeat_s, config.timeouts.heartbeat_ttl_s
     redis = Outage(f"worker {config.worker_id} heartbeat", log,
                    Backoff(base_s=min(every_s, 0.5), cap_s=max(every_s, 2.0)))
     broken = False                 # the last beat failed on something other than Redis
     while True:
         try:
-            stats = worker_stats(config, engine, await engine.stats(), address)
+            stats = await servicer.stats()
+            stats.updated_at_unix_s = time.time()
             await redis.call(state.heartbeat, stats, ttl_s)
             delay, broken = every_s, False
         except UNREACHABLE:
@@ -101,20 +101,6 @@ async def heartbeat_forever(state: FleetState, engine: EngineClient, config: Wor
         await asyncio.sleep(delay)
 
 
-def worker_stats(config: WorkerConfig, engine: EngineClient, s: EngineStats,
-                 address: str) -> pb.WorkerStats:
-    """The heartbeat record: the engine's stats and where and what this worker is."""
-    return pb.WorkerStats(
-        worker_id=config.worker_id, role=config.role, kv_blocks_total=s.kv_blocks_total,
-        kv_blocks_free=s.kv_blocks_free, kv_blocks_used=s.kv_blocks_used,
-        kv_blocks_reserved=s.kv_blocks_reserved, kv_blocks_cached=s.kv_blocks_cached,
-        num_running=s.num_running, num_queued=s.num_queued,
-        queued_prefill_tokens=s.queued_prefill_tokens,
-        prefill_tokens_per_s=s.prefill_tokens_per_s, decode_tokens_per_s=s.decode_tokens_per_s,
-        block_size=engine.block_size, grpc_address=address, kv_backend=config.kv_backend,
-        model=engine.model, max_model_len=engine.max_model_len, updated_at_unix_s=time.time())
-
-
 async def serve(args: argparse.Namespace) -> int:
     setup_logging(args.role)
     if args.host not in LOOPBACK:
@@ -123,8 +109,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
-    config = WorkerConfig(worker_id, args.role, args.kv_backend,
-                          reserve_timeout_s=args.reserve_timeout_s)
+    config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args))
     stop = asyncio.Event()       # SIGTERM / SIGINT, or the engine core died (engine.failure)
     engine = EngineClient(engine_config_for(args), on_failure=lambda _: stop.set(),
                           torch_threads=args.threads)
@@ -149,10 +134,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     await server.start()
     address = f"{args.host}:{port}"
     state = FleetState(args.redis_url) if args.redis_url else None
-    beat = (asyncio.create_task(heartbeat_forever(state, engine, config, address,
-                                                  ttl_s=3 * args.heartbeat_s,
-                                                  every_s=args.heartbeat_s))
-            if state else None)
+    servicer.address = address
+    beat = asyncio.create_task(heartbeat_forever(state, servicer)) if state else None
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     print(f"READY {config.worker_id} {address}", flush=True)
@@ -169,7 +152,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
             log.warning("could not remove worker %s from Redis at shutdown: %s",
                         config.worker_id, e)
         await state.close()
-    await server.stop(grace=GRPC_GRACE_S)
+    servicer.close()
+    await server.stop(grace=config.timeouts.shutdown_grace_s)
     if transport is not None:
         transport.close()
     return ENGINE_FAILED_EXIT if failed else 0

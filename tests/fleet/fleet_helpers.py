@@ -98,7 +98,7 @@ class Fleet:
                extra_args: tuple[str, ...] = ()) -> str:
         args = ["services.cli.cli", "serve", role, "--model", model, "--worker-id", name,
                 "--redis-url", self.redis_url, "--kv-backend", kv_backend, "--kv-cache-mib", "64",
-                "--heartbeat-s", "0.3", *extra_args]
+                "--timeout-heartbeat-s", "0.3", "--timeout-heartbeat-ttl-s", "0.9", *extra_args]
         self.workers[name] = self.launcher.start(name, args)
         return self.workers[name]
 

@@ -77,7 +77,7 @@ def write_configs(tmp) -> tuple[str, str]:
 def start_worker(fleet: Fleet, model_dir: str, engine_config: str, name: str = "mixed-0") -> None:
     fleet.workers[name] = fleet.launcher.start(name, [
         "services.cli.cli", "serve", "mixed", "--model", model_dir, "--worker-id", name,
-        "--redis-url", fleet.redis_url, "--kv-cache-mib", "64", "--heartbeat-s", "0.3",
+        "--redis-url", fleet.redis_url, "--kv-cache-mib", "64", "--timeout-heartbeat-s", "0.3", "--timeout-heartbeat-ttl-s", "0.9",
         "--config", engine_config])
     assert wait_until(lambda: fleet.router_stub().Health(pb.HealthRequest()).status ==
                       pb.HealthResponse.SERVING, 10)
