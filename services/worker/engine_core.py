@@ -9,8 +9,9 @@ One PUSH/PULL pair each way keeps order: a command's reply is sent before any st
 so a request's acceptance always reaches the server before its first token.
 
 Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineClient):
-  1. read the EngineConfig (msgpack, length-prefixed) from stdin, connect the sockets, build the engine with its KV cache in shared memory (`SharedKV`),
-     install fault injection (services/worker/faults.py), send Ready (where the KV memory is).
+  1. read the EngineConfig (msgpack, length-prefixed) from stdin, connect the sockets, build the
+     engine with its KV cache in shared memory (`SharedKV`), install fault injection
+     (services/worker/faults.py), send Ready (where the KV memory is).
   2. loop: run every queued command (each answered with its typed reply; a command that raises
      is answered with CallFailed and the core goes on), then step() while there is work, sending
      each step's outputs in ONE StepOutputs message; block on the sockets when idle.
@@ -21,7 +22,10 @@ Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineCli
 KV memory: the core allocates the cache as a file in the run directory (on /dev/shm where there is
 one) mapped MAP_SHARED; the server maps the same file (`SharedKV.attach`) and unlinks it, so the
 memory lives exactly as long as the two mappings. The KV transport backends run in the server and
-write straight into the pages the core's model reads.
+write straight into the pages the core's model reads. Who may touch which blocks when is ordered by
+the messages: the server writes a reservation's blocks before it sends StartDecode, and reads a
+prefilled prompt's blocks after the step that sent "prefilled" (and before it cancels the request);
+the socket round trip orders the memory accesses.
 """
 from __future__ import annotations
 
