@@ -71,7 +71,7 @@ class Launcher:
                     and not self.stopping.is_set():
                 pass
             if not child.address:
-                status = child.proc.poll()           # before the stop below sets one
+                status = _exit_status(child)         # before the stop below sets one
                 self._stop(children, grace_s=STOP_GRACE_S)
                 why = ("the launcher is stopping" if self.stopping.is_set() else
                        f"it exited with status {status} before READY" if status is not None else
@@ -139,6 +139,16 @@ class Launcher:
             _signal_pid(pid, signal.SIGKILL)
         for child in children:
             child.proc.wait()
+        _wait_gone(groups, tree, timeout_s=1.0)    # SIGKILL is delivered, not yet done
+
+
+def _exit_status(child: Child) -> int | None:
+    """The child's exit status, if it exited. Its stdout closing (`ready` set, no address) comes
+    a moment before the exit itself: give that moment."""
+    try:
+        return child.proc.wait(timeout=1.0) if child.ready.is_set() else child.proc.poll()
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def descendants(pid: int) -> list[int]:
@@ -182,6 +192,12 @@ def _processes() -> Iterable[_Proc]:
 
 def _alive(groups: set[int], tree: set[_Proc]) -> list[int]:
     return [p.pid for p in _processes() if p.pgid in groups or p in tree]
+
+
+def _wait_gone(groups: set[int], tree: set[_Proc], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _alive(groups, tree) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
