@@ -15,8 +15,8 @@ Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineCli
   2. loop: run every queued command (each answered with its typed reply; a command that raises
      is answered with CallFailed and the core goes on), then step() while there is work, sending
      each step's outputs in ONE StepOutputs message; block on the sockets when idle.
-  3. Shutdown, or the server process gone (stdin, which the server keeps open and never writes
-     to again, reaches EOF) -> exit 0.
+  3. Shutdown -> exit 0. The server process gone (stdin, which the server keeps open and never
+     writes to again, reaches EOF) -> remove the run directory the server could not, exit 0.
      Any exception out of step() or the loop -> Failure (type + text + traceback), exit 1.
 
 KV memory: the core allocates the cache as a file in the run directory (on /dev/shm where there is
@@ -33,6 +33,7 @@ import argparse
 import logging
 import math
 import os
+import shutil
 import signal
 import struct
 import sys
@@ -221,6 +222,7 @@ class EngineCore:
         self.poller = zmq.Poller()
         self.poller.register(commands, zmq.POLLIN)
         self.parent_fd = parent_fd
+        self.orphaned = False                    # run() ended because the server is gone
         if parent_fd is not None:                # readable (EOF) once the server process is gone
             self.poller.register(parent_fd, zmq.POLLIN)
         self.handlers: dict[type, Callable] = {
@@ -237,6 +239,7 @@ class EngineCore:
             ready = dict(self.poller.poll(0 if busy else None))   # idle: block, no spinning
             if self.parent_fd is not None and self.parent_fd in ready:
                 log.warning("the server process is gone; the engine core exits")
+                self.orphaned = True
                 return
             if self.commands in ready and not self._drain():
                 return
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     replies = ctx.socket(zmq.PUSH)
     replies.setsockopt(zmq.SNDHWM, 0)                 # never drop or block on our own output
     replies.connect(ipc_address(args.run_dir, REPLIES_SOCKET))
-    status = 0
+    status, core = 0, None
     try:
         config = read_config(sys.stdin.fileno())
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
@@ -380,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.close(linger=0)
     replies.close(linger=2000)        # let a Failure reach the server before we go
     ctx.term()
+    if core is not None and core.orphaned:
+        shutil.rmtree(args.run_dir, ignore_errors=True)
     return status
 
 

@@ -53,6 +53,15 @@ def test_a_killed_engine_core_ends_the_worker_with_engine_failed_exit(worker):
     assert "killed by signal 9" in _tail(worker.stderr_file)
 
 
+def test_a_worker_killed_outright_takes_its_engine_core_and_run_directory_with_it(worker):
+    run_dir = open(f"/proc/{worker.core_pid}/cmdline", "rb").read().split(b"\0")[3].decode()
+    assert os.path.isdir(run_dir)
+    worker.kill()                                        # no cleanup of its own
+    worker.wait(10)
+    _wait_gone(worker.core_pid, time.monotonic() + STOP_DEADLINE_S)
+    assert not os.path.exists(run_dir)                   # the orphaned core removed it
+
+
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     return proc.stdout.readline() if ready else ""
