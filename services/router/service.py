@@ -26,6 +26,7 @@ import grpc
 
 from services.protocol import status
 from services.protocol.aio import internal_channel
+from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
@@ -58,8 +59,9 @@ def unhealthy(message: str, retry_after_s: float = UNHEALTHY_RETRY_S) -> status.
 
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, state: FleetState, mode: str = "disagg", router_id: str = "router",
-                 timeouts: Timeouts | None = None) -> None:
+                 timeouts: Timeouts | None = None, auth: FleetAuth | None = None) -> None:
         self.state = state
+        self.auth = auth              # what calls to workers present (None: this process's token)
         self.mode = mode
         self.router_id = router_id
         self.timeouts = timeouts or Timeouts()
@@ -181,7 +183,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = internal_channel(address)
+            channel = self._channels[address] = internal_channel(address, self.auth)
         return pb_grpc.WorkerStub(channel)
 
     async def close(self) -> None:

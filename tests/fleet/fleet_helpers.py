@@ -72,6 +72,7 @@ class Fleet:
         self.timeouts = Timeouts()
         self._loop: _Loop | None = None
         self._channels: Channels | None = None
+        self._routers: Routers | None = None
 
     @property
     def router(self) -> str:
@@ -79,11 +80,12 @@ class Fleet:
 
     def generate(self, request: pb.WorkRequest) -> FleetCall:
         """Run `request` as the gateway would: Admit on a router, then the plan's workers."""
-        if self._loop is None:
+        if self._loop is None:         # one Routers for the fleet's life: its round robin spreads
             self._loop = _Loop()
             self._channels = Channels(self.auth)
-        routers = Routers(self.routers, self._channels, self.timeouts)
-        return FleetCall(self._loop, PlanRun(request, routers, self._channels, self.timeouts))
+            self._routers = Routers(self.routers, self._channels, self.timeouts)
+        return FleetCall(self._loop, PlanRun(request, self._routers, self._channels,
+                                             self.timeouts))
 
     def close(self) -> None:
         if self._loop is not None:
