@@ -34,7 +34,7 @@ from services.protocol.timeouts import Timeouts
 log = logging.getLogger(__name__)
 
 # Failures of a prefill worker before its first token that another replica may not share.
-RETRYABLE = (pb.UNAVAILABLE, pb.ENGINE_FAILED)
+RETRYABLE = (pb.UNAVAILABLE, pb.ENGINE_FAILED, pb.REASON_UNSPECIFIED)
 
 
 class Channels:

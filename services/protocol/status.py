@@ -7,7 +7,8 @@ A failed call carries a `CallStatus` (reason enum, engine error code, retry hint
     caller:   except grpc.aio.AioRpcError as e: st = status.of(e)   # always a CallStatus
 
 A failure that carries no CallStatus (a transport error, a deadline, a peer that died mid-call) is
-read as UNAVAILABLE (or OVERLOADED for RESOURCE_EXHAUSTED), so callers switch on `reason` only.
+read from its code (`_UNTYPED`; UNAVAILABLE when nothing fits, REASON_UNSPECIFIED for a handler's
+own INTERNAL / UNKNOWN), so callers switch on `reason` only.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ _UNTYPED: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.NOT_FOUND: pb.NO_RESERVATION,
     grpc.StatusCode.FAILED_PRECONDITION: pb.WRONG_ROLE,
     grpc.StatusCode.UNAUTHENTICATED: pb.UNAUTHENTICATED,
+    grpc.StatusCode.INTERNAL: pb.REASON_UNSPECIFIED,     # a handler's own bug: 502 at the gateway
+    grpc.StatusCode.UNKNOWN: pb.REASON_UNSPECIFIED,
 }
 
 

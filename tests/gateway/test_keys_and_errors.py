@@ -9,7 +9,9 @@ from grpc.aio import AioRpcError, Metadata
 
 from services.gateway.auth import KeyRing
 from services.gateway.config import ANONYMOUS_KEY, exposure_refusal, load_api_keys
-from services.gateway.errors import GatewayError, from_router
+from services.gateway.errors import GatewayError, from_status
+from services.protocol import status
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from tests.gateway.gateway_helpers import key
 
 
@@ -51,24 +53,31 @@ def test_unauthenticated_serving_is_only_for_loopback():
     assert "refusing" in exposure_refusal("10.1.2.3", False, False)
 
 
-@pytest.mark.parametrize("code, details, trailing, status, error_code", [
-    (grpc.StatusCode.INVALID_ARGUMENT, "exceeds_kv_capacity: needs 9 blocks", (), 400,
-     "exceeds_kv_capacity"),
-    (grpc.StatusCode.UNAVAILABLE, "no healthy mixed worker", (("retry-after", "2"),), 503,
-     "unavailable"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "all busy", (("retry-after", "7"),), 429, "overloaded"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "all busy", (), 429, "overloaded"),
-    (grpc.StatusCode.UNAVAILABLE, "Socket closed", (), 503, "unavailable"),
-    (grpc.StatusCode.INTERNAL, "boom", (), 502, "upstream_error"),
+def typed(reason, message: str, **fields) -> AioRpcError:
+    return status.rpc_error(status.failed(reason, message, **fields))
+
+
+def bare(code: grpc.StatusCode, details: str) -> AioRpcError:
+    return AioRpcError(code, Metadata(), Metadata(), details=details)
+
+
+@pytest.mark.parametrize("error, http, error_code, retry_after", [
+    (typed(pb.INVALID_REQUEST, "needs 9 blocks", code="exceeds_kv_capacity", param="max_tokens"),
+     400, "exceeds_kv_capacity", None),
+    (typed(pb.UNAVAILABLE, "no healthy mixed worker", retry_after_s=2), 503, "unavailable", "2"),
+    (typed(pb.OVERLOADED, "all busy", retry_after_s=7), 429, "overloaded", "7"),
+    (typed(pb.OVERLOADED, "all busy"), 429, "overloaded", "1"),
+    (typed(pb.KV_TRANSFER_FAILED, "the KV did not arrive"), 503, "unavailable", "2"),
+    (bare(grpc.StatusCode.RESOURCE_EXHAUSTED, "all busy"), 429, "overloaded", "1"),
+    (bare(grpc.StatusCode.UNAVAILABLE, "Socket closed"), 503, "unavailable", "2"),
+    (bare(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 503, "unavailable", "2"),
+    (bare(grpc.StatusCode.INTERNAL, "boom"), 502, "upstream_error", None),
 ])
-def test_router_statuses_map_to_gateway_errors(code, details, trailing, status, error_code):
-    """[H2]: every refusal, 429 (load) or 503 (no healthy capacity), carries Retry-After."""
-    e = from_router(AioRpcError(code, Metadata(), Metadata(*trailing), details=details))
-    assert (e.status, e.code) == (status, error_code)
-    if status in (429, 503):
-        hint = dict(trailing).get("retry-after", "1" if status == 429 else "2")
-        assert e.headers() == {"Retry-After": hint}
-    else:
-        assert e.headers() == {}
-    if status == 400:
-        assert e.message == "needs 9 blocks"
+def test_fleet_statuses_map_to_gateway_errors(error, http, error_code, retry_after):
+    """[H2]: every refusal, 429 (load) or 503 (no healthy capacity), carries Retry-After; [R2]:
+    the reason, the engine's code and field travel typed, no text is parsed."""
+    e = from_status(status.of(error))
+    assert (e.status, e.code) == (http, error_code)
+    assert e.headers() == ({"Retry-After": retry_after} if retry_after else {})
+    if http == 400:
+        assert (e.message, e.param) == ("needs 9 blocks", "max_tokens")
