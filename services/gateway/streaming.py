@@ -9,6 +9,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+from starlette.responses import Response
+
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.gateway.core import Session
 from services.gateway.errors import GatewayError
@@ -43,8 +45,9 @@ async def openai_events(session: Session, first: pb.TokenChunk, shaper: Shaper) 
         session.close()
 
 
-class SSEResponse:
-    """An ASGI response for an SSE body: Starlette's StreamingResponse, minus its task group.
+class SSEResponse(Response):
+    """An ASGI response for an SSE body: Starlette's StreamingResponse, minus its task group (a
+    Response, so FastAPI returns it as it is and middleware sees it).
 
     The body is sent from the request's own task (no second task to start before the first
     event). A watcher task reads the ASGI receive channel: a client that disconnects cancels the
@@ -53,6 +56,9 @@ class SSEResponse:
     """
 
     def __init__(self, events: AsyncIterator[str], headers: dict[str, str], close) -> None:
+        # no Response.__init__: there is no body to render
+        self.status_code = 200
+        self.background = None
         self.events = events
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
