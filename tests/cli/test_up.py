@@ -119,15 +119,18 @@ class InFlight:
 
     def __init__(self, url: str, model: str, n: int, max_tokens: int = 4000) -> None:
         self.firsts = [threading.Event() for _ in range(n)]
+        self.refused: list[str] = []              # what a stream that did not start answered
         body = {"model": model, "prompt": "tell me a long story", "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         for first in self.firsts:
             threading.Thread(target=self._read, args=(url, body, first), daemon=True).start()
 
-    @staticmethod
-    def _read(url: str, body: dict, first: threading.Event) -> None:
+    def _read(self, url: str, body: dict, first: threading.Event) -> None:
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                if r.status_code != 200:
+                    self.refused.append(f"{r.status_code} {r.read()[:300]!r}")
+                    return
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         first.set()
@@ -135,8 +138,13 @@ class InFlight:
             pass                                  # the fleet went away under it: expected
 
     def started(self, timeout_s: float) -> bool:
+        """Every stream had its first token within timeout_s (False at once if one was refused)."""
         deadline = time.monotonic() + timeout_s
-        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self.firsts)
+        for first in self.firsts:
+            while not first.wait(0.05):
+                if self.refused or time.monotonic() > deadline:
+                    return False
+        return True
 
 
 @pytest.mark.parametrize("mode, routers", [("disagg", 2), ("colocated", 1)])
@@ -167,7 +175,8 @@ def test_sigterm_with_streams_in_flight_stops_every_process_and_port_within_3_s(
         url = f"http://127.0.0.1:{http}"
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         streams = InFlight(url, name, n=4)
-        assert streams.started(60), "no stream had its first token:\n" + "\n".join(lines[-20:])
+        assert streams.started(60), ("not every stream had its first token", streams.refused,
+                                     lines[-20:])
         tree = [pid for pid in descendants(proc.pid) if alive(pid)]
         ports = listening_ports([proc.pid, *tree])
         # at least: the gateway (REST, gRPC), the worker, two routers, the embedded Redis
