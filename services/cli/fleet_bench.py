@@ -18,8 +18,10 @@ import asyncio
 import json
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -29,6 +31,9 @@ PROMPT_TOKENS = 200
 TTFT_OUTPUT = 16
 ITL_OUTPUT, ITL_REPEATS = 128, 5
 CONCURRENT, CONCURRENT_OUTPUT = 32, 64
+# one scheduler for both sides (the fleet's workers get it as `kvfleet up --config`); no late
+# rejection, so that a loaded small host measures the path instead of refusing the batch
+SCHEDULER = {"token_budget": 2048, "chunk_size": 512, "reject_late": False}
 
 
 @dataclass(frozen=True)
@@ -147,14 +152,21 @@ async def paired_sides(address: str, engine, prompts: Prompts) -> tuple[Side, Si
 
 # ----------------------------------------------------------------------------- the fleet, the engine
 
-def up_args(args: argparse.Namespace) -> argparse.Namespace:
+def up_args(args: argparse.Namespace, config: str) -> argparse.Namespace:
     """`kvfleet up`'s own arguments for this bench (its defaults for everything else), on ports
-    the OS picks."""
+    the OS picks, with the engine config file `config`."""
     from services.cli.up import add_up_args
     parser = argparse.ArgumentParser(prog="kvfleet up")
     add_up_args(parser)
     return parser.parse_args(["--model", args.model, "--mode", args.mode, "--kv-backend",
-                              args.kv_backend, "--http-port", "0", "--grpc-port", "0"])
+                              args.kv_backend, "--http-port", "0", "--grpc-port", "0",
+                              "--config", config])
+
+
+def write_config() -> str:
+    path = Path(tempfile.mkdtemp(prefix="kvfleet-bench-")) / "engine.yaml"
+    path.write_text(json.dumps({"scheduler": SCHEDULER}))        # JSON is YAML
+    return str(path)
 
 
 def bench_engine(model: str, threads: int):
@@ -164,8 +176,7 @@ def bench_engine(model: str, threads: int):
 
     from services.engine.engine import LLMEngine, engine_config
     torch.set_num_threads(threads)
-    return LLMEngine(engine_config(model, token_budget=2048, chunk_size=512, reject_late=False,
-                                   enable_prefix_caching=False))
+    return LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False))
 
 
 def _redis():
@@ -182,7 +193,7 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     from services.cli.launcher import Launcher
     from services.cli.up import start_fleet, worker_threads
 
-    up = up_args(args)
+    up = up_args(args, write_config())
     threads = worker_threads(up)
     engine = bench_engine(args.model, threads)
     prompts = Prompts.draw(args.repeats, vocab=engine.model_config.vocab_size)
