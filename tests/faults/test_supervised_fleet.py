@@ -74,7 +74,7 @@ async def _streams_then(fleet, n: int, action) -> list:
         return await asyncio.wait_for(asyncio.gather(*tasks), 90)
 
 
-@pytest.mark.parametrize("victim", ["decode-0", "prefill-0", "router", "gateway"])
+@pytest.mark.parametrize("victim", ["decode-0", "prefill-0", "router-0", "gateway"])
 def test_kill_9_mid_stream_is_heard_by_every_client_and_the_fleet_heals(healthy, victim):
     fleet = healthy
     old_pid = fleet.pid(victim)

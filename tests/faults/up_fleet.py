@@ -77,8 +77,10 @@ class UpFleet:
         return found
 
     def pid(self, name: str) -> int | None:
-        """The live process serving `name` (prefill-0, decode-0, mixed-0, router, gateway)."""
-        marks = {"router": "services.router", "gateway": "services.gateway"}
+        """The live process serving `name` (prefill-0, decode-0, mixed-0, router-0, gateway)."""
+        marks = {"gateway": "services.gateway"}
+        if name.startswith("router-"):
+            marks[name] = f"--router-id {name} "
         mark = marks.get(name, f"--worker-id {name} ")
         return next((pid for pid, args in self.children().items() if mark in args + " "), None)
 
