@@ -48,8 +48,23 @@ class FleetCall:
     def __init__(self, loop: _Loop, run: PlanRun) -> None:
         self._loop = loop
         self.run = run
+        self._pending: asyncio.Future | None = None   # a first read start() began
+
+    def start(self) -> pb.Plan:
+        """Admit and open the plan's calls now (iterating does it on first read otherwise)."""
+        async def first():
+            plan = await self.run.start()
+            self._pending = asyncio.ensure_future(self.run.next())
+            return plan
+        return self._loop.run(first())
 
     def __iter__(self):
+        if self._pending is not None:
+            chunk = self._loop.run(_result(self._pending))
+            self._pending = None
+            if chunk is None:
+                return
+            yield chunk
         while True:
             chunk = self._loop.run(self.run.next())
             if chunk is None:
@@ -58,8 +73,14 @@ class FleetCall:
 
     def cancel(self) -> None:
         async def close():
+            if self._pending is not None:
+                self._pending.cancel()
             self.run.close()
         self._loop.run(close())
+
+
+async def _result(future: asyncio.Future):
+    return await future
 
 
 class Fleet:

@@ -71,7 +71,9 @@ def test_cancel_during_decode_frees_both_workers(fleet):
 def test_cancel_during_prefill_frees_both_workers(fleet):
     long_prompt = list(range(100, 3100))                  # ~3000 tokens: prefill takes a while
     call = fleet.generate(route_request("cancel-prefill", long_prompt, 10))
-    time.sleep(0.15)
+    call.start()                                          # admitted: reserved, prefill under way
+    assert wait_until(lambda: any(fleet.stats(n).num_running or fleet.stats(n).num_queued
+                                  for n in ("prefill-0", "prefill-1")), 5.0)
     call.cancel()
     assert wait_until(lambda: idle(fleet, *ALL), 1.0)
 
@@ -154,7 +156,8 @@ def test_a_killed_decode_worker_ends_the_stream_with_an_error_and_the_fleet_goes
     survivors = [n for n in ALL if n != victim]
     assert wait_until(lambda: idle(fleet, *survivors), 2.0)
     # the dead worker's heartbeat goes stale; new requests are served by the rest
-    time.sleep(1.2)
+    assert wait_until(lambda: victim not in fleet.router_stub().Health(pb.HealthRequest()).detail,
+                      5.0)
     chunks = list(fleet.generate(route_request("after", PROMPT, 8, ignore_eos=True)))
     assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 8
     assert victim not in {c.served_by for c in chunks}

@@ -78,9 +78,8 @@ def test_client_disconnect_mid_stream_frees_the_worker_and_the_slot(gateway, fle
                 "model": gateway.model, "messages": [{"role": "user", "content": "go on"}], **{
                     k: v for k, v in LONG.items() if k != "prompt"}}) as response:
             lines = response.iter_lines()
-            _next_event(lines)
-            time.sleep(0.3)                        # still streaming: nothing has been let go
-            _next_event(lines)
+            for _ in range(3):                     # still streaming: nothing has been let go
+                _next_event(lines)
             assert fleet.stats("mixed-0").kv_blocks_reserved > 0
             assert open_streams(fleet, "leaver") == 1
     # leaving both blocks closed the connection mid-stream
