@@ -144,7 +144,7 @@ def stop_grace_s(limits: Timeouts) -> float:
 def run_up(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT, then stop everything. Once the fleet is stopped nothing is left
     to clean up, so the process ends at once: the interpreter's own teardown (torch's, which the
-    CLI imports) took over 2 s of the 3-s budget on a loaded host."""
+    CLI imports) would eat most of the 3-s budget (docs/benchmarks.md, [R2] shutdown)."""
     code = _up(args)
     sys.stdout.flush()
     sys.stderr.flush()

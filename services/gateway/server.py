@@ -66,7 +66,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit TCP_NODELAY: without it a keep-alive response written as
-    # headers + body waits ~40 ms for the client's delayed ACK (Nagle)
+    # headers + body waits for the client's delayed ACK (Nagle)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)

@@ -164,8 +164,8 @@ def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:
     add_worker_args(parser, role)
     code = run(serve(parser.parse_args(argv)))
     # Everything is stopped and closed (the engine core reaped, ports closed), so the process ends
-    # at once: the interpreter's own teardown (the GC of torch's and grpc's modules) took 1-2 s of
-    # the 3-s stop budget on a loaded host.
+    # at once: the interpreter's own teardown (the GC of torch's and grpc's modules) is slow enough
+    # to threaten the 3-s stop budget (docs/benchmarks.md, [R2] shutdown).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

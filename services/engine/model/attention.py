@@ -13,7 +13,7 @@ TorchAttentionBackend splits the batch by query length:
                         into [S_g, kv_heads, max_ctx_g, d], padding masked, q viewed as
                         [S_g, kv_heads, group, d] so GQA needs no repeated K/V. Grouping bounds the
                         padding to 2x: one 8K-token document decoding beside 20 chats no longer pads
-                        every chat to 8K (measured on the tiny model, 1 thread: 84 ms -> 13 ms per step)
+                        every chat to 8K (docs/benchmarks.md, "Where the figures in code went")
   prefills (q_len > 1)  one SDPA call per sequence (per query block for very long contexts) with an
                         additive mask built once per batch: query at position p sees keys 0..p
 """
