@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi

@@ -20,14 +20,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from services.engine.errors import InvalidRequestError
 from services.kv_transfer.base import KVTransferError, wait_done
 from services.protocol import status
-from services.protocol.convert import chunk_from_output, logprob_to_pb, params_from_pb
+from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.outcomes import chunk_failure, engine_failed, invalid_request
+from services.worker.outcomes import add_request, chunk_failure, engine_failed
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +47,7 @@ class PrefillRole:
         stream = self.engine.stream(rid)
         write: asyncio.Task | None = None
         try:
-            try:
-                await self.engine.add_request(
-                    rid, list(request.prompt_token_ids), params_from_pb(request.params),
-                    request.tenant or None, request.traffic_class or None)
-            except InvalidRequestError as e:
-                await invalid_request(context, e)
+            await add_request(self.engine, request, context)
             first: pb.TokenChunk | None = None
             async for out in stream:
                 prefilled = out.finish_reason == "prefilled"     # the engine's own control state

@@ -5,6 +5,7 @@ from typing import NoReturn
 
 from services.engine.errors import InvalidRequestError
 from services.protocol import status
+from services.protocol.convert import params_from_pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 
@@ -12,6 +13,17 @@ async def invalid_request(context, e: InvalidRequestError) -> NoReturn:
     """400: the engine's code, message and field travel typed (no "code: message" text)."""
     await status.abort(context, status.failed(pb.INVALID_REQUEST, e.message, code=e.code,
                                               param=getattr(e, "param", None) or ""))
+
+
+async def add_request(engine, request, context) -> None:
+    """Queue a Prefill's or Generate's request on the engine core; a request the engine finds
+    invalid ends the call INVALID_REQUEST with the engine's code, message and field."""
+    try:
+        await engine.add_request(
+            request.request_id, list(request.prompt_token_ids), params_from_pb(request.params),
+            request.tenant or None, request.traffic_class or None)
+    except InvalidRequestError as e:
+        await invalid_request(context, e)
 
 
 async def engine_failed(context, e: Exception) -> NoReturn:

@@ -16,15 +16,14 @@ without awaiting anything.
 from __future__ import annotations
 
 from services.decode.reservations import DecodeRole
-from services.engine.errors import InvalidRequestError
 from services.prefill.handler import PrefillRole
 from services.protocol import status
-from services.protocol.convert import chunk_from_output, params_from_pb
+from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.outcomes import chunk_failure, engine_failed, invalid_request
+from services.worker.outcomes import add_request, chunk_failure, engine_failed
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -61,12 +60,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         rid = request.request_id
         stream = self.engine.stream(rid)
         try:
-            try:
-                await self.engine.add_request(
-                    rid, list(request.prompt_token_ids), params_from_pb(request.params),
-                    request.tenant or None, request.traffic_class or None)
-            except InvalidRequestError as e:
-                await invalid_request(context, e)
+            await add_request(self.engine, request, context)
             async for out in stream:
                 chunk = chunk_from_output(out, self.config.worker_id)
                 failure = chunk_failure(chunk)

@@ -139,35 +139,42 @@ def test_nothing_listens_off_loopback(fleet):
     assert {ip for ip, _ in listening} == {"127.0.0.1"}   # gRPC and KV receivers alike
 
 
-def test_a_killed_decode_worker_ends_the_stream_with_an_error_and_the_fleet_goes_on(fleet):
-    # runs last in this module: it kills a worker of the shared fleet
-    victim = None
-    call = fleet.generate(route_request("victim", PROMPT, 3000, ignore_eos=True))
-    stream = iter(call)
-    for chunk in stream:
-        if chunk.served_by.startswith("decode"):
-            victim = chunk.served_by
-            break
-    fleet.launcher.kill(victim)
-    with pytest.raises(grpc.RpcError) as info:
-        for _ in stream:
-            pass
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    survivors = [n for n in ALL if n != victim]
-    assert wait_until(lambda: idle(fleet, *survivors), 2.0)
-    # the dead worker's heartbeat goes stale; new requests are served by the rest
-    assert wait_until(lambda: victim not in fleet.router_stub().Health(pb.HealthRequest()).detail,
-                      5.0)
-    chunks = list(fleet.generate(route_request("after", PROMPT, 8, ignore_eos=True)))
-    assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 8
-    assert victim not in {c.served_by for c in chunks}
+# The kill tests start fleets of their own: no test depends on another's order or on a fleet
+# another test killed.
+
+def test_a_killed_decode_worker_ends_the_stream_with_an_error_and_the_fleet_goes_on(
+        redis_url, tiny_model_dir):
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=1, decode=2) as fleet:
+        assert wait_until(lambda: serving(fleet) and len(fleet.workers) == 3, 10)
+        call = fleet.generate(route_request("victim", PROMPT, 3000, ignore_eos=True))
+        stream = iter(call)
+        victim = next(c.served_by for c in stream if c.served_by.startswith("decode"))
+        fleet.launcher.kill(victim)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        survivors = [n for n in fleet.workers if n != victim]
+        assert wait_until(lambda: idle(fleet, *survivors), 2.0)
+        # the dead worker's heartbeat goes stale; new requests are served by the rest
+        assert wait_until(lambda: victim not in fleet.router_stub().Health(
+            pb.HealthRequest()).detail, 5.0)
+        chunks = list(fleet.generate(route_request("after", PROMPT, 8, ignore_eos=True)))
+        assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 8
+        assert victim not in {c.served_by for c in chunks}
 
 
-def test_a_killed_prefill_worker_is_retried_elsewhere_before_the_first_token(fleet):
-    # runs after the decode kill: prefill-0 still has a fresh heartbeat when it dies, and it is
-    # the router's first choice (equal cost, lowest id), so the first attempt hits a dead worker
-    assert wait_until(lambda: "prefill-0" in {w for w in fleet.workers}, 1)
-    fleet.launcher.kill("prefill-0")
-    chunks = list(fleet.generate(route_request("retry", PROMPT, 6, ignore_eos=True)))
-    assert chunks[0].served_by == "prefill-1"
-    assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 6
+def test_a_killed_prefill_worker_is_retried_on_the_plans_fallback_before_the_first_token(
+        redis_url, tiny_model_dir):
+    # a long heartbeat TTL keeps the dead prefill-0 listed, and it is the router's first choice
+    # (equal cost, lowest id): the plan names it, its call fails, the fallback serves
+    slow_ttl = ("--timeout-heartbeat-ttl-s", "30")
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=2, decode=1,
+                       worker_args=slow_ttl) as fleet:
+        assert wait_until(lambda: serving(fleet) and len(fleet.workers) == 3, 10)
+        fleet.launcher.kill("prefill-0")
+        call = fleet.generate(route_request("retry", PROMPT, 6, ignore_eos=True))
+        chunks = list(call)
+        assert [w.worker_id for w in call.run.plan.prefill] == ["prefill-0", "prefill-1"]
+        assert chunks[0].served_by == "prefill-1"
+        assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 6
