@@ -33,7 +33,7 @@ from services.protocol.convert import chunk_from_output, params_from_pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed, OutputStream
-from services.worker.outcomes import engine_failed, invalid_request
+from services.worker.outcomes import engine_failed, invalid_request, output_failure
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,9 @@ class DecodeRole:
                 await status.abort(context, status.failed(
                     pb.KV_TRANSFER_FAILED, f"the KV for {rid} did not arrive: {e}"))
             async for out in res.stream:
+                failure = output_failure(out)
+                if failure is not None:
+                    await status.abort(context, failure)
                 yield chunk_from_output(out, self.config.worker_id)
         except EngineFailed as e:
             await engine_failed(context, e)

@@ -26,7 +26,7 @@ from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.outcomes import add_request, chunk_failure, engine_failed
+from services.worker.outcomes import add_request, engine_failed, output_failure
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,10 @@ class PrefillRole:
                 prefilled = out.finish_reason == "prefilled"     # the engine's own control state
                 if prefilled:
                     out.finished, out.finish_reason = False, None
-                chunk = chunk_from_output(out, self.config.worker_id)
-                failure = chunk_failure(chunk)
+                failure = output_failure(out)
                 if failure is not None:
                     await status.abort(context, failure)
+                chunk = chunk_from_output(out, self.config.worker_id)
                 yield pb.PrefillReply(chunk=chunk)
                 if prefilled:
                     first = chunk

@@ -54,8 +54,6 @@ def chunk_from_output(out: RequestOutput, served_by: str = "") -> pb.TokenChunk:
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         served_by=served_by)
-    if out.retry_after_s is not None:
-        chunk.retry_after_s = out.retry_after_s
     if out.prompt_logprobs is not None:
         chunk.prompt_logprobs.extend(logprob_to_pb(lp) for lp in out.prompt_logprobs)
     return chunk

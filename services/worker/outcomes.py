@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from services.engine.errors import InvalidRequestError
+from services.engine.outputs import RequestOutput
 from services.protocol import status
 from services.protocol.convert import params_from_pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -32,18 +33,12 @@ async def engine_failed(context, e: Exception) -> NoReturn:
     await status.abort(context, status.failed(pb.ENGINE_FAILED, str(e)))
 
 
-def chunk_failure(chunk: pb.TokenChunk) -> pb.CallStatus | None:
-    """The engine's own non-client endings ("rejected", "error") as a typed failure, or None.
-    The chunk's client-visible finish_reason is cleared when it carries a failure."""
-    reason = chunk.finish_reason
-    if reason == "rejected":
-        st = status.failed(pb.OVERLOADED, chunk.error or "rejected by admission",
-                           retry_after_s=chunk.retry_after_s if chunk.HasField("retry_after_s")
-                           else None)
-    elif reason == "error":
-        st = status.failed(pb.ENGINE_FAILED, chunk.error or "the engine failed the request")
-    else:
-        return None
-    chunk.finish_reason = ""
-    chunk.failure = st.reason
-    return st
+def output_failure(out: RequestOutput) -> pb.CallStatus | None:
+    """The engine's own non-client endings ("rejected", "error") as the typed failure the call
+    ends with, or None for an output a client may see (stop, length, abort, or still running)."""
+    if out.finish_reason == "rejected":
+        return status.failed(pb.OVERLOADED, out.error or "rejected by admission",
+                             retry_after_s=out.retry_after_s)
+    if out.finish_reason == "error":
+        return status.failed(pb.ENGINE_FAILED, out.error or "the engine failed the request")
+    return None

@@ -23,7 +23,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.outcomes import add_request, chunk_failure, engine_failed
+from services.worker.outcomes import add_request, engine_failed, output_failure
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -43,9 +43,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context):
         await self._require(context, "decode")
         async for chunk in self.decode.decode(request, context):
-            failure = chunk_failure(chunk)
-            if failure is not None:
-                await status.abort(context, failure)
             yield chunk
 
     # ----------------------------------------------------------- prefill role
@@ -62,11 +59,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             await add_request(self.engine, request, context)
             async for out in stream:
-                chunk = chunk_from_output(out, self.config.worker_id)
-                failure = chunk_failure(chunk)
+                failure = output_failure(out)
                 if failure is not None:
                     await status.abort(context, failure)
-                yield chunk
+                yield chunk_from_output(out, self.config.worker_id)
         except EngineFailed as e:
             await engine_failed(context, e)
         finally:
