@@ -125,12 +125,13 @@ class DecodeRole:
             if res.ending:
                 self._free(res)
 
-    async def decode(self, request: pb.DecodeRequest, context) -> AsyncIterator[pb.TokenChunk]:
-        """Tokens 2..N of a reserved request, once its own KV transfer has landed."""
-        rid = request.request_id
+    async def decode(self, rid: str) -> AsyncIterator[pb.TokenChunk]:
+        """Tokens 2..N of a reserved request, once its own KV transfer has landed. Failures raise
+        status.CallFailed (NO_RESERVATION, KV_TRANSFER_FAILED, ENGINE_FAILED, OVERLOADED). Ending
+        early (the caller stops iterating) ends the reservation here."""
         res = self._reservations.get(rid)
         if res is None or res.attached.is_set():
-            await status.abort(context, status.failed(
+            raise status.CallFailed(status.failed(
                 pb.NO_RESERVATION, f"no reservation awaiting a Decode call for {rid} on "
                 f"{self.config.worker_id}"))
         res.attached.set()
@@ -138,17 +139,60 @@ class DecodeRole:
             try:
                 await res.started
             except KVTransferError as e:
-                await status.abort(context, status.failed(
-                    pb.KV_TRANSFER_FAILED, f"the KV for {rid} did not arrive: {e}"))
+                raise status.CallFailed(status.failed(
+                    pb.KV_TRANSFER_FAILED, f"the KV for {rid} did not arrive: {e}")) from None
             async for out in res.stream:
                 failure = output_failure(out)
                 if failure is not None:
-                    await status.abort(context, failure)
+                    raise status.CallFailed(failure)
                 yield chunk_from_output(out, self.config.worker_id)
         except EngineFailed as e:
-            await engine_failed(context, e)
+            raise status.CallFailed(status.failed(pb.ENGINE_FAILED, str(e))) from None
         finally:
             self.end(rid)
+
+    async def decode_stream(self, subscriptions) -> AsyncIterator[pb.DecodeBatch]:
+        """One gateway's decode streams over one call: each subscribed request is pumped by a
+        task of its own into a shared outbox, and whatever is in the outbox when the sender
+        wakes goes as one batch (a decode step's tokens for all of them). The call ending (the
+        gateway gone) ends every request it carried."""
+        outbox = _Outbox()
+        pumps: dict[str, asyncio.Task] = {}
+
+        async def pump(rid: str) -> None:
+            try:
+                async for chunk in self.decode(rid):
+                    outbox.put_chunk(chunk)
+                outbox.put_end(pb.DecodeEnd(request_id=rid))
+            except status.CallFailed as e:
+                outbox.put_end(pb.DecodeEnd(request_id=rid, failure=e.status))
+            finally:
+                pumps.pop(rid, None)
+
+        async def read() -> None:
+            async for sub in subscriptions:
+                if sub.cancel:
+                    task = pumps.pop(sub.request_id, None)
+                    if task is not None:
+                        task.cancel()
+                    else:
+                        self.end(sub.request_id)
+                elif sub.request_id not in pumps:
+                    pumps[sub.request_id] = asyncio.get_running_loop().create_task(
+                        pump(sub.request_id))
+            outbox.close()                  # the gateway half-closed: no more subscriptions
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                batch = await outbox.take(lambda: reader.done() and not pumps)
+                if batch is None:
+                    return
+                yield batch
+        finally:
+            reader.cancel()
+            for task in list(pumps.values()):
+                task.cancel()
 
     def end(self, rid: str) -> bool:
         """End a reservation whatever its state (synchronous: safe in `finally`). Its blocks go
@@ -178,3 +222,34 @@ class DecodeRole:
     def close(self) -> None:
         for rid in list(self._reservations):
             self.end(rid)
+
+
+class _Outbox:
+    """What a DecodeStream call has to send: chunks and ends in arrival order, taken as one batch."""
+
+    def __init__(self) -> None:
+        self._batch = pb.DecodeBatch()
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    def put_chunk(self, chunk: pb.TokenChunk) -> None:
+        self._batch.chunks.append(chunk)
+        self._ready.set()
+
+    def put_end(self, end: pb.DecodeEnd) -> None:
+        self._batch.ends.append(end)
+        self._ready.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+
+    async def take(self, finished) -> pb.DecodeBatch | None:
+        """The next batch; None once `finished()` holds and nothing is left to send."""
+        while not (self._batch.chunks or self._batch.ends):
+            if self._closed and finished():
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        batch, self._batch = self._batch, pb.DecodeBatch()
+        return batch

@@ -4,8 +4,9 @@ the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
   1. `Routers.admit`: Router.Admit on one of the routers (round robin; a router that does not
      answer is skipped for the next, so killing one router only moves new requests to another);
   2. co-located plan: Worker.Generate on the mixed worker, streamed as is;
-     disaggregated plan: Worker.Prefill on prefill[0] and Worker.Decode on the decode worker,
-     opened together. The first token comes from the prefill stream (before any KV moves);
+     disaggregated plan: Worker.Prefill on prefill[0], and a subscription on the gateway's one
+     long-lived DecodeStream call to the decode worker (a decode step's tokens for all of this
+     gateway's streams come as one message), opened together. The first token comes from the prefill stream (before any KV moves);
      tokens 2..N from the decode stream, which the decode worker starts on its own when the KV
      (carrying the first token) has landed. A prefill that fails before its first token is
      retried once on prefill[1];
@@ -43,6 +44,7 @@ class Channels:
     def __init__(self, auth: FleetAuth | None = None) -> None:
         self._auth = auth
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._links: dict[str, DecodeLink] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -53,9 +55,110 @@ class Channels:
     def worker(self, address: str) -> pb_grpc.WorkerStub:
         return pb_grpc.WorkerStub(self.get(address))
 
+    def decode_link(self, address: str) -> DecodeLink:
+        """The one DecodeStream call to this decode worker (a new one once the last broke)."""
+        link = self._links.get(address)
+        if link is None or link.broken:
+            link = self._links[address] = DecodeLink(self.worker(address), address)
+        return link
+
     async def close(self) -> None:
+        for link in self._links.values():
+            link.close()
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+
+class DecodeLink:
+    """This gateway's one long-lived DecodeStream call to one decode worker. Each disaggregated
+    request subscribes once its plan names the worker; the worker answers with batches (a decode
+    step's chunks for every subscribed request in one message), which the link routes to each
+    request's queue. If the call breaks (the worker died), every request on it fails UNAVAILABLE
+    and the next subscription opens a new call."""
+
+    def __init__(self, stub: pb_grpc.WorkerStub, address: str) -> None:
+        self.address = address
+        self.broken = False
+        self._subs: dict[str, asyncio.Queue] = {}
+        self._out: asyncio.Queue[pb.DecodeSubscribe | None] = asyncio.Queue()
+        self._call = stub.DecodeStream(self._requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def subscribe(self, request_id: str, deadline_s: float) -> Subscription:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subs[request_id] = queue
+        self._out.put_nowait(pb.DecodeSubscribe(request_id=request_id))
+        return Subscription(self, request_id, queue, deadline_s)
+
+    def cancel(self, request_id: str) -> None:
+        if self._subs.pop(request_id, None) is not None and not self.broken:
+            self._out.put_nowait(pb.DecodeSubscribe(request_id=request_id, cancel=True))
+
+    def close(self) -> None:
+        self.broken = True
+        self._call.cancel()
+
+    async def _requests(self):
+        while (sub := await self._out.get()) is not None:
+            yield sub
+
+    async def _read(self) -> None:
+        why: grpc.aio.AioRpcError
+        try:
+            async for batch in self._call:
+                for chunk in batch.chunks:
+                    queue = self._subs.get(chunk.request_id)
+                    if queue is not None:
+                        queue.put_nowait(chunk)
+                for end in batch.ends:
+                    queue = self._subs.pop(end.request_id, None)
+                    if queue is not None:
+                        queue.put_nowait(end)
+            why = status.rpc_error(status.failed(
+                pb.UNAVAILABLE, f"decode worker {self.address} ended its decode stream"))
+        except grpc.aio.AioRpcError as e:
+            why = e
+        except asyncio.CancelledError:
+            why = status.rpc_error(status.failed(pb.UNAVAILABLE, "the gateway closed the link"))
+        self.broken = True
+        subs, self._subs = self._subs, {}
+        for queue in subs.values():
+            queue.put_nowait(why)
+
+
+class Subscription:
+    """One request's tokens 2..N from its decode worker's link, as an async iterator: chunks,
+    then the end; a failure (the request's, or the link's) raises AioRpcError with a CallStatus.
+    The request's own deadline (Timeouts.stream_s) is kept here, since the link has none."""
+
+    def __init__(self, link: DecodeLink, request_id: str, queue: asyncio.Queue,
+                 deadline_s: float) -> None:
+        self.link = link
+        self.request_id = request_id
+        self._queue = queue
+        self._deadline = asyncio.get_running_loop().time() + deadline_s
+
+    async def __aiter__(self):
+        while True:
+            left = self._deadline - asyncio.get_running_loop().time()
+            try:
+                item = await asyncio.wait_for(self._queue.get(), max(0.0, left))
+            except asyncio.TimeoutError:
+                self.cancel()
+                raise status.rpc_error(status.failed(
+                    pb.UNAVAILABLE, f"{self.request_id}: no end from decode worker "
+                    f"{self.link.address} within the request's deadline")) from None
+            if isinstance(item, pb.TokenChunk):
+                yield item
+            elif isinstance(item, pb.DecodeEnd):
+                if item.HasField("failure"):
+                    raise status.rpc_error(item.failure)
+                return
+            else:
+                raise item
+
+    def cancel(self) -> None:
+        self.link.cancel(self.request_id)
 
 
 class Routers:
@@ -162,9 +265,8 @@ class PlanRun:
     async def _disaggregated(self, plan: pb.Plan):
         decode_address = plan.decode.address
         self._touched.add(decode_address)
-        decode = self.channels.worker(decode_address).Decode(
-            pb.DecodeRequest(request_id=self.request_id),
-            timeout=self.timeouts.stream_s(self.request.params.max_tokens))
+        decode = self.channels.decode_link(decode_address).subscribe(
+            self.request_id, self.timeouts.stream_s(self.request.params.max_tokens))
         self._calls.append(decode)
         prefill, first = await self._first_token(plan)
         yield first

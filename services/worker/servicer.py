@@ -5,7 +5,8 @@ transfer and hands each call to what its role does:
 
   prefill  Prefill   services/prefill/handler.py: first token to the gateway, then KV to decode
   decode   Reserve   services/decode/reservations.py: reserve, import KV, ...
-           Decode    ... stream tokens 2..N once the request's own transfer has landed
+           DecodeStream  ... stream tokens 2..N once the request's own transfer has landed:
+                     one call per gateway, a decode step's chunks batched into one message
   mixed    Generate  co-located: the whole request here (below)
   all      Cancel, Stats, Health
 
@@ -40,10 +41,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await self._require(context, "decode")
         return await self.decode.reserve(request, context)
 
-    async def Decode(self, request: pb.DecodeRequest, context):
+    async def DecodeStream(self, request_iterator, context):
         await self._require(context, "decode")
-        async for chunk in self.decode.decode(request, context):
-            yield chunk
+        async for batch in self.decode.decode_stream(request_iterator):
+            yield batch
 
     # ----------------------------------------------------------- prefill role
     async def Prefill(self, request: pb.PrefillRequest, context):

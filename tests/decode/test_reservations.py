@@ -8,7 +8,9 @@ nixl:
     blocks; a write that comes afterwards is refused and changes none of them;
   - nixl (one-sided writes): ending a reservation holds its blocks until the write lands, or until
     the reservation's deadline when none comes;
-  - a landed transfer starts decode by itself, from the HandOff's first token: nobody relays it.
+  - a landed transfer starts decode by itself, from the HandOff's first token: nobody relays it;
+  - one DecodeStream call carries many requests: their chunks come batched, each request's end
+    after its last chunk, and a request nobody holds a reservation for ends NO_RESERVATION.
 """
 from __future__ import annotations
 
@@ -137,10 +139,44 @@ def test_a_landed_transfer_starts_decode_from_its_hand_off(tiny_model_dir, backe
         async with Rig(str(tiny_model_dir), backend) as rig:
             resp = await rig.reserve(f"land-{backend}", max_tokens=6)
             await wait_done(rig.write(f"land-{backend}", resp.target, first_token=42))
-            chunks = [c async for c in rig.role.decode(
-                pb.DecodeRequest(request_id=f"land-{backend}"), context=None)]
+            chunks = [c async for c in rig.role.decode(f"land-{backend}")]
             assert chunks[-1].finished and chunks[-1].finish_reason == "length"
             assert sum(len(c.token_ids) for c in chunks) == 5    # tokens 2..6
+            assert await eventually(lambda: _is(rig.reserved(), 0))
+    asyncio.run(story())
+
+
+def test_one_decode_stream_carries_many_requests_batched(tiny_model_dir):
+    async def story():
+        async with Rig(str(tiny_model_dir), "tcp") as rig:
+            rids = [f"many-{i}" for i in range(4)]
+            for rid in rids:
+                resp = await rig.reserve(rid, max_tokens=6)
+                await wait_done(rig.write(rid, resp.target))
+            subs = asyncio.Queue()
+            for rid in [*rids, "nobody"]:
+                subs.put_nowait(pb.DecodeSubscribe(request_id=rid))
+
+            async def subscriptions():
+                while True:
+                    yield await subs.get()
+
+            tokens, ends, batches = {}, {}, 0
+            stream = rig.role.decode_stream(subscriptions())
+            async for batch in stream:
+                batches += 1
+                for c in batch.chunks:
+                    assert c.request_id not in ends          # no chunk after its end
+                    tokens[c.request_id] = tokens.get(c.request_id, 0) + len(c.token_ids)
+                for e in batch.ends:
+                    ends[e.request_id] = e
+                if len(ends) == 5:
+                    break
+            await stream.aclose()
+            assert tokens == {rid: 5 for rid in rids}
+            assert all(not ends[rid].HasField("failure") for rid in rids)
+            assert ends["nobody"].failure.reason == pb.NO_RESERVATION
+            assert batches < sum(tokens.values())            # steps' chunks travel together
             assert await eventually(lambda: _is(rig.reserved(), 0))
     asyncio.run(story())
 

@@ -59,8 +59,8 @@ def test_every_grpc_method_of_the_router_and_the_workers_asks_for_the_fleet_toke
             "decode Health": lambda: decode.Health(pb.HealthRequest(), timeout=5),
             "decode Stats": lambda: decode.Stats(pb.StatsRequest(), timeout=5),
             "decode Reserve": lambda: decode.Reserve(reserve("in"), timeout=5),
-            "decode Decode": lambda: list(decode.Decode(pb.DecodeRequest(request_id="in"),
-                                                        timeout=5)),
+            "decode DecodeStream": lambda: list(decode.DecodeStream(
+                iter([pb.DecodeSubscribe(request_id="in")]), timeout=5)),
             "decode Cancel": lambda: decode.Cancel(pb.CancelRequest(request_id="in"), timeout=5),
             "prefill Health": lambda: prefill.Health(pb.HealthRequest(), timeout=5),
             "prefill Prefill": lambda: list(prefill.Prefill(pb.PrefillRequest(), timeout=5)),

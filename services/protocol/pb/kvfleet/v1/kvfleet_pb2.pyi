@@ -374,11 +374,29 @@ class PrefillReply(_message.Message):
     shipped: KVShipped
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., shipped: _Optional[_Union[KVShipped, _Mapping]] = ...) -> None: ...
 
-class DecodeRequest(_message.Message):
-    __slots__ = ("request_id",)
+class DecodeSubscribe(_message.Message):
+    __slots__ = ("request_id", "cancel")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, request_id: _Optional[str] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class DecodeEnd(_message.Message):
+    __slots__ = ("request_id", "failure")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    failure: CallStatus
+    def __init__(self, request_id: _Optional[str] = ..., failure: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class DecodeBatch(_message.Message):
+    __slots__ = ("chunks", "ends")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TokenChunk]
+    ends: _containers.RepeatedCompositeFieldContainer[DecodeEnd]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[DecodeEnd, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

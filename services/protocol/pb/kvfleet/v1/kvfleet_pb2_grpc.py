@@ -362,10 +362,10 @@ class WorkerStub:
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/kvfleet.v1.Worker/Decode',
-                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
+        self.DecodeStream = channel.stream_stream(
+                '/kvfleet.v1.Worker/DecodeStream',
+                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeSubscribe.SerializeToString,
+                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeBatch.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/kvfleet.v1.Worker/Generate',
@@ -406,7 +406,7 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
+    def DecodeStream(self, request_iterator, context):
         """decode
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -452,10 +452,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.FromString,
                     response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.SerializeToString,
             ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeRequest.FromString,
-                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.SerializeToString,
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeSubscribe.FromString,
+                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeBatch.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -543,7 +543,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def Decode(request,
+    def DecodeStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -553,12 +553,12 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/kvfleet.v1.Worker/Decode',
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeRequest.SerializeToString,
-            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.TokenChunk.FromString,
+            '/kvfleet.v1.Worker/DecodeStream',
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeSubscribe.SerializeToString,
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,
