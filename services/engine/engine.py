@@ -267,6 +267,8 @@ class LLMEngine:
 
     def _delta(self, req: Request) -> RequestOutput:
         out = self._states[req.request_id].delta()
+        if out.finish_reason == "prefilled":    # its blocks stay held until release()
+            out.block_ids = list(self.pool.block_table(req.request_id))
         if out.finished:
             self._forget(req.request_id)
         return out

@@ -25,6 +25,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the prompt completes
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    block_ids: list[int] | None = None    # prefilled: the request's KV blocks in position order,
+                                          # for the prefill worker to ship (no second ask)
 
 
 @dataclass

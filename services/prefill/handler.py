@@ -49,6 +49,7 @@ class PrefillRole:
         try:
             await add_request(self.engine, request, context)
             first: pb.TokenChunk | None = None
+            blocks: list[int] | None = None
             async for out in stream:
                 prefilled = out.finish_reason == "prefilled"     # the engine's own control state
                 if prefilled:
@@ -59,13 +60,13 @@ class PrefillRole:
                 chunk = chunk_from_output(out, self.config.worker_id)
                 yield pb.PrefillReply(chunk=chunk)
                 if prefilled:
-                    first = chunk
+                    first, blocks = chunk, out.block_ids
                     break
                 if out.finished:
                     return                 # ended here: nothing to ship
             if first is None or not request.HasField("target"):
                 return
-            write = asyncio.get_running_loop().create_task(self._ship(request, first))
+            write = asyncio.get_running_loop().create_task(self._ship(request, first, blocks))
             self._writes[rid] = write
             try:
                 shipped = await asyncio.shield(write)
@@ -83,7 +84,8 @@ class PrefillRole:
             else:
                 self._written(rid)
 
-    async def _ship(self, request: pb.PrefillRequest, first: pb.TokenChunk) -> pb.KVShipped:
+    async def _ship(self, request: pb.PrefillRequest, first: pb.TokenChunk,
+                    blocks: list[int] | None) -> pb.KVShipped:
         rid, target = request.request_id, request.target
         t = self.config.timeouts
         timeout = t.kv_transfer_s
@@ -96,7 +98,9 @@ class PrefillRole:
         if first.logprobs:
             hand_off.first_logprob.CopyFrom(first.logprobs[0])
         started = time.monotonic()
-        blocks = await self.engine.prompt_blocks(rid, len(target.block_ids))
+        if blocks is None:             # an engine that did not name them: ask (one core round trip)
+            blocks = await self.engine.prompt_blocks(rid, len(target.block_ids))
+        blocks = blocks[:len(target.block_ids)]
         handle = self.transport.write(rid, blocks, target, timeout, hand_off=hand_off)
         await wait_done(handle)
         return pb.KVShipped(request_id=rid, blocks=len(blocks),

@@ -117,7 +117,8 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
         finished=last.finished, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
         error=last.error, retry_after_s=last.retry_after_s,
         prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
-        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens)
+        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+        block_ids=last.block_ids)
 
 
 class EngineClient:
