@@ -12,7 +12,7 @@ API key -> body (size limit, UTF-8) -> strict schema -> model -> tokenize + leng
 when the body is large) -> quotas -> Router.Admit and the plan's worker calls (plan.py) -> first
 chunk (errors before it get a real status) -> JSON body or SSE stream. The client going away at
 any point after admission cancels it
-(`_until_disconnect` before the stream, SSEResponse's disconnect watch during it) and the
+(`_until_disconnect` before the stream, StreamingResponse's disconnect listener during it) and the
 session's close releases the quota slot.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -33,7 +34,7 @@ from services.gateway import openai_schema as schema
 from services.gateway.core import GatewayCore, Session, build_generation, new_request_id
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.openai_responses import Collected, Shaper
-from services.gateway.streaming import SSEResponse, openai_events
+from services.gateway.streaming import openai_events
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,12 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
         first = await _until_disconnect(request, session.first())
         if plan.stream:
             streaming = True      # from here the stream's own close (and its background) owns it
-            return SSEResponse(openai_events(session, first, shaper), {**headers, **SSE_HEADERS},
-                               session.close)
+            # a client that disconnects cancels the stream (Starlette's disconnect listener),
+            # and the events' own `finally` closes the session; after a normal end, too
+            return StreamingResponse(openai_events(session, first, shaper),
+                                     media_type="text/event-stream",
+                                     headers={**headers, **SSE_HEADERS},
+                                     background=BackgroundTask(session.close))
         collected = await _until_disconnect(request, _collect(session, first))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
