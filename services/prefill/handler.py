@@ -49,7 +49,7 @@ class PrefillRole:
         try:
             await add_request(self.engine, request, context)
             first: pb.TokenChunk | None = None
-            blocks: list[int] | None = None
+            blocks: list[int] = []
             async for out in stream:
                 prefilled = out.finish_reason == "prefilled"     # the engine's own control state
                 if prefilled:
@@ -85,7 +85,7 @@ class PrefillRole:
                 self._written(rid)
 
     async def _ship(self, request: pb.PrefillRequest, first: pb.TokenChunk,
-                    blocks: list[int] | None) -> pb.KVShipped:
+                    blocks: list[int]) -> pb.KVShipped:
         rid, target = request.request_id, request.target
         t = self.config.timeouts
         timeout = t.kv_transfer_s
@@ -98,8 +98,6 @@ class PrefillRole:
         if first.logprobs:
             hand_off.first_logprob.CopyFrom(first.logprobs[0])
         started = time.monotonic()
-        if blocks is None:             # an engine that did not name them: ask (one core round trip)
-            blocks = await self.engine.prompt_blocks(rid, len(target.block_ids))
         blocks = blocks[:len(target.block_ids)]
         handle = self.transport.write(rid, blocks, target, timeout, hand_off=hand_off)
         await wait_done(handle)

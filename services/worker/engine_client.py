@@ -46,7 +46,7 @@ from services.engine.model.kv_cache import KVCache
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.worker import engine_core as core
-from services.worker.engine_core import (ENCODER, REPLY_DECODER, Blocks, CallFailed, Cancelled,
+from services.worker.engine_core import (ENCODER, REPLY_DECODER, CallFailed, Cancelled,
                                          Done, Failure, Ready, Reserved, Stats, StepOutputs)
 
 log = logging.getLogger(__name__)
@@ -282,11 +282,6 @@ class EngineClient:
 
     async def stats(self) -> EngineStats:
         return (await self._call(core.GetStats, Stats)).stats
-
-    async def prompt_blocks(self, request_id: str, n: int) -> list[int]:
-        """The first n blocks of the request's block table (where its prompt's KV lies)."""
-        reply = await self._call(lambda cid: core.PromptBlocks(cid, request_id, n), Blocks)
-        return reply.blocks
 
     def stream(self, request_id: str) -> OutputStream:
         stream = OutputStream()

@@ -98,18 +98,11 @@ class GetStats(msgspec.Struct, tag=5, array_like=True):
     call_id: int
 
 
-class PromptBlocks(msgspec.Struct, tag=6, array_like=True):
-    """The first n blocks of the request's block table (where its prompt KV lies)."""
-    call_id: int
-    request_id: str
-    n: int
-
-
 class Shutdown(msgspec.Struct, tag=7, array_like=True):
     pass
 
 
-Command = AddRequest | Reserve | StartDecode | Cancel | GetStats | PromptBlocks | Shutdown
+Command = AddRequest | Reserve | StartDecode | Cancel | GetStats | Shutdown
 
 
 # ---------------------------------------------------------------------- replies (core -> server)
@@ -149,11 +142,6 @@ class Stats(msgspec.Struct, tag=25, array_like=True):
     stats: EngineStats
 
 
-class Blocks(msgspec.Struct, tag=26, array_like=True):
-    call_id: int
-    blocks: list[int]
-
-
 class CallFailed(msgspec.Struct, tag=30, array_like=True):
     """The command raised; the core goes on. `kind` names the exception's class (for the engine's
     typed errors, a class of services/engine/errors.py, rebuilt by the client)."""
@@ -170,7 +158,7 @@ class Failure(msgspec.Struct, tag=31, array_like=True):
     traceback: str
 
 
-Reply = Ready | StepOutputs | Done | Reserved | Cancelled | Stats | Blocks | CallFailed | Failure
+Reply = Ready | StepOutputs | Done | Reserved | Cancelled | Stats | CallFailed | Failure
 
 ENCODER = msgspec.msgpack.Encoder()
 COMMAND_DECODER = msgspec.msgpack.Decoder(Command)
@@ -227,7 +215,7 @@ class EngineCore:
             self.poller.register(parent_fd, zmq.POLLIN)
         self.handlers: dict[type, Callable] = {
             AddRequest: self._add, Reserve: self._reserve, StartDecode: self._start_decode,
-            Cancel: self._cancel, GetStats: self._stats, PromptBlocks: self._prompt_blocks}
+            Cancel: self._cancel, GetStats: self._stats}
 
     def send(self, reply: Reply) -> None:
         self.replies.send(ENCODER.encode(reply), copy=False)
@@ -310,8 +298,6 @@ class EngineCore:
     def _stats(self, cmd: GetStats) -> Stats:
         return Stats(cmd.call_id, self.engine.stats())
 
-    def _prompt_blocks(self, cmd: PromptBlocks) -> Blocks:
-        return Blocks(cmd.call_id, list(self.engine.pool.block_table(cmd.request_id)[:cmd.n]))
 
 
 def _message(e: BaseException) -> str:
