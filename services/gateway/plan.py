@@ -90,9 +90,14 @@ class DecodeLink:
         self._out.put_nowait(pb.DecodeSubscribe(request_id=request_id))
         return Subscription(self, request_id, queue, deadline_s)
 
-    def cancel(self, request_id: str) -> None:
-        if self._subs.pop(request_id, None) is not None and not self.broken:
-            self._out.put_nowait(pb.DecodeSubscribe(request_id=request_id, cancel=True))
+    def cancel(self, request_id: str) -> bool:
+        """End the request on the worker, over the link; False when the link is broken (the
+        caller then sends a Cancel RPC, since the subscription may never have arrived)."""
+        self._subs.pop(request_id, None)
+        if self.broken:
+            return False
+        self._out.put_nowait(pb.DecodeSubscribe(request_id=request_id, cancel=True))
+        return True
 
     def close(self) -> None:
         self.broken = True
@@ -157,8 +162,8 @@ class Subscription:
             else:
                 raise item
 
-    def cancel(self) -> None:
-        self.link.cancel(self.request_id)
+    def cancel(self) -> bool:
+        return self.link.cancel(self.request_id)
 
 
 class Routers:
@@ -223,8 +228,9 @@ class PlanRun:
         self.channels = channels
         self.timeouts = timeouts
         self.plan: pb.Plan | None = None
-        self._calls: list[grpc.aio.Call] = []
-        self._touched: set[str] = set()
+        self._calls: list[grpc.aio.Call] = []      # Generate / Prefill calls, to stop early
+        self._touched: set[str] = set()            # prefill / mixed workers, to Cancel on
+        self._decode: Subscription | None = None   # the decode side, ended once (_end_decode)
         self._reader = self._read()
         self._prefill_tail: asyncio.Task | None = None
         self.finished = False
@@ -263,16 +269,12 @@ class PlanRun:
             yield chunk
 
     async def _disaggregated(self, plan: pb.Plan):
-        decode_address = plan.decode.address
-        self._touched.add(decode_address)
-        decode = self.channels.decode_link(decode_address).subscribe(
+        decode = self._decode = self.channels.decode_link(plan.decode.address).subscribe(
             self.request_id, self.timeouts.stream_s(self.request.params.max_tokens))
-        self._calls.append(decode)
         prefill, first = await self._first_token(plan)
         yield first
         if first.finished:           # ended at the prefill worker: no KV moves, no decode
-            decode.cancel()
-            self._cancel(decode_address)
+            self._end_decode()
             return
         self._prefill_tail = asyncio.get_running_loop().create_task(_drain(prefill))
         _TAILS.add(self._prefill_tail)
@@ -326,6 +328,13 @@ class PlanRun:
         for address in self._touched:
             self._cancel(address)
         self._touched.clear()
+        self._end_decode()
+
+    def _end_decode(self) -> None:
+        """End the decode side once: over the link, or by a Cancel RPC when the link broke."""
+        decode, self._decode = self._decode, None
+        if decode is not None and not decode.cancel():
+            self._cancel(decode.link.address)
 
     def _cancel(self, address: str) -> None:
         asyncio.get_running_loop().create_task(self._cancel_call(address))
