@@ -156,6 +156,16 @@ def descendants(pid: int) -> list[int]:
     return [p.pid for p in _tree(pid)]
 
 
+def children(pid: int) -> list[int]:
+    """The live (not zombie) children of `pid`, read from /proc."""
+    return [p.pid for p in _processes() if p.ppid == pid]
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie is not)."""
+    return any(p.pid == pid for p in _processes())
+
+
 @dataclass(frozen=True)
 class _Proc:
     pid: int

@@ -78,7 +78,7 @@ def test_generate_reports_bad_input_as_a_json_error(tiny_model_dir, args, code):
 def test_sigterm_to_a_command_that_launched_a_fleet_stops_the_fleet_too(tiny_model_dir):
     """`kvfleet demo --fleet` mid-run gets SIGTERM (as from a CI timeout or `kill`): it exits,
     and every process it started exits with it; none is left orphaned."""
-    from tests.cli.test_up import _alive, children_of   # noqa: PLC0415
+    from services.cli.launcher import children, running   # noqa: PLC0415
     from services.cli.launcher import wait_until         # noqa: PLC0415
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli.cli", "demo", "--fleet", "--model",
@@ -88,13 +88,13 @@ def test_sigterm_to_a_command_that_launched_a_fleet_stops_the_fleet_too(tiny_mod
         for line in proc.stdout:
             if line.startswith("kvfleet up ("):
                 break
-        kids = children_of(proc.pid)
+        kids = children(proc.pid)
         assert len(kids) == 4                                  # prefill, decode, router, gateway
         os.kill(proc.pid, signal.SIGTERM)
         rest = proc.stdout.read()
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         assert "fleet stopped" in rest
-        assert wait_until(lambda: not any(_alive(k) for k in kids), 5)
+        assert wait_until(lambda: not any(running(k) for k in kids), 5)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

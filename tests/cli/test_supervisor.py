@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from services.cli.launcher import Launcher, descendants, wait_until
+from services.cli.launcher import Launcher, descendants, running, wait_until
 from services.cli.supervisor import RestartPolicy, Supervisor
 
 DIES_AT_ONCE = ["json.tool", "/nonexistent/kvfleet-supervisor-test"]   # exits 2 straight away
@@ -101,7 +101,7 @@ def test_stop_all_takes_down_stubborn_children_and_grandchildren_within_the_grac
     launcher.stop_all(grace_s=0.5)
     took = time.monotonic() - t0
     assert 0.5 <= took < 1.5, took              # SIGTERM ignored: SIGKILL at the grace, not later
-    assert not any(_alive(pid) for pid in [*tree, polite])
+    assert not any(running(pid) for pid in [*tree, polite])
     assert launcher.children == {}
 
 
@@ -111,14 +111,6 @@ def test_children_that_obey_sigterm_are_not_held_for_the_grace(launcher):
     t0 = time.monotonic()
     launcher.stop_all(grace_s=10)
     assert time.monotonic() - t0 < 2.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _stubborn() -> None:

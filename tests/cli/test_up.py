@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from services.cli.launcher import descendants, wait_until
+from services.cli.launcher import children, descendants, running, wait_until
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S
 from services.state.redis_server import free_port
 
@@ -85,17 +85,6 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-_alive = alive     # the name tests/cli/test_cli.py imports
-
-
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -108,7 +97,7 @@ def sigterm_and_time_the_end(proc: subprocess.Popen, pids: list[int], ports: set
     (SHUTDOWN_BUDGET_S + 2 at most: past the budget it only says by how much)."""
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
-    wait_until(lambda: proc.poll() is not None and not any(map(alive, pids))
+    wait_until(lambda: proc.poll() is not None and not any(map(running, pids))
                and not any(map(port_open, ports)), SHUTDOWN_BUDGET_S + 2, interval_s=0.01)
     return time.monotonic() - t0
 
@@ -153,9 +142,9 @@ def test_up_serves_then_stops_everything_it_started(tiny_model_dir, mode, router
         assert any(f"http://127.0.0.1:{http}/v1" in line for line in lines), lines
         assert sum(line.split()[0].startswith("router-") for line in lines if line.split()) \
             == routers
-        kids = [pid for pid in descendants(proc.pid) if alive(pid)]
+        kids = [pid for pid in descendants(proc.pid) if running(pid)]
         workers = 1 if mode == "colocated" else 2
-        assert len(set(kids) & set(children_of(proc.pid))) == workers + routers + 1   # + gateway
+        assert len(set(kids) & set(children(proc.pid))) == workers + routers + 1   # + gateway
         url = f"http://127.0.0.1:{http}"
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         r = httpx.post(f"{url}/v1/completions", timeout=60,
@@ -177,12 +166,12 @@ def test_sigterm_with_streams_in_flight_stops_every_process_and_port_within_3_s(
         streams = InFlight(url, name, n=4)
         assert streams.started(60), ("not every stream had its first token", streams.refused,
                                      lines[-20:])
-        tree = [pid for pid in descendants(proc.pid) if alive(pid)]
+        tree = [pid for pid in descendants(proc.pid) if running(pid)]
         ports = listening_ports([proc.pid, *tree])
         # at least: the gateway (REST, gRPC), the worker, two routers, the embedded Redis
         assert len(ports) >= 6, ports
         took = sigterm_and_time_the_end(proc, tree, ports)
-        left = [pid for pid in tree if alive(pid)] + ([proc.pid] if proc.poll() is None else [])
+        left = [pid for pid in tree if running(pid)] + ([proc.pid] if proc.poll() is None else [])
         assert not left and not any(map(port_open, ports)), (left, ports, lines[-20:])
         assert took <= SHUTDOWN_BUDGET_S, f"{took:.2f} s\n" + "\n".join(lines[-20:])
 
@@ -198,6 +187,3 @@ def test_up_refuses_contradictory_timeouts_before_starting_anything():
     assert "READY" not in out.stdout
 
 
-def children_of(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]

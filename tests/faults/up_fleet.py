@@ -21,7 +21,7 @@ import redis
 import yaml
 
 from services.protocol.fleet_token import METADATA_KEY
-from services.cli.launcher import wait_until
+from services.cli.launcher import children, wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.state.redis_server import free_port
@@ -61,19 +61,12 @@ class UpFleet:
     def children(self) -> dict[int, str]:
         """pid -> command line of each live child of `kvfleet up` (read from /proc)."""
         found = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for pid in children(self.proc.pid):
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                state, ppid = fields[0], int(fields[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    args = f.read().replace(b"\0", b" ").decode()
-            except (OSError, IndexError, ValueError):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found[pid] = f.read().replace(b"\0", b" ").decode()
+            except OSError:
                 continue                       # gone meanwhile
-            if ppid == self.proc.pid and state != "Z":
-                found[int(entry)] = args
         return found
 
     def pid(self, name: str) -> int | None:
