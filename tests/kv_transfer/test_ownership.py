@@ -70,6 +70,19 @@ def test_tcp_a_receiver_that_finishes_mid_transfer_gets_no_later_chunk(monkeypat
         pair.close()
 
 
+def finish_before_the_third_block(target) -> None:
+    """The receiver gives up (finishes its handle) as it is about to write its third block."""
+    writing, entered = target.writing, [0]
+
+    def gated():
+        entered[0] += 1
+        if entered[0] == 3:
+            target.finish("the decode worker gave up")
+        return writing()
+
+    target.writing = gated
+
+
 def test_tcp_staged_a_receiver_that_finishes_mid_commit_gets_no_later_block(monkeypatch):
     """A device pool is received into staging, then written into the pool a block at a time (here: a CPU pool
     taking that path); the decode worker gives up before the third."""
@@ -80,15 +93,7 @@ def test_tcp_staged_a_receiver_that_finishes_mid_commit_gets_no_later_block(monk
         monkeypatch.setattr(tcp, "RECV_CHUNK", LAYOUT.bytes_per_block)
         tid = new_id()
         target = pair.target.expect(tid, DST, timeout_s=10.0)
-        writing, entered = target.writing, [0]
-
-        def finish_before_the_third_block():
-            entered[0] += 1
-            if entered[0] == 3:
-                target.finish("the decode worker gave up")
-            return writing()
-
-        target.writing = finish_before_the_third_block
+        finish_before_the_third_block(target)
         with pytest.raises(KVTransferError):
             pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=10.0).wait(10.0)
         with pytest.raises(KVTransferError, match="the decode worker gave up"):
@@ -106,15 +111,7 @@ def test_local_a_receiver_that_finishes_mid_transfer_gets_no_later_block():
         before = pair.refill(seed=37)
         tid = new_id()
         target = pair.target.expect(tid, DST, timeout_s=10.0)
-        writing, entered = target.writing, [0]
-
-        def finish_before_the_third_block():
-            entered[0] += 1
-            if entered[0] == 3:
-                target.finish("the decode worker gave up")
-            return writing()
-
-        target.writing = finish_before_the_third_block
+        finish_before_the_third_block(target)
         with pytest.raises(KVTransferError, match="the target finished the transfer before it landed"):
             pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=10.0).wait(10.0)
         after = pair.target_kv.data
