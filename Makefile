@@ -18,11 +18,14 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	touch $(STAMP)
 
-# Tests run a real redis-server on 127.0.0.1; install it when missing (Debian, root).
+# Tests run a real redis-server and a real Prometheus (with promtool) on 127.0.0.1; install them
+# when missing (Debian, root).
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 \
+	  && command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing redis-server and prometheus"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    redis-server prometheus >/dev/null; }
 
 test: setup
 	$(VPY) -m pytest -q

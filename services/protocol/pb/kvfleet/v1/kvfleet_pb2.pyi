@@ -19,6 +19,14 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WRONG_ROLE: _ClassVar[Reason]
     SHUTTING_DOWN: _ClassVar[Reason]
     UNAUTHENTICATED: _ClassVar[Reason]
+
+class OverloadStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    S0_NORMAL: _ClassVar[OverloadStage]
+    S1_NO_BATCH: _ClassVar[OverloadStage]
+    S2_CAP_OUTPUT: _ClassVar[OverloadStage]
+    S3_FALLBACK: _ClassVar[OverloadStage]
+    S4_REJECT: _ClassVar[OverloadStage]
 REASON_UNSPECIFIED: Reason
 INVALID_REQUEST: Reason
 OVERLOADED: Reason
@@ -29,6 +37,11 @@ NO_RESERVATION: Reason
 WRONG_ROLE: Reason
 SHUTTING_DOWN: Reason
 UNAUTHENTICATED: Reason
+S0_NORMAL: OverloadStage
+S1_NO_BATCH: OverloadStage
+S2_CAP_OUTPUT: OverloadStage
+S3_FALLBACK: OverloadStage
+S4_REJECT: OverloadStage
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
@@ -73,7 +86,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "error", "prompt_logprobs", "num_prompt_tokens", "num_output_tokens", "served_by")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "error", "prompt_logprobs", "num_prompt_tokens", "num_output_tokens", "served_by", "timing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +99,7 @@ class TokenChunk(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -98,21 +112,36 @@ class TokenChunk(_message.Message):
     num_prompt_tokens: int
     num_output_tokens: int
     served_by: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., served_by: _Optional[str] = ...) -> None: ...
+    timing: RequestTiming
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., served_by: _Optional[str] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ...) -> None: ...
+
+class RequestTiming(_message.Message):
+    __slots__ = ("queue_s", "prefill_s", "transfer_s", "decode_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    decode_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ...) -> None: ...
 
 class CallStatus(_message.Message):
-    __slots__ = ("reason", "code", "param", "message", "retry_after_s")
+    __slots__ = ("reason", "code", "param", "message", "retry_after_s", "stage")
     REASON_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     PARAM_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     reason: Reason
     code: str
     param: str
     message: str
     retry_after_s: float
-    def __init__(self, reason: _Optional[_Union[Reason, str]] = ..., code: _Optional[str] = ..., param: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    stage: OverloadStage
+    def __init__(self, reason: _Optional[_Union[Reason, str]] = ..., code: _Optional[str] = ..., param: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -213,7 +242,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id")
+    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[Plan.Mode]
@@ -229,6 +258,8 @@ class Plan(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Plan.Mode
     prefill: _containers.RepeatedCompositeFieldContainer[WorkerRef]
@@ -236,7 +267,9 @@ class Plan(_message.Message):
     target: KVDescriptor
     deadline_unix_s: float
     router_id: str
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ...) -> None: ...
+    predicted_ttft_s: float
+    stage: OverloadStage
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype")
@@ -287,16 +320,18 @@ class KVDescriptor(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., nixl: _Optional[_Union[NixlTarget, _Mapping]] = ...) -> None: ...
 
 class HandOff(_message.Message):
-    __slots__ = ("request_id", "first_token", "first_logprob", "num_prompt_tokens")
+    __slots__ = ("request_id", "first_token", "first_logprob", "num_prompt_tokens", "sent_at_unix_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     first_logprob: TokenLogprob
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    sent_at_unix_s: float
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class KVNotice(_message.Message):
     __slots__ = ("transfer_id", "crc32", "hand_off")
@@ -403,7 +438,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "kv_blocks_held")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +458,8 @@ class WorkerStats(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
@@ -443,5 +480,33 @@ class WorkerStats(_message.Message):
     model: str
     max_model_len: int
     updated_at_unix_s: float
+    metrics_url: str
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantShare]
     kv_blocks_held: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., kv_blocks_held: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ...) -> None: ...
+
+class TenantShare(_message.Message):
+    __slots__ = ("tenant", "sequences", "kv_blocks")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    sequences: int
+    kv_blocks: int
+    def __init__(self, tenant: _Optional[str] = ..., sequences: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
+
+class ServiceRecord(_message.Message):
+    __slots__ = ("service_id", "role", "address", "metrics_url", "updated_at_unix_s", "pid")
+    SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    service_id: str
+    role: str
+    address: str
+    metrics_url: str
+    updated_at_unix_s: float
+    pid: int
+    def __init__(self, service_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., updated_at_unix_s: _Optional[float] = ..., pid: _Optional[int] = ...) -> None: ...
