@@ -78,6 +78,24 @@ def _counts(records: list[RequestRecord]) -> dict:
             "rejected": rejected}
 
 
+PHASES = ("queue_s", "prefill_s", "transfer_s", "decode_s")
+
+
+def phase_breakdown(records: list[RequestRecord]) -> dict | None:
+    """Where the time of the ok requests that reported server-side phase times went: per phase
+    (queue, prefill, transfer, decode) its stats, and its median share of the request's e2e as the
+    client measured it. None when no request reported them (e.g. a server other than kvfleet)."""
+    timed = [r for r in records if r.ok and r.timing and r.e2e_s]
+    if not timed:
+        return None
+    out = {"requests": len(timed)}
+    for phase in PHASES:
+        values = [r.timing.get(phase, 0.0) for r in timed]
+        out[phase] = {**latency_stats(values),
+                      "share_p50": percentile([v / r.e2e_s for v, r in zip(values, timed)], 50)}
+    return out
+
+
 def class_summary(records: list[RequestRecord], slo: ClassSLO, duration_s: float) -> dict:
     """Counts, latency stats, SLO attainment, goodput and token throughput of one class."""
     good = [r for r in records if r.ok]
@@ -97,6 +115,7 @@ def class_summary(records: list[RequestRecord], slo: ClassSLO, duration_s: float
         "goodput_rps": met / duration_s,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / duration_s,
+        "phases": phase_breakdown(records),
     }
 
 
@@ -176,7 +195,9 @@ def summarize(run: RunResult) -> dict:
         duration_s
         classes[name]: requests ok errors rejected met, slo{ttft_s itl_s},
                        ttft_s / itl_s / e2e_s {p50 p95 p99 mean}, attainment{ttft itl slo},
-                       goodput_rps output_tokens output_tokens_per_s
+                       goodput_rps output_tokens output_tokens_per_s,
+                       phases (None, or requests and {queue_s prefill_s transfer_s decode_s}:
+                               {p50 p95 p99 mean share_p50})
         overall: requests ok errors rejected met goodput_rps output_tokens output_tokens_per_s
                  request_throughput_rps
         tenants[name]: requests ok output_tokens output_tokens_per_s share weight demand_served

@@ -43,6 +43,9 @@ class RequestRecord:
     retry_after_s: float | None = None   # the Retry-After header of a 429/503, when sent
     detail: str | None = None        # the server's error message, cut to 300 characters
     finish_reason: str | None = None
+    timing: dict[str, float] | None = None   # the server's per-request phase times, when it sends
+                                             # them (kvfleet: queue_s prefill_s transfer_s decode_s
+                                             # ttft_s e2e_s, in the final chunk's `timing`)
 
     @property
     def ok(self) -> bool:

@@ -50,6 +50,26 @@ def class_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def phase_table(summary: dict) -> str | None:
+    """Per class, the median and p99 of each server-reported phase (ms) and its median share of
+    e2e; None when no class has phase times."""
+    rows = ["| class | timed | queue p50/p99 (ms) | prefill p50/p99 (ms) | transfer p50/p99 (ms) "
+            "| decode p50/p99 (ms) | median share queue / prefill / transfer / decode (%) |",
+            "|---|---:|---|---|---|---|---|"]
+    any_rows = False
+    for name, c in summary["classes"].items():
+        ph = c.get("phases")
+        if not ph:
+            continue
+        any_rows = True
+        cells = [_triple(ph[k], 1000, 1, ("p50", "p99"))
+                 for k in ("queue_s", "prefill_s", "transfer_s", "decode_s")]
+        shares = " / ".join(_num(ph[k]["share_p50"], 100) for k in
+                            ("queue_s", "prefill_s", "transfer_s", "decode_s"))
+        rows.append(f"| {name} | {ph['requests']} | " + " | ".join(cells) + f" | {shares} |")
+    return "\n".join(rows) if any_rows else None
+
+
 def _tenant_table(summary: dict) -> str:
     rows = ["| tenant | weight | requests | ok | output tokens | tok/s | share (%) "
             "| demand served (%) |",
@@ -87,6 +107,8 @@ def render_markdown(summary: dict, plots: Mapping[str, str] | None = None) -> st
              f"{o['errors']} errors; goodput {_num(o['goodput_rps'], digits=2)} req/s, "
              f"{_num(o['request_throughput_rps'], digits=2)} ok req/s, "
              f"{_num(o['output_tokens_per_s'])} output tok/s.",
+             *(["", "## Phases (server-reported)", "", phases] if (phases := phase_table(summary))
+               else []),
              "", "## Tenants", "", _tenant_table(summary), "",
              f"Jain's fairness index (service against each tenant's weighted max-min fair share): "
              f"{_num(summary['jain_index'], digits=3)}",

@@ -122,6 +122,9 @@ async def _stream(client: httpx.AsyncClient, headers: dict[str, str], body: dict
                 rec.detail = str(event["error"].get("message") if isinstance(event["error"], dict)
                                  else event["error"])[:300]
                 return
+            if isinstance(event.get("timing"), dict):
+                rec.timing = {k: float(v) for k, v in event["timing"].items()
+                              if isinstance(v, (int, float))}
             if event.get("usage"):
                 rec.prompt_tokens = event["usage"].get("prompt_tokens", rec.prompt_tokens)
                 rec.output_tokens = event["usage"].get("completion_tokens", rec.output_tokens)

@@ -235,3 +235,23 @@ def test_summary_is_json_serialisable_and_needs_the_run_duration():
     del bad.meta["duration_s"]
     with pytest.raises(ValueError, match="duration_s"):
         summarize(bad)
+
+
+def test_phase_breakdown_summarises_the_servers_phase_times_of_ok_requests_only():
+    # Two ok requests report their phases; a failed one with a timing, and an ok one without,
+    # are left out. Shares are of the client's e2e: 0.2/1.0 and 0.4/2.0 -> median 0.2.
+    timed = [ok(0, 0.2, [0.1], 1.0), ok(1, 0.5, [0.1], 2.0), ok(2, 0.3, [0.1], 3.0),
+             failed(3, 200, "stream_error")]
+    timed[0].timing = {"queue_s": 0.2, "prefill_s": 0.1, "transfer_s": 0.05, "decode_s": 0.6}
+    timed[1].timing = {"queue_s": 0.4, "prefill_s": 0.3, "transfer_s": 0.15, "decode_s": 1.1}
+    timed[3].timing = {"queue_s": 9.0}
+    phases = summarize(run_of(timed))["classes"]["interactive"]["phases"]
+    assert phases["requests"] == 2
+    assert phases["queue_s"]["p50"] == approx(0.3)
+    assert phases["queue_s"]["share_p50"] == approx(0.2)
+    assert phases["transfer_s"]["mean"] == approx(0.1)
+    assert phases["decode_s"]["p50"] == approx(0.85)
+
+
+def test_a_run_without_server_phase_times_has_no_phase_breakdown():
+    assert summarize(mixed_run())["classes"]["interactive"]["phases"] is None

@@ -98,3 +98,14 @@ def test_render_markdown_works_from_a_summary_alone():
     md = render_markdown(summarize(make_run()))
     assert md.startswith("# Load test: -\n") and "- duration: 6.0 s" in md
     assert "## Plots" not in md and "| interactive | 12 |" in md
+
+
+def test_the_report_has_a_phase_table_only_when_the_server_reported_phases():
+    run = make_run()
+    assert "## Phases" not in render_markdown(summarize(run))
+    for r in run.records:
+        if r.ok:
+            r.timing = {"queue_s": 0.01, "prefill_s": 0.02, "transfer_s": 0.003, "decode_s": 0.1}
+    md = render_markdown(summarize(run))
+    assert "## Phases (server-reported)" in md
+    assert "| 10.0 / 10.0 | 20.0 / 20.0 | 3.0 / 3.0 | 100.0 / 100.0 |" in md
