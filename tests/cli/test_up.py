@@ -10,43 +10,13 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from services.cli.launcher import children, descendants, running, wait_until
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S
-from services.state.redis_server import free_port
-
-
-@contextmanager
-def kvfleet_up(model_dir, *args: str):
-    """`kvfleet up` on free ports; yields (process, http port, the lines up to READY). Whatever
-    happens, its whole session is SIGKILLed afterwards if anything of it is left."""
-    http = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.cli", "up", "--model", str(model_dir),
-         "--http-port", str(http), "--grpc-port", str(free_port()), "--kv-cache-mib", "32", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    tree = []
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("READY up"):
-                break
-        assert lines and lines[-1].startswith("READY up"), "\n".join(lines)
-        threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout],
-                         daemon=True).start()
-        tree = descendants(proc.pid)
-        yield proc, http, lines
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in tree:
-            _kill(pid)
+from tests.up_helpers import kill, kvfleet_up
 
 
 def listening_ports(pids: list[int]) -> set[int]:
@@ -83,13 +53,6 @@ def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def sigterm_and_time_the_end(proc: subprocess.Popen, pids: list[int], ports: set[int]) -> float:

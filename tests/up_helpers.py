@@ -1,0 +1,50 @@
+"""`kvfleet up` as a user runs it, for the tests that need a whole fleet (tests/cli, tests/telemetry)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+
+from services.cli.launcher import descendants
+from services.state.redis_server import free_port
+
+
+@contextmanager
+def kvfleet_up(model_dir, *args: str, env: dict[str, str] | None = None):
+    """`kvfleet up` on free ports; yields (process, http port, the lines up to READY; later lines
+    keep being appended). `env` is added to this process's environment for the whole fleet.
+    Whatever happens, its whole session is SIGKILLed afterwards if anything of it is left."""
+    http = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.cli", "up", "--model", str(model_dir),
+         "--http-port", str(http), "--grpc-port", str(free_port()), "--kv-cache-mib", "32", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})})
+    tree = []
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("READY up"):
+                break
+        assert lines and lines[-1].startswith("READY up"), "\n".join(lines)
+        threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout],
+                         daemon=True).start()
+        tree = descendants(proc.pid)
+        yield proc, http, lines
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in tree:
+            kill(pid)
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
