@@ -13,7 +13,10 @@ Prometheus scraping a real fleet, so a renamed metric fails there.
 """
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # OpenTelemetry GenAI semantic conventions: explicit bucket boundaries (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -32,12 +35,54 @@ BYTES_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 12))     # 4 KiB ..
 
 PHASES = ("queue", "prefill", "transfer", "decode")
 
+# `KVFLEET_METRICS=off` turns recording off in a process (every metric below becomes a no-op and
+# /metrics is empty): the "metrics off" side of `kvfleet bench telemetry`, and a way to rule the
+# metrics out when chasing a latency. On by default.
+ENV_SWITCH = "KVFLEET_METRICS"
 
-class GatewayMetrics:
+
+def recording() -> bool:
+    return os.environ.get(ENV_SWITCH, "on").strip().lower() not in ("off", "0", "false")
+
+
+class _Noop:
+    """Stands in for a metric (and any child of it) while recording is off."""
+
+    def labels(self, *args, **kwargs) -> _Noop:
+        return self
+
+    def __getattr__(self, name):           # inc, dec, set, observe, time ...
+        return _noop
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+NOOP = _Noop()
+
+
+class _Metrics:
+    """Every metric assigned to an instance is kept only while recording is on; else NOOP (and
+    nothing is registered)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        object.__setattr__(self, "recording", recording())
+        self.registry = registry or CollectorRegistry()
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, MetricWrapperBase) and not self.recording:
+            self.registry.unregister(value)
+            value = NOOP
+        object.__setattr__(self, name, value)
+
+
+class GatewayMetrics(_Metrics):
     """What the gateway sees of each request: the client-facing latencies, outcomes, usage."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+        super().__init__(registry)
+        r = self.registry
         self.ttft = Histogram(
             "gen_ai_server_time_to_first_token_seconds",
             "Time to first token (gen_ai.server.time_to_first_token): request received -> first "
@@ -90,11 +135,12 @@ class GatewayMetrics:
             ["traffic_class"], buckets=ERROR_BUCKETS, registry=r)
 
 
-class RouterMetrics:
+class RouterMetrics(_Metrics):
     """The router's decisions."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+        super().__init__(registry)
+        r = self.registry
         self.admissions = Counter(
             "kvfleet_admissions",
             "Admit decisions: decision=admitted|rejected, reason (a CallStatus reason name, "
@@ -116,12 +162,13 @@ class RouterMetrics:
             ["role", "worker"], registry=r)
 
 
-class WorkerMetrics:
+class WorkerMetrics(_Metrics):
     """One worker (prefill, decode or mixed): its engine's load and steps, and its KV transfers.
     Every series carries the worker's role and id (`const labels`)."""
 
     def __init__(self, role: str, worker_id: str, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+        super().__init__(registry)
+        r = self.registry
         self.role, self.worker_id = role, worker_id
         kw = dict(registry=r)
 
