@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one JSON object: added_ttft_ms, added_per_token_ms, fleet_tok_s, "
                          "engine_tok_s, then both sides")
     bf.set_defaults(func=_lazy("services.cli.fleet_bench", "run_fleet_bench"))
+    _delegate(bsub, "kvfleet bench telemetry", "what tracing (100%) and metrics cost: two fleets, "
+              "telemetry on and off, paired", "services.cli.telemetry_bench:add_args",
+              "services.cli.telemetry_bench:run_telemetry_bench")
     _delegate(bsub, "kvfleet bench startup", "how long `kvfleet up` takes to READY, to its first "
               "served completion, and to stop (JSON)", "services.cli.up:add_startup_args",
               "services.cli.up:run_startup")
