@@ -1,12 +1,19 @@
 """`python -m services.router --redis-url URL [--mode disagg|colocated] [--port P]
-[--router-id ID] [--timeout-*-s S ...] [--fleet-token-file PATH | --insecure-internal]`.
+[--router-id ID] [--metrics-port P] [--timeout-*-s S ...] [--fleet-token-file PATH | --insecure-internal]`.
 
 Several routers may serve one fleet: they keep nothing of their own that matters (all of it is in
 Redis), so the gateway may ask any of them.
 
+Serves Prometheus /metrics on 127.0.0.1:--metrics-port (0, the default: a free port; -1: none),
+traces when the OTEL_* environment names an OTLP endpoint (services/telemetry/tracing.py), and
+heartbeats its ServiceRecord (role router, its gRPC address and metrics URL) into Redis for
+`kvfleet status` and Prometheus discovery.
+
 Serves only callers with the fleet token (services/protocol/fleet_token.py; without one it refuses
 to start). Prints `READY router <host:port>` once serving; SIGTERM / SIGINT stop it."""
 import argparse
+import asyncio
+import logging
 import sys
 
 import grpc
@@ -18,6 +25,10 @@ from services.state.fleet_state import FleetState
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
 from services.router.service import RouterServicer
+from services.state.service_heartbeat import beat_forever, service_record, stop_beating
+from services.telemetry import exposition, tracing
+
+log = logging.getLogger("services.router")
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -26,17 +37,28 @@ async def serve(args: argparse.Namespace) -> int:
     setup_logging("router")
     limits = timeouts.from_args(args)
     auth = fleet_token.configure(args, "router")
+    tracing.setup("router", args.router_id)
     state = FleetState(args.redis_url)
     servicer = RouterServicer(state, args.mode, args.router_id, limits)
+    metrics = exposition.serve(servicer.metrics.registry, args.metrics_port, args.host)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    record = service_record(args.router_id, "router", f"{args.host}:{port}",
+                            metrics.url if metrics else "")
+    beat = asyncio.create_task(beat_forever(state, record, limits.heartbeat_s,
+                                            limits.heartbeat_ttl_s, log))
+    if metrics:
+        print(f"METRICS router {metrics.url}", flush=True)
     print(f"READY router {args.host}:{port}", flush=True)
     await wait_for_stop_signal()
+    await stop_beating(beat, state, args.router_id, log)
     await server.stop(grace=limits.shutdown_grace_s)
     await servicer.close()
     await state.close()
+    # the /metrics thread is a daemon and ends with the process (its shutdown() would wait out
+    # a 0.5-s poll of the 3-s stop budget); tracing flushes its last spans at exit
     return 0
 
 
@@ -47,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--router-id", default="router")
+    exposition.add_args(p)
     timeouts.add_args(p)
     fleet_token.add_args(p)
     return run(serve(p.parse_args(argv)))

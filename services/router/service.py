@@ -12,6 +12,19 @@ answered. Admit(WorkRequest) -> Plan, in order:
 A refusal is RESOURCE_EXHAUSTED (OVERLOADED: every replica busy) or UNAVAILABLE (no healthy
 replica of a role, Redis down), with a CallStatus naming why and when to retry.
 
+Telemetry (DESIGN section 7): one `router.admit` SERVER span per Admit (continuing the caller's
+trace from the call's metadata) with one `router.reserve` CLIENT span per Reserve call under it
+(its metadata carries the context on, so the decode worker's span continues it); RouterMetrics
+count every decision (admitted / rejected, reason, stage, class), its time, the predicted TTFT,
+live workers by role and placements by worker. Overload stages are not implemented yet: every
+decision is taken in S0_NORMAL and says so (Plan.stage, CallStatus.stage, the stage gauge is 0).
+
+Predicted TTFT (Plan.predicted_ttft_s): the chosen prefill (co-located: mixed) worker's prompt
+backlog plus this prompt, over its measured prefill rate,
+    (queued_prefill_tokens + prompt tokens) / prefill_tokens_per_s,
+and 0 (unknown) while the worker has measured no rate yet. It ignores the decode hand-off and
+prefix hits: a first-order model, whose error the gateway measures.
+
 A Reserve whose answer came too late (the worker was slow, not dead) leaves a reservation no one
 will use: the decode worker frees it at its deadline (services/decode/reservations.py).
 """
@@ -23,6 +36,8 @@ import math
 import time
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.protocol import status
 from services.protocol.aio import internal_channel
@@ -31,8 +46,11 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
 from services.router.placement import rank_decode, rank_prefill
-from services.state.fleet_state import FleetState
+from services.state.fleet_state import ROLES, FleetState
 from services.state.outage import UNREACHABLE, Outage
+from services.telemetry import tracing
+from services.telemetry.labels import TenantLabels
+from services.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +66,19 @@ WORKERS_STALE_OK_S = 5.0  # while Redis is down, a list this young is still serv
 RESERVE_RETRY_S = 1.0
 UNHEALTHY_RETRY_S = 2.0
 
+STAGE = pb.S0_NORMAL            # overload stages come in a later issue: always S0 for now
+STAGE_NAME = pb.OverloadStage.Name(STAGE)
+CLASS_LABELS = 16               # distinct traffic-class label values kept (the rest: "other")
+WORKER_ATTR = "kvfleet.worker_id"           # router.reserve: the decode worker asked
+ACCEPTED_ATTR = "kvfleet.reserve.accepted"
+
+
+def predicted_ttft_s(w: pb.WorkerStats, prompt_tokens: int) -> float:
+    """Seconds until `w` computes this prompt's first token: its backlog and the prompt at its
+    measured prefill rate; 0 (unknown) while it has none."""
+    rate = w.prefill_tokens_per_s
+    return (w.queued_prefill_tokens + prompt_tokens) / rate if rate > 0 else 0.0
+
 
 def overloaded(message: str) -> status.CallFailed:
     return status.CallFailed(status.failed(pb.OVERLOADED, message, retry_after_s=RESERVE_RETRY_S))
@@ -59,8 +90,12 @@ def unhealthy(message: str, retry_after_s: float = UNHEALTHY_RETRY_S) -> status.
 
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, state: FleetState, mode: str = "disagg", router_id: str = "router",
-                 timeouts: Timeouts | None = None, auth: FleetAuth | None = None) -> None:
+                 timeouts: Timeouts | None = None, auth: FleetAuth | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
         self.state = state
+        self.metrics = metrics or RouterMetrics()
+        self.metrics.stage.set(STAGE)
+        self._classes = TenantLabels(CLASS_LABELS)
         self.auth = auth              # what calls to workers present (None: this process's token)
         self.mode = mode
         self.router_id = router_id
@@ -98,6 +133,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _read_workers(self) -> list[pb.WorkerStats]:
         workers = await self.redis.call(self.state.live_workers)
         self._workers = (time.monotonic(), workers)
+        for role in ROLES:
+            self.metrics.workers.labels(role).set(sum(w.role == role for w in workers))
         return workers
 
     async def _refresh_workers(self) -> None:
@@ -111,15 +148,61 @@ class RouterServicer(pb_grpc.RouterServicer):
             self._refreshing = None
 
     async def Admit(self, request: pb.WorkRequest, context) -> pb.Plan:
-        try:
-            workers = await self.live_workers()
-            if self.mode == "colocated":
-                return self._colocated(request, workers)
-            return await self._disaggregated(request, workers)
-        except status.CallFailed as e:
-            if e.status.reason == pb.UNAVAILABLE:
-                self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
-            await status.abort(context, e.status)
+        started = time.perf_counter()
+        cls = self._classes.label(request.traffic_class)
+        with tracing.tracer.start_as_current_span(
+                "router.admit", context=tracing.incoming(context), kind=SpanKind.SERVER,
+                record_exception=False, set_status_on_exception=False) as span:
+            if span.is_recording():
+                span.set_attributes({tracing.REQUEST_ID: request.request_id,
+                                     tracing.TENANT: request.tenant,
+                                     tracing.TRAFFIC_CLASS: request.traffic_class,
+                                     tracing.REPLICA: self.router_id,
+                                     tracing.PROVIDER: tracing.PROVIDER_NAME,
+                                     tracing.INPUT_TOKENS: len(request.prompt_token_ids),
+                                     tracing.MAX_TOKENS: request.params.max_tokens,
+                                     tracing.QUEUE_WAIT: 0.0,     # the router has no queue yet
+                                     tracing.STAGE: STAGE_NAME})
+            try:
+                plan = await self._admit(request)
+            except status.CallFailed as e:
+                if e.status.reason == pb.UNAVAILABLE:
+                    self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
+                e.status.stage = STAGE
+                self._decided(span, cls, started, pb.Reason.Name(e.status.reason))
+                span.set_status(Status(StatusCode.ERROR, e.status.message))
+                await status.abort(context, e.status)
+            plan.stage = STAGE
+            self._decided(span, cls, started, "OK", plan)
+            return plan
+
+    async def _admit(self, request: pb.WorkRequest) -> pb.Plan:
+        workers = await self.live_workers()
+        span = trace.get_current_span()
+        if workers and span.is_recording():     # one model per fleet: any worker names it
+            span.set_attribute(tracing.REQUEST_MODEL, workers[0].model)
+        if self.mode == "colocated":
+            return self._colocated(request, workers)
+        return await self._disaggregated(request, workers)
+
+    def _decided(self, span, cls: str, started: float, reason: str, plan: pb.Plan | None = None):
+        """Count one decision and describe it on its span: admitted (with its plan) or rejected."""
+        decision = "admitted" if plan is not None else "rejected"
+        m = self.metrics
+        m.admissions.labels(decision, reason, STAGE_NAME, cls).inc()
+        m.admit_seconds.labels(cls).observe(time.perf_counter() - started)
+        if plan is not None:
+            if plan.predicted_ttft_s > 0:             # 0 = unknown: not a prediction
+                m.predicted_ttft.labels(cls).observe(plan.predicted_ttft_s)
+            if plan.mode == pb.Plan.COLOCATED:
+                m.placements.labels("mixed", plan.prefill[0].worker_id).inc()
+            else:
+                m.placements.labels("prefill", plan.prefill[0].worker_id).inc()
+                m.placements.labels("decode", plan.decode.worker_id).inc()
+        if span.is_recording():
+            span.set_attributes({tracing.DECISION: decision, tracing.REASON: reason})
+            if plan is not None:
+                span.set_attribute(tracing.PREDICTED_TTFT, plan.predicted_ttft_s)
 
     def _colocated(self, request: pb.WorkRequest, workers) -> pb.Plan:
         candidates = rank_decode(workers, role="mixed")
@@ -127,7 +210,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             raise unhealthy("no healthy mixed worker")
         return pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
                        prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
-                       router_id=self.router_id)
+                       router_id=self.router_id,
+                       predicted_ttft_s=predicted_ttft_s(candidates[0],
+                                                         len(request.prompt_token_ids)))
 
     async def _disaggregated(self, request: pb.WorkRequest, workers) -> pb.Plan:
         prefill = rank_prefill(workers, len(request.prompt_token_ids))
@@ -137,7 +222,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         return pb.Plan(request_id=request.request_id, mode=pb.Plan.DISAGGREGATED,
                        prefill=[_ref(w) for w in prefill[:PREFILL_CHOICES]], decode=_ref(decode),
                        target=reservation.target, deadline_unix_s=reservation.expires_at_unix_s,
-                       router_id=self.router_id)
+                       router_id=self.router_id,
+                       predicted_ttft_s=predicted_ttft_s(prefill[0], len(request.prompt_token_ids)))
 
     async def _reserve(self, request: pb.WorkRequest, workers):
         reasons, silent = [], []
@@ -146,7 +232,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                                 prompt_token_ids=request.prompt_token_ids, params=request.params)
         for w in rank_decode(workers):
             try:
-                resp = await self._stub(w.grpc_address).Reserve(ask, timeout=self.timeouts.reserve_s)
+                resp = await self._reserve_on(w, ask)
             except grpc.aio.AioRpcError as e:
                 st = status.of(e)
                 if st.reason == pb.INVALID_REQUEST:
@@ -164,6 +250,21 @@ class RouterServicer(pb_grpc.RouterServicer):
                             + ("; ".join(silent) if silent else "none is healthy"))
         raise overloaded(f"no decode replica can reserve KV for this request "
                          f"({'; '.join(reasons)})")
+
+    async def _reserve_on(self, w: pb.WorkerStats, ask: pb.ReserveRequest) -> pb.ReserveResponse:
+        """One Reserve call, in a CLIENT span whose context its metadata carries on."""
+        with tracing.tracer.start_as_current_span(
+                "router.reserve", kind=SpanKind.CLIENT, record_exception=False) as span:
+            if span.is_recording():
+                span.set_attributes({"rpc.system": "grpc", "rpc.method": "Reserve",
+                                     "server.address": w.grpc_address, WORKER_ATTR: w.worker_id,
+                                     tracing.REQUEST_ID: ask.request_id,
+                                     tracing.REPLICA: self.router_id})
+            resp = await self._stub(w.grpc_address).Reserve(
+                ask, timeout=self.timeouts.reserve_s, metadata=tracing.outgoing())
+            if span.is_recording():
+                span.set_attribute(ACCEPTED_ATTR, resp.accepted)
+            return resp
 
     async def Health(self, request, context) -> pb.HealthResponse:
         """SERVING when the worker list, read now, has every role this mode needs. Redis down:

@@ -6,6 +6,8 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 |--------------------------------------|---------------|-------------------------------|---------------------------------|
 | `{ns}worker:{worker_id}`             | string bytes  | heartbeat ttl_s               | heartbeat (SET PX, MULTI)       |
 | `{ns}workers`                        | set of ids    | none; dead ids pruned         | heartbeat SADD, live_workers    |
+| `{ns}service:{service_id}`           | string bytes  | heartbeat ttl_s               | heartbeat_service (SET PX)      |
+| `{ns}services`                       | set of ids    | none; dead ids pruned         | heartbeat_service, live_services|
 | `{ns}tenant:{t}:leases`              | zset          | until its latest lease expires| admit, renew, finish (Lua)      |
 | `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s     | admit/finish_stream (Lua)       |
 | `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s     | admit, charge_request (Lua)     |
@@ -15,6 +17,10 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 heartbeat is older than its TTL has no key, so it is not live. A record that does not parse, or names
 an unknown role or KV backend, a non-finite rate, or another worker's id, is skipped (logged), never
 fatal: one bad worker must not hide the rest of the fleet.
+
+Gateways and routers register the same way (`heartbeat_service`): a `pb.ServiceRecord` under
+`{ns}service:{service_id}`, so that `kvfleet status` and Prometheus file discovery find every
+process of a fleet. Nothing decides on these records; they only name who is there and where.
 
 Stream slots are leases. Each open stream is one member of `{ns}tenant:{t}:leases` (named by its
 holder: a gateway names them `{gateway_id}/{n}`), scored by its expiry in unix ms. The holder renews
@@ -48,6 +54,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
+SERVICE_ROLES = ("gateway", "router")
 KV_BACKENDS = ("nixl", "tcp", "local")
 WINDOW_S = 60
 
@@ -81,6 +88,34 @@ def parse_stats(worker_id: str, raw: bytes) -> pb.WorkerStats:
     if problems:
         raise ValueError("; ".join(problems))
     return stats
+
+
+def service_problems(record: pb.ServiceRecord) -> list[str]:
+    """What makes a gateway's or router's record unusable (empty: none)."""
+    out = []
+    if not record.service_id:
+        out.append("service_id is empty")
+    if record.role not in SERVICE_ROLES:
+        out.append(f"role {record.role!r} not in {SERVICE_ROLES}")
+    if not record.address:
+        out.append("address is empty")
+    if not (math.isfinite(record.updated_at_unix_s) and record.updated_at_unix_s >= 0):
+        out.append(f"updated_at_unix_s {record.updated_at_unix_s!r} is not finite and >= 0")
+    return out
+
+
+def parse_service(service_id: str, raw: bytes) -> pb.ServiceRecord:
+    """The record stored under `service_id`'s key, or ValueError naming what is wrong with it."""
+    try:
+        record = pb.ServiceRecord.FromString(raw)
+    except DecodeError as e:
+        raise ValueError(f"not a ServiceRecord message ({e})") from None
+    problems = service_problems(record)
+    if record.service_id and record.service_id != service_id:
+        problems.append(f"service_id {record.service_id!r} under the key of {service_id!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return record
 
 
 # KEYS[1] window counter; ARGV amount, limit, ttl_ms. All or nothing: a refused charge leaves the
@@ -162,8 +197,8 @@ if tonumber(ARGV[1]) > 0 then
 end
 return held
 """
-# KEYS[1] workers set, KEYS[2..] worker keys; ARGV the matching ids. SREMs an id only if its key is
-# still gone, so a worker that heartbeats between our read and this prune is not dropped.
+# KEYS[1] workers (or services) set, KEYS[2..] their keys; ARGV the matching ids. SREMs an id only
+# if its key is still gone, so one that heartbeats between our read and this prune is not dropped.
 _PRUNE_LUA = """
 local removed = 0
 for i, id in ipairs(ARGV) do
@@ -278,6 +313,13 @@ class FleetState:
     def _workers_key(self) -> str:
         return f"{self.ns}workers"
 
+    def _service_key(self, service_id: str) -> str:
+        return f"{self.ns}service:{service_id}"
+
+    @property
+    def _services_key(self) -> str:
+        return f"{self.ns}services"
+
     def _tenant_key(self, tenant: str, what: str) -> str:
         return f"{self.ns}tenant:{tenant}:{what}"
 
@@ -328,6 +370,50 @@ class FleetState:
         async with self._raw.pipeline(transaction=True) as p:
             p.delete(self._worker_key(worker_id))
             p.srem(self._workers_key, worker_id)
+            await p.execute()
+
+    # --- gateway / router registry ---------------------------------------------------------------
+    async def heartbeat_service(self, record: pb.ServiceRecord, ttl_s: float) -> None:
+        """Publish a gateway's or router's record; it disappears ttl_s after the last heartbeat.
+        A record readers would skip is refused here (ValueError): a bug in the caller."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        problems = service_problems(record)
+        if problems:
+            raise ValueError(f"ServiceRecord of {record.service_id!r}: " + "; ".join(problems))
+        async with self._raw.pipeline(transaction=True) as p:
+            p.set(self._service_key(record.service_id), record.SerializeToString(),
+                  px=max(1, round(ttl_s * 1000)))
+            p.sadd(self._services_key, record.service_id)
+            await p.execute()
+
+    async def live_services(self, role: str | None = None) -> list[pb.ServiceRecord]:
+        """Gateways and routers whose heartbeat is still alive (sorted by id), optionally of one
+        role. A malformed record is skipped (logged), as a worker's is."""
+        if role is not None and role not in SERVICE_ROLES:
+            raise ValueError(f"role must be one of {SERVICE_ROLES}, got {role!r}")
+        ids = sorted(i.decode() for i in await self._raw.smembers(self._services_key))
+        raws = await self._raw.mget([self._service_key(i) for i in ids]) if ids else []
+        dead = [sid for sid, raw in zip(ids, raws) if raw is None]
+        if dead:
+            await self._prune(keys=[self._services_key, *map(self._service_key, dead)], args=dead)
+        records = [r for r in map(self._service_or_none, ids, raws) if r is not None]
+        return [r for r in records if role is None or r.role == role]
+
+    @staticmethod
+    def _service_or_none(service_id: str, raw: bytes | None) -> pb.ServiceRecord | None:
+        if raw is None:
+            return None
+        try:
+            return parse_service(service_id, raw)
+        except ValueError as e:
+            log.warning("skipping service %s: malformed heartbeat: %s", service_id, e)
+            return None
+
+    async def remove_service(self, service_id: str) -> None:
+        async with self._raw.pipeline(transaction=True) as p:
+            p.delete(self._service_key(service_id))
+            p.srem(self._services_key, service_id)
             await p.execute()
 
     # --- tenant quotas: stream leases and minute windows ---------------------------------------
