@@ -26,14 +26,19 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+from opentelemetry.trace import INVALID_SPAN, Span
+
 from services.engine.errors import InvalidRequestError
-from services.kv_transfer.base import KVTransferError, wait_done
+from services.kv_transfer.base import KVTransferError, failure_reason, wait_done
 from services.protocol import status
 from services.protocol.convert import chunk_from_output, params_from_pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.telemetry import tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed, OutputStream
-from services.worker.outcomes import engine_failed, invalid_request, output_failure
+from services.worker.outcomes import Ending, engine_failed, invalid_request, output_failure
+from services.worker.telemetry import TRANSFER_S, WorkerTelemetry, end_span
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +55,27 @@ class Reservation:
     ending: bool = False                # cancelled or failed: blocks go back once the handle is done
     freed: bool = False                 # its blocks went back to the engine (once)
     watcher: asyncio.Task | None = field(default=None, repr=False)
+    # telemetry: the `decode` span runs from the KV landing to the request's end, under the
+    # Reserve call's trace context; the last chunk carries transfer_s and decode_s
+    kv_bytes: int = 0
+    reserved_at: float = field(default_factory=time.monotonic)
+    trace_parent: Context | None = None
+    span_attributes: dict | None = None     # None: tracing was off at Reserve
+    span: Span = INVALID_SPAN
+    landed_at: float | None = None          # time.monotonic()
+    transfer_s: float | None = None         # HandOff.sent_at_unix_s -> landed, wall clock
+    ending_as: Ending = field(default_factory=Ending)
+    output_tokens: int = 0
+    finish_reason: str = ""
 
 
 class DecodeRole:
-    def __init__(self, config: WorkerConfig, engine: EngineClient, transport) -> None:
+    def __init__(self, config: WorkerConfig, engine: EngineClient, transport,
+                 telemetry: WorkerTelemetry | None = None) -> None:
         self.config = config
         self.engine = engine
         self.transport = transport
+        self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self._reservations: dict[str, Reservation] = {}
         self._held: dict[str, int] = {}     # ending reservations whose blocks a write may still hit
 
@@ -77,11 +96,14 @@ class DecodeRole:
                 request.tenant or None, request.traffic_class or None)
         except InvalidRequestError as e:
             self.engine.close_stream(rid)
+            self.telemetry.ended("invalid")
             await invalid_request(context, e)
         except EngineFailed as e:
+            self.telemetry.ended("error")
             await engine_failed(context, e)
         if blocks is None:
             self.engine.close_stream(rid)
+            self.telemetry.ended("rejected")
             stats = await self.engine.stats()
             return pb.ReserveResponse(request_id=rid, accepted=False, reason=(
                 f"cannot back the reservation: "
@@ -90,11 +112,15 @@ class DecodeRole:
         t = self.config.timeouts
         expires = time.time() + t.reservation_s
         handle = self.transport.expect(rid, blocks, t.reservation_s)
+        target = self.transport.descriptor(blocks)
         res = self._reservations[rid] = Reservation(
-            rid, len(blocks), handle, stream, expires, asyncio.get_running_loop().create_future())
+            rid, len(blocks), handle, stream, expires, asyncio.get_running_loop().create_future(),
+            kv_bytes=len(blocks) * target.bytes_per_block)
+        if tracing.on():
+            res.trace_parent = tracing.incoming(context) if context is not None else None
+            res.span_attributes = self.telemetry.request_attributes(request, self.engine.model)
         res.watcher = asyncio.get_running_loop().create_task(self._watch(res))
-        return pb.ReserveResponse(request_id=rid, accepted=True,
-                                  target=self.transport.descriptor(blocks),
+        return pb.ReserveResponse(request_id=rid, accepted=True, target=target,
                                   expires_at_unix_s=expires)
 
     async def _watch(self, res: Reservation) -> None:
@@ -108,6 +134,7 @@ class DecodeRole:
                 return
             if hand_off is None:
                 raise KVTransferError(f"the KV for {rid} landed without its first token")
+            self._landed(res, hand_off)
             await self.engine.start_decode(rid, hand_off.first_token)
             res.started.set_result(None)
             try:                        # landed: a Decode call must come by the deadline
@@ -117,6 +144,8 @@ class DecodeRole:
                 log.warning("%s: no Decode call came by the reservation's deadline", rid)
                 self.end(rid)
         except (KVTransferError, EngineFailed) as e:
+            if not res.ending:
+                self._failed(res, e)
             if not res.started.done():
                 res.started.set_exception(e)
                 res.started.exception()      # retrieved: a reader may never come
@@ -139,17 +168,56 @@ class DecodeRole:
             try:
                 await res.started
             except KVTransferError as e:
-                raise status.CallFailed(status.failed(
-                    pb.KV_TRANSFER_FAILED, f"the KV for {rid} did not arrive: {e}")) from None
+                raise status.CallFailed(res.ending_as.failed(status.failed(
+                    pb.KV_TRANSFER_FAILED, f"the KV for {rid} did not arrive: {e}"))) from None
             async for out in res.stream:
                 failure = output_failure(out)
                 if failure is not None:
-                    raise status.CallFailed(failure)
-                yield chunk_from_output(out, self.config.worker_id)
+                    raise status.CallFailed(res.ending_as.failed(failure))
+                chunk = chunk_from_output(out, self.config.worker_id)
+                if out.finished:
+                    self._last_chunk(res, out, chunk)
+                yield chunk
         except EngineFailed as e:
-            raise status.CallFailed(status.failed(pb.ENGINE_FAILED, str(e))) from None
+            raise status.CallFailed(res.ending_as.failed(
+                status.failed(pb.ENGINE_FAILED, str(e)))) from None
         finally:
             self.end(rid)
+
+    def _landed(self, res: Reservation, hand_off: pb.HandOff) -> None:
+        """The KV landed: count its bytes, note the transfer's time, open the `decode` span."""
+        res.landed_at = time.monotonic()
+        if hand_off.sent_at_unix_s:
+            res.transfer_s = max(0.0, time.time() - hand_off.sent_at_unix_s)
+        self.telemetry.kv_moved(self.config.kv_backend, "received", res.kv_bytes, res.transfer_s)
+        res.span = self.telemetry.span("decode", res.trace_parent, res.span_attributes)
+        if res.span.is_recording():
+            res.span.set_attribute(tracing.QUEUE_WAIT, res.landed_at - res.reserved_at)
+            if res.transfer_s is not None:
+                res.span.set_attribute(TRANSFER_S, res.transfer_s)
+
+    def _failed(self, res: Reservation, e: Exception) -> None:
+        """The KV did not land (or decode could not start): a failure by reason, and a `decode`
+        span that says so."""
+        if isinstance(e, KVTransferError):
+            self.telemetry.kv_failed(self.config.kv_backend, failure_reason(str(e)))
+            res.ending_as.failed(status.failed(pb.KV_TRANSFER_FAILED, str(e)))
+        else:
+            res.ending_as.failed(status.failed(pb.ENGINE_FAILED, str(e)))
+        if res.span is INVALID_SPAN:
+            res.span = self.telemetry.span("decode", res.trace_parent, res.span_attributes)
+
+    def _last_chunk(self, res: Reservation, out, chunk: pb.TokenChunk) -> None:
+        """The request's last token: its chunk carries transfer_s and decode_s."""
+        if out.finish_reason == "abort":
+            res.ending_as.outcome = "cancelled"
+        else:
+            res.ending_as.outcome = "finished"
+        res.output_tokens, res.finish_reason = out.num_output_tokens, out.finish_reason or ""
+        if res.transfer_s is not None:
+            chunk.timing.transfer_s = res.transfer_s
+        if res.landed_at is not None:
+            chunk.timing.decode_s = time.monotonic() - res.landed_at
 
     async def decode_stream(self, subscriptions) -> AsyncIterator[pb.DecodeBatch]:
         """One gateway's decode streams over one call: each subscribed request is pumped by a
@@ -202,6 +270,7 @@ class DecodeRole:
             return False
         res.ending = True
         self.engine.close_stream(rid)
+        self._count_end(res)
         if not res.handle.done() and self.transport.receiver_stops_writes:
             res.handle.finish(f"the reservation for {rid} ended")   # nothing lands after this
         if res.handle.done():
@@ -211,6 +280,12 @@ class DecodeRole:
         else:
             self._held[rid] = res.blocks   # the watcher frees it when the handle is done
         return True
+
+    def _count_end(self, res: Reservation) -> None:
+        ending = res.ending_as
+        self.telemetry.ended(ending.outcome)
+        end_span(res.span, output_tokens=res.output_tokens or None,
+                 finish_reason=res.finish_reason or None, error=ending.error)
 
     def _free(self, res: Reservation) -> None:
         if res.freed:

@@ -40,6 +40,33 @@ class KVTransferError(RuntimeError):
     """A transfer failed: timeout, peer gone, layout mismatch, checksum mismatch; the message says which."""
 
 
+# A failed transfer's error as a bounded reason (metrics label), from the messages the backends
+# write (most specific first); "other" for the rest.
+FAILURE_REASONS = (("checksum mismatch", "checksum_mismatch"), ("layout mismatch", "layout_mismatch"),
+                   ("transport closed", "closed"), ("timed out", "timeout"), ("still running", "timeout"),
+                   ("expires before", "deadline"), ("past its deadline", "deadline"),
+                   ("peer gone", "peer_gone"), ("peer closed", "peer_gone"), ("cannot reach", "peer_gone"),
+                   ("refused", "refused"), ("finished the transfer", "refused"))
+
+
+def failure_reason(error: str) -> str:
+    """checksum_mismatch | layout_mismatch | closed | timeout | deadline | peer_gone | refused | other."""
+    for needle, reason in FAILURE_REASONS:
+        if needle in error:
+            return reason
+    return "other"
+
+
+def checksum_result(checksum: bool, error: str | None) -> str | None:
+    """What a transfer's checksum said: off (not asked for), ok (landed, checked), mismatch, or
+    None (it failed before the checksum was compared)."""
+    if not checksum:
+        return "off"
+    if error is None:
+        return "ok"
+    return "mismatch" if "checksum mismatch" in error else None
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What one pool's blocks look like. num_blocks is not part of it: pools of any size may exchange blocks."""

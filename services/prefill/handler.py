@@ -20,22 +20,28 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from services.kv_transfer.base import KVTransferError, wait_done
+from opentelemetry.trace import SpanKind
+
+from services.kv_transfer.base import KVTransferError, checksum_result, failure_reason, wait_done
 from services.protocol import status
 from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.telemetry import tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.outcomes import add_request, engine_failed, output_failure
+from services.worker.outcomes import Ending, add_request, engine_failed, output_failure
+from services.worker.telemetry import WorkerTelemetry, child_context, end_span, first_token_timing
 
 log = logging.getLogger(__name__)
 
 
 class PrefillRole:
-    def __init__(self, config: WorkerConfig, engine: EngineClient, transport) -> None:
+    def __init__(self, config: WorkerConfig, engine: EngineClient, transport,
+                 telemetry: WorkerTelemetry | None = None) -> None:
         self.config = config
         self.engine = engine
         self.transport = transport
+        self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self._writes: dict[str, asyncio.Task] = {}    # request id -> its KV write, while running
 
     @property
@@ -43,11 +49,18 @@ class PrefillRole:
         return len(self._writes)
 
     async def prefill(self, request: pb.PrefillRequest, context) -> AsyncIterator[pb.PrefillReply]:
-        rid = request.request_id
+        """The call's `prefill` span runs from receipt to the first token (under the caller's
+        trace context); the KV write gets a `kv_transfer` span of its own (_ship)."""
+        rid, tel = request.request_id, self.telemetry
+        parent = tracing.incoming(context) if context is not None else None
+        span = tel.start_span("prefill", parent, request, self.engine.model, SpanKind.SERVER)
+        tel.prefilling(rid, span)
+        span_open = True                   # until the first token
+        ending = Ending()
         stream = self.engine.stream(rid)
         write: asyncio.Task | None = None
         try:
-            await add_request(self.engine, request, context)
+            await add_request(self.engine, request, context, ending)
             first: pb.TokenChunk | None = None
             blocks: list[int] = []
             async for out in stream:
@@ -56,36 +69,84 @@ class PrefillRole:
                     out.finished, out.finish_reason = False, None
                 failure = output_failure(out)
                 if failure is not None:
-                    await status.abort(context, failure)
+                    await status.abort(context, ending.failed(failure))
                 chunk = chunk_from_output(out, self.config.worker_id)
+                if out.new_token_ids and span_open:   # the first token: the prefill is over
+                    first_token_timing(chunk, out)
+                    tel.queued(out.queue_s)
+                    tel.prefilled(rid)
+                    end_span(span, output_tokens=out.num_output_tokens,
+                             finish_reason=out.finish_reason if out.finished else None)
+                    span_open = False
                 yield pb.PrefillReply(chunk=chunk)
                 if prefilled:
                     first, blocks = chunk, out.block_ids
                     break
                 if out.finished:
+                    ending.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
                     return                 # ended here: nothing to ship
             if first is None or not request.HasField("target"):
+                ending.outcome = "finished"
                 return
-            write = asyncio.get_running_loop().create_task(self._ship(request, first, blocks))
+            # the write's span is a child of `prefill` (which ended at the first token)
+            write = asyncio.get_running_loop().create_task(
+                self._ship(request, first, blocks, child_context(span)))
             self._writes[rid] = write
             try:
                 shipped = await asyncio.shield(write)
             except KVTransferError as e:
-                await status.abort(context, status.failed(
+                await status.abort(context, ending.failed(status.failed(
                     pb.KV_TRANSFER_FAILED, f"the KV for {rid} could not be written to "
-                    f"{request.target.worker_id}: {e}"))
+                    f"{request.target.worker_id}: {e}")))
+            ending.outcome = "handed_off"
             yield pb.PrefillReply(shipped=shipped)
         except EngineFailed as e:
-            await engine_failed(context, e)
+            await engine_failed(context, e, ending)
         finally:
             self.engine.close_stream(rid)
+            tel.prefilled(rid)
+            if span_open:                     # no first token: the span ends with the call
+                end_span(span, error=ending.error if ending.outcome != "cancelled" else None)
+            tel.ended(ending.outcome)
             if write is not None and not write.done():
                 write.add_done_callback(lambda _t, rid=rid: self._written(rid))
             else:
                 self._written(rid)
 
     async def _ship(self, request: pb.PrefillRequest, first: pb.TokenChunk,
-                    blocks: list[int]) -> pb.KVShipped:
+                    blocks: list[int], parent) -> pb.KVShipped:
+        """The KV write, in a `kv_transfer` span (a child of the request's `prefill` span),
+        counted as bytes sent and its seconds, or as a failure by reason."""
+        rid, target = request.request_id, request.target
+        backend, checksum = self.config.kv_backend, False
+        blocks = blocks[:len(target.block_ids)]
+        nbytes = len(blocks) * target.bytes_per_block
+        span = self.telemetry.start_span("kv_transfer", parent, request, self.engine.model,
+                                         SpanKind.CLIENT)
+        started, error = time.monotonic(), None
+        try:
+            handle = self._write(request, first, blocks, checksum)
+            await wait_done(handle)
+        except KVTransferError as e:
+            error = str(e)
+            self.telemetry.kv_failed(backend, failure_reason(error))
+            raise
+        finally:
+            seconds = time.monotonic() - started
+            if span.is_recording():
+                span.set_attributes({tracing.KV_BYTES: nbytes, tracing.KV_BACKEND: backend,
+                                     "kvfleet.kv_transfer.blocks": len(blocks),
+                                     "kvfleet.kv_transfer.seconds": seconds})
+                result = checksum_result(checksum, error)
+                if result is not None:
+                    span.set_attribute(tracing.KV_CHECKSUM, result)
+            end_span(span, error=error)
+        self.telemetry.kv_moved(backend, "sent", nbytes, seconds)
+        return pb.KVShipped(request_id=rid, blocks=len(blocks), seconds=seconds)
+
+    def _write(self, request: pb.PrefillRequest, first: pb.TokenChunk, blocks: list[int],
+               checksum: bool):
+        """Start the KV write (its HandOff carries the first token and the start's wall time)."""
         rid, target = request.request_id, request.target
         t = self.config.timeouts
         timeout = t.kv_transfer_s
@@ -94,15 +155,12 @@ class PrefillRole:
         if timeout <= 0:
             raise KVTransferError(f"the decode reservation for {rid} expires before KV could move")
         hand_off = pb.HandOff(request_id=rid, first_token=first.token_ids[0],
-                              num_prompt_tokens=first.num_prompt_tokens)
+                              num_prompt_tokens=first.num_prompt_tokens,
+                              sent_at_unix_s=time.time())
         if first.logprobs:
             hand_off.first_logprob.CopyFrom(first.logprobs[0])
-        started = time.monotonic()
-        blocks = blocks[:len(target.block_ids)]
-        handle = self.transport.write(rid, blocks, target, timeout, hand_off=hand_off)
-        await wait_done(handle)
-        return pb.KVShipped(request_id=rid, blocks=len(blocks),
-                            seconds=time.monotonic() - started)
+        return self.transport.write(rid, blocks, target, timeout, checksum=checksum,
+                                    hand_off=hand_off)
 
     def _written(self, rid: str) -> None:
         """The request's write is over (or never started): its prompt blocks here go back."""

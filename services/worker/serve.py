@@ -2,6 +2,11 @@
 process, which serves gRPC on 127.0.0.1, moves KV and heartbeats its stats into Redis.
 `python -m services.prefill|services.decode` and `kvfleet serve ROLE` land here.
 
+Telemetry (services/worker/telemetry.py): Prometheus `/metrics` on 127.0.0.1:--metrics-port
+(WorkerStats.metrics_url names it; -1: none), its gauges refreshed from the stats each heartbeat
+takes (without Redis, on the heartbeat's period all the same); OTLP traces when the OTEL_*
+environment names an endpoint (services/telemetry/tracing.py).
+
 Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
 for it). SIGTERM / SIGINT: stop accepting, drop the Redis record, stop the engine core, exit 0.
 The engine core dies: its requests fail, the worker reports NOT_SERVING and exits
@@ -30,9 +35,11 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
 from services.state.fleet_state import FleetState
 from services.state.outage import UNREACHABLE, Backoff, Outage
-from services.worker.engine_client import EngineClient
+from services.telemetry import exposition, tracing
+from services.worker.engine_client import EngineClient, EngineFailed
 from services.worker.config import WorkerConfig
 from services.worker.servicer import WorkerServicer
+from services.worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
                         "host should split the cores between them")
     fleet_token.add_args(p)
     timeouts.add_args(p)
+    exposition.add_args(p)
     if role is not None:
         p.set_defaults(role=role)
 
@@ -101,6 +109,23 @@ async def heartbeat_forever(state: FleetState, servicer: WorkerServicer) -> None
         await asyncio.sleep(delay)
 
 
+async def refresh_forever(servicer: WorkerServicer) -> None:
+    """Without Redis there is no heartbeat: take the same stats on its period so that the
+    /metrics gauges stay as fresh as with one."""
+    broken = False
+    while True:
+        try:
+            await servicer.stats()
+            broken = False
+        except EngineFailed:
+            return                     # the worker is going down
+        except Exception:  # noqa: BLE001 - a bad refresh must not end the metrics
+            if not broken:
+                log.exception("worker %s: refreshing the metrics failed", servicer.config.worker_id)
+            broken = True
+        await asyncio.sleep(servicer.config.timeouts.heartbeat_s)
+
+
 async def serve(args: argparse.Namespace) -> int:
     setup_logging(args.role)
     if args.host not in LOOPBACK:
@@ -110,24 +135,31 @@ async def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args))
+    tracing.setup(args.role, worker_id)
+    telemetry = WorkerTelemetry(args.role, worker_id)
     stop = asyncio.Event()       # SIGTERM / SIGINT, or the engine core died (engine.failure)
     engine = EngineClient(engine_config_for(args), on_failure=lambda _: stop.set(),
-                          torch_threads=args.threads)
+                          on_step=telemetry.on_step, torch_threads=args.threads)
     await engine.start()
     try:
-        return await _serve(args, auth, config, engine, stop)
+        # its thread (a daemon) serves until the process exits: closing it would wait out its
+        # poll interval inside the stop budget
+        metrics = exposition.serve(telemetry.metrics.registry, args.metrics_port)
+        if metrics is not None:
+            telemetry.metrics_url = metrics.url
+        return await _serve(args, auth, config, engine, stop, telemetry)
     finally:
         await engine.close()
 
 
 async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
-                 stop: asyncio.Event) -> int:
+                 stop: asyncio.Event, telemetry: WorkerTelemetry) -> int:
     transport = None
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
         transport = make_transport(args.kv_backend, config.worker_id)
         transport.register(engine.kv_cache)
-    servicer = WorkerServicer(config, engine, transport)
+    servicer = WorkerServicer(config, engine, transport, telemetry)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
@@ -135,7 +167,10 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     address = f"{args.host}:{port}"
     state = FleetState(args.redis_url) if args.redis_url else None
     servicer.address = address
-    beat = asyncio.create_task(heartbeat_forever(state, servicer)) if state else None
+    if state is not None:
+        beat = asyncio.create_task(heartbeat_forever(state, servicer))
+    else:
+        beat = asyncio.create_task(refresh_forever(servicer)) if telemetry.metrics_url else None
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     print(f"READY {config.worker_id} {address}", flush=True)
@@ -146,6 +181,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
               f"{ENGINE_FAILED_EXIT}", file=sys.stderr, flush=True)
     if beat:
         beat.cancel()
+    if state is not None:
         try:
             await state.remove_worker(config.worker_id)
         except RedisError as e:            # Redis down: the record expires with its TTL anyway
@@ -166,6 +202,7 @@ def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:
     # Everything is stopped and closed (the engine core reaped, ports closed), so the process ends
     # at once: the interpreter's own teardown (the GC of torch's and grpc's modules) is slow enough
     # to threaten the 3-s stop budget (docs/benchmarks.md, [R2] shutdown).
+    tracing.shutdown()                 # export the spans still buffered: os._exit skips atexit
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -16,25 +16,35 @@ without awaiting anything.
 """
 from __future__ import annotations
 
+import time
+
+from opentelemetry.trace import SpanKind
+
 from services.decode.reservations import DecodeRole
 from services.prefill.handler import PrefillRole
 from services.protocol import status
 from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.telemetry import tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.outcomes import add_request, engine_failed, output_failure
+from services.worker.outcomes import Ending, add_request, engine_failed, output_failure
+from services.worker.telemetry import WorkerTelemetry, end_span, first_token_timing
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig, engine: EngineClient, transport) -> None:
+    def __init__(self, config: WorkerConfig, engine: EngineClient, transport,
+                 telemetry: WorkerTelemetry | None = None) -> None:
         self.config = config
         self.engine = engine
         self.transport = transport
+        self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self.address = ""              # host:port, once serving (Stats names it)
-        self.decode = DecodeRole(config, engine, transport) if config.role == "decode" else None
-        self.prefill = PrefillRole(config, engine, transport) if config.role == "prefill" else None
+        self.decode = (DecodeRole(config, engine, transport, self.telemetry)
+                       if config.role == "decode" else None)
+        self.prefill = (PrefillRole(config, engine, transport, self.telemetry)
+                        if config.role == "prefill" else None)
 
     # ------------------------------------------------------------ decode role
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -55,20 +65,41 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     # ------------------------------------------------------------- mixed role
     async def Generate(self, request: pb.WorkRequest, context):
         await self._require(context, "mixed")
-        rid = request.request_id
+        rid, tel = request.request_id, self.telemetry
+        span = tel.start_span("generate", tracing.incoming(context), request, self.engine.model,
+                              SpanKind.SERVER)
+        tel.prefilling(rid, span)
+        ending, last = Ending(), None
+        first_at: float | None = None        # time.monotonic() of the first token
         stream = self.engine.stream(rid)
         try:
-            await add_request(self.engine, request, context)
+            await add_request(self.engine, request, context, ending)
             async for out in stream:
                 failure = output_failure(out)
                 if failure is not None:
-                    await status.abort(context, failure)
-                yield chunk_from_output(out, self.config.worker_id)
+                    await status.abort(context, ending.failed(failure))
+                chunk = chunk_from_output(out, self.config.worker_id)
+                if first_at is None and out.new_token_ids:
+                    first_at = time.monotonic()
+                    first_token_timing(chunk, out)
+                    tel.queued(out.queue_s)
+                    tel.prefilled(rid)
+                    span.add_event("first_token")
+                if out.finished:
+                    last = out
+                    ending.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
+                    if first_at is not None:
+                        chunk.timing.decode_s = time.monotonic() - first_at
+                yield chunk
         except EngineFailed as e:
-            await engine_failed(context, e)
+            await engine_failed(context, e, ending)
         finally:
             self.engine.close_stream(rid)
             self.engine.cancel_soon(rid)     # a no-op once finished
+            tel.prefilled(rid)
+            tel.ended(ending.outcome)
+            end_span(span, output_tokens=last.num_output_tokens if last else None,
+                     finish_reason=last.finish_reason if last else None, error=ending.error)
 
     # ------------------------------------------------------------------ common
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
@@ -91,6 +122,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def stats(self) -> pb.WorkerStats:
         """This worker's capacity as the stats message (the Stats RPC and the Redis heartbeat)."""
         s = await self.engine.stats()
+        writes = self.prefill.writes_in_flight if self.prefill else 0
+        held = self.decode.held_blocks if self.decode else 0
+        self.telemetry.refresh(s, writes_in_flight=writes, held_blocks=held)
         return pb.WorkerStats(
             worker_id=self.config.worker_id, role=self.config.role,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
@@ -99,10 +133,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_queued=s.num_queued, queued_prefill_tokens=s.queued_prefill_tokens,
             prefill_tokens_per_s=s.prefill_tokens_per_s, decode_tokens_per_s=s.decode_tokens_per_s,
             block_size=self.engine.block_size,
-            kv_writes_in_flight=self.prefill.writes_in_flight if self.prefill else 0,
-            kv_blocks_held=self.decode.held_blocks if self.decode else 0,
+            kv_writes_in_flight=writes, kv_blocks_held=held,
             grpc_address=self.address, kv_backend=self.config.kv_backend,
-            model=self.engine.model, max_model_len=self.engine.max_model_len)
+            model=self.engine.model, max_model_len=self.engine.max_model_len,
+            metrics_url=self.telemetry.metrics_url,
+            tenants=[pb.TenantShare(tenant=t, sequences=n, kv_blocks=b)
+                     for t, n, b in sorted(s.tenants, key=lambda share: -share[2])])
 
     async def Health(self, request, context) -> pb.HealthResponse:
         if self.engine.failure is not None:

@@ -1,0 +1,325 @@
+"""A worker's telemetry, seen from outside.
+
+A prefill and a decode worker (each a WorkerServicer over real gRPC on 127.0.0.1, its engine core
+a real process on the tiny model, KV over tcp between their pools) serve one disaggregated request
+the way the gateway drives it: Reserve on the decode worker, Prefill with the reservation as its
+target, then a DecodeStream subscription. Then:
+  - each worker's /metrics (found through WorkerStats.metrics_url) shows the KV it sent or
+    received, its steps by phase, its busy time and its KV blocks;
+  - the first chunk says how long the request queued and prefilled, the last how long its KV
+    moved and it decoded, and those phases fit inside what the client measured;
+  - with tracing on (spans kept by an in-memory exporter, InMemorySpanExporter), the prefill,
+    kv_transfer and decode spans continue the caller's trace: prefill and decode under the
+    traceparent of the Prefill and Reserve calls, kv_transfer under prefill;
+  - a co-located (mixed) worker's Generate carries queue_s / prefill_s first and decode_s last,
+    in a `generate` span;
+  - a worker process started without Redis serves /metrics with its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.engine.engine import engine_config
+from services.kv_transfer import make_transport
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.telemetry import exposition, tracing
+from services.worker.config import WorkerConfig
+from services.worker.engine_client import EngineClient
+from services.worker.servicer import WorkerServicer
+from services.worker.telemetry import CHUNK_TOKENS, WorkerTelemetry
+from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
+
+PROMPT = [4080, 39, 72, 311, 464, 68] + list(range(600, 660))   # 66 tokens: 5 blocks of 16
+MAX_TOKENS = 12
+CHUNK = 32                               # the prefill worker computes the prompt in 3 chunks
+CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+GATEWAY_SPAN = "00f067aa0ba902b7"        # the caller's span on the Prefill call
+ROUTER_SPAN = "b7ad6b7169203331"         # the caller's span on the Reserve call
+
+
+# ------------------------------------------------------------------------------ the rig
+@dataclass
+class Worker:
+    """One in-process worker: engine core process, transport, servicer, gRPC server, /metrics."""
+    role: str
+    address: str
+    engine: EngineClient
+    transport: object
+    server: grpc.aio.Server
+    metrics: exposition.MetricsServer
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.server.stop(None)
+        self.metrics.close()
+        if self.transport is not None:
+            self.transport.close()
+        await self.engine.close()
+
+
+async def start_worker(model_dir: str, role: str, **scheduler) -> Worker:
+    worker_id = f"{role}-0"
+    telemetry = WorkerTelemetry(role, worker_id)
+    engine = EngineClient(engine_config(model_dir, kv_cache_mib=8, role=role, **scheduler),
+                          on_step=telemetry.on_step)
+    await engine.start()
+    transport = None
+    if role != "mixed":
+        transport = make_transport("tcp", worker_id)
+        transport.register(engine.kv_cache)
+    servicer = WorkerServicer(WorkerConfig(worker_id, role, "tcp"), engine, transport, telemetry)
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    servicer.address = address
+    metrics = exposition.serve(telemetry.metrics.registry, 0)
+    telemetry.metrics_url = metrics.url
+    channel = grpc.aio.insecure_channel(address)
+    return Worker(role, address, engine, transport, server, metrics, channel,
+                  pb_grpc.WorkerStub(channel))
+
+
+def traceparent(span_id: str) -> tuple[tuple[str, str], ...]:
+    return (("traceparent", f"00-{CALLER_TRACE}-{span_id}-01"),)
+
+
+def params() -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+async def disaggregated(prefill: Worker, decode: Worker, rid: str) -> tuple[list[pb.TokenChunk], float]:
+    """One request as the gateway runs it: (its chunks in order, the client-measured seconds)."""
+    t0 = time.perf_counter()
+    reserved = await decode.stub.Reserve(pb.ReserveRequest(
+        request_id=rid, tenant="default", traffic_class="interactive", prompt_token_ids=PROMPT,
+        params=params()), metadata=traceparent(ROUTER_SPAN), timeout=30)
+    assert reserved.accepted, reserved.reason
+    chunks = []
+    async for reply in prefill.stub.Prefill(pb.PrefillRequest(
+            request_id=rid, tenant="default", traffic_class="interactive",
+            prompt_token_ids=PROMPT, params=params(), target=reserved.target,
+            decode_worker=decode.address, kv_deadline_unix_s=reserved.expires_at_unix_s),
+            metadata=traceparent(GATEWAY_SPAN), timeout=30):
+        if reply.HasField("chunk"):
+            chunks.append(reply.chunk)
+    call = decode.stub.DecodeStream(timeout=30)
+    await call.write(pb.DecodeSubscribe(request_id=rid))
+    ended = False
+    while not ended:
+        batch = await call.read()
+        chunks.extend(c for c in batch.chunks if c.request_id == rid)
+        for end in batch.ends:
+            assert end.request_id == rid and not end.HasField("failure"), end
+            ended = True
+    elapsed = time.perf_counter() - t0
+    await call.done_writing()
+    call.cancel()
+    return chunks, elapsed
+
+
+# ------------------------------------------------------------------------------ reading /metrics
+async def scrape(worker: Worker) -> dict[tuple[str, frozenset], float]:
+    """The worker's /metrics, found the way an operator finds it: through its WorkerStats."""
+    stats = await worker.stub.Stats(pb.StatsRequest(), timeout=10)
+    assert stats.metrics_url.startswith("http://127.0.0.1:")
+    text = await asyncio.to_thread(lambda: httpx.get(stats.metrics_url, timeout=10).text)
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (0 when none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+# ------------------------------------------------------------------------------ tracing
+@pytest.fixture
+def spans(monkeypatch):
+    """Tracing on in this process, every ended span kept by an in-memory exporter."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):      # the SDK's provider can be set only once
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    processor = SimpleSpanProcessor(exporter)
+    provider.add_span_processor(processor)
+    monkeypatch.setattr(tracing, "_provider", provider)
+    yield exporter
+    processor.shutdown()                                # this exporter keeps no more
+
+
+async def until(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+# ------------------------------------------------------------------------------ the stories
+def test_a_disaggregated_request_shows_in_both_workers_metrics_and_in_its_chunks(tiny_model_dir):
+    async def story():
+        prefill = await start_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
+        decode = await start_worker(str(tiny_model_dir), "decode")
+        try:
+            chunks, client_s = await disaggregated(prefill, decode, "m-1")
+            assert [len(c.token_ids) for c in chunks][:1] == [1]
+            assert sum(len(c.token_ids) for c in chunks) == MAX_TOKENS
+
+            # the first chunk (prefill worker): queued, then prefilled; the last (decode
+            # worker): the KV's transfer, then the decode; all inside the client's time
+            first, last = chunks[0].timing, chunks[-1].timing
+            assert first.queue_s > 0 and first.prefill_s > 0
+            assert last.transfer_s > 0 and last.decode_s > 0
+            assert first.queue_s + first.prefill_s + last.transfer_s + last.decode_s <= client_s
+
+            sent, received = await scrape(prefill), await scrape(decode)
+            kv_bytes = 5 * decode.transport.descriptor([0]).bytes_per_block
+            assert value(sent, "kvfleet_kv_transfer_bytes_total", direction="sent",
+                         backend="tcp") == kv_bytes
+            assert value(received, "kvfleet_kv_transfer_bytes_total", direction="received",
+                         backend="tcp") == kv_bytes
+            assert value(sent, "kvfleet_kv_transfer_seconds_count", role="prefill") == 1
+            # the prompt was computed in chunks on the prefill worker, tokens 2..N on the decode one
+            assert value(sent, "kvfleet_iteration_tokens_count", phase="prefill") == 3
+            assert value(sent, "kvfleet_tokens_total", phase="prefill") == len(PROMPT)
+            assert value(received, "kvfleet_iteration_tokens_count", phase="decode") >= MAX_TOKENS - 1
+            assert value(sent, "kvfleet_busy_seconds_total", phase="prefill") > 0
+            assert value(received, "kvfleet_busy_seconds_total", phase="decode") > 0
+            assert value(sent, "kvfleet_request_queue_seconds_count") == 1
+            for samples in (sent, received):
+                assert value(samples, "kvfleet_kv_blocks", state="total") > 0
+            assert value(sent, "kvfleet_worker_requests_total", outcome="handed_off") == 1
+            assert value(received, "kvfleet_worker_requests_total", outcome="finished") == 1
+        finally:
+            await prefill.close()
+            await decode.close()
+    asyncio.run(story())
+
+
+def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_model_dir, spans):
+    async def story():
+        prefill = await start_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
+        decode = await start_worker(str(tiny_model_dir), "decode")
+        try:
+            await disaggregated(prefill, decode, "t-1")
+            names = ("prefill", "kv_transfer", "decode")
+            assert await until(lambda: {s.name for s in spans.get_finished_spans()} >= set(names))
+        finally:
+            await prefill.close()
+            await decode.close()
+        by_name = {s.name: s for s in spans.get_finished_spans()
+                   if s.attributes.get(tracing.REQUEST_ID) == "t-1"}
+        p, kv, d = (by_name[n] for n in names)
+
+        # one trace, the caller's; prefill under the Prefill call, decode under the Reserve call,
+        # the KV write under prefill
+        for s in (p, kv, d):
+            assert format(s.context.trace_id, "032x") == CALLER_TRACE
+        assert format(p.parent.span_id, "016x") == GATEWAY_SPAN
+        assert format(d.parent.span_id, "016x") == ROUTER_SPAN
+        assert kv.parent.span_id == p.context.span_id
+
+        # in order: prefill to the first token, then the write, then decode from the landing
+        assert p.end_time <= kv.start_time <= kv.end_time <= d.start_time <= d.end_time
+        assert [e.attributes[CHUNK_TOKENS] for e in p.events if e.name == "chunk"] == [32, 32, 2]
+        assert kv.attributes[tracing.KV_BYTES] > 0 and kv.attributes[tracing.KV_BACKEND] == "tcp"
+        assert kv.attributes[tracing.KV_CHECKSUM] == "off"
+        assert d.attributes[tracing.OUTPUT_TOKENS] == MAX_TOKENS
+        assert d.attributes[tracing.FINISH_REASONS] == ("length",)
+        assert d.attributes[tracing.QUEUE_WAIT] > 0
+        for s in (p, kv, d):
+            assert s.attributes[tracing.TENANT] == "default"
+            assert s.attributes[tracing.TRAFFIC_CLASS] == "interactive"
+            assert s.attributes[tracing.INPUT_TOKENS] == len(PROMPT)
+            assert s.attributes[tracing.REQUEST_MODEL]
+        assert p.attributes[tracing.REPLICA] == "prefill-0" and d.attributes[tracing.REPLICA] == "decode-0"
+    asyncio.run(story())
+
+
+def test_a_mixed_worker_times_queue_prefill_and_decode_in_a_generate_span(tiny_model_dir, spans):
+    async def story():
+        mixed = await start_worker(str(tiny_model_dir), "mixed")
+        try:
+            t0 = time.perf_counter()
+            chunks = [c async for c in mixed.stub.Generate(pb.WorkRequest(
+                request_id="g-1", tenant="default", traffic_class="interactive",
+                prompt_token_ids=PROMPT, params=params()),
+                metadata=traceparent(GATEWAY_SPAN), timeout=30)]
+            client_s = time.perf_counter() - t0
+            samples = await scrape(mixed)
+        finally:
+            await mixed.close()
+        first, last = chunks[0].timing, chunks[-1].timing
+        assert first.queue_s > 0 and first.prefill_s > 0 and last.decode_s > 0
+        assert first.queue_s + first.prefill_s + last.decode_s <= client_s
+        assert value(samples, "kvfleet_worker_requests_total", outcome="finished") == 1
+        assert value(samples, "kvfleet_tokens_total", phase="prefill") == len(PROMPT)
+
+        (g,) = [s for s in spans.get_finished_spans() if s.name == "generate"]
+        assert format(g.parent.span_id, "016x") == GATEWAY_SPAN
+        assert g.attributes[tracing.OUTPUT_TOKENS] == MAX_TOKENS
+        assert [e.name for e in g.events].count("first_token") == 1
+    asyncio.run(story())
+
+
+def test_a_worker_process_without_redis_keeps_its_metrics_fresh(tiny_model_dir, tmp_path):
+    """No Redis, so no heartbeat: its gauges are refreshed on the heartbeat's period anyway,
+    before anyone calls Stats; Stats then names the same /metrics."""
+    port = free_port()
+    stderr = open(tmp_path / "worker.stderr", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.prefill", "--model", str(tiny_model_dir),
+         "--kv-cache-mib", "16", "--insecure-internal", "--threads", "1",
+         "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("READY "), line
+        url = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.monotonic() + 10
+        while not (total := blocks_total(httpx.get(url, timeout=10).text)):
+            assert time.monotonic() < deadline, "the gauges were never refreshed"
+            time.sleep(0.05)
+        with grpc.insecure_channel(line.split()[2]) as channel:
+            stats = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
+        assert stats.metrics_url == url
+        assert total == stats.kv_blocks_total
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        stderr.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def blocks_total(text: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "kvfleet_kv_blocks" and s.labels["state"] == "total")
