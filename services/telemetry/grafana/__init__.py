@@ -1,0 +1,1 @@
+"""Grafana dashboards (boards.py renders dashboards/*.json) and provisioning files."""
