@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
               "services.worker.serve:add_worker_args", "services.cli.cli:run_worker")
     _delegate(sub, "kvfleet up", "start the whole fleet on this host (Ctrl-C stops it)",
               "services.cli.up:add_up_args", "services.cli.up:run_up")
+    _delegate(sub, "kvfleet status", "every process of a fleet, its load, the overload stage and "
+              "the top tenants, from Redis and the services' /metrics",
+              "services.cli.status:add_status_args", "services.cli.status:run_status")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="target", required=True)

@@ -167,6 +167,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"  gRPC         {endpoints['gateway-grpc']}")
         print(f"  redis        {args.redis_url or redis.url}")
         print(f"  fleet token  {fleet_token.origin()}")   # where from; the token is never shown
+        print(f"  status       kvfleet status --redis-url {args.redis_url or redis.url}")
         for name, addr in endpoints.items():
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")
