@@ -5,6 +5,7 @@
   GET  /v1/models, /v1/models/{id}
   POST /tokenize               vLLM's: {"model", "prompt"} -> {"count", "max_model_len", "tokens"}
   GET  /health                 the routers' health and the quota store's (no key needed)
+  GET  /metrics                Prometheus text: the gateway's GatewayMetrics (no key needed)
   GET  /openapi.json           the OpenAPI document of these (request bodies with their ranges)
 
 A generation request, in order (through FastAPI's routing and middleware, like every request):
@@ -14,6 +15,13 @@ chunk (errors before it get a real status) -> JSON body or SSE stream. The clien
 any point after admission cancels it
 (`_until_disconnect` before the stream, StreamingResponse's disconnect listener during it) and the
 session's close releases the quota slot.
+
+Telemetry (services/gateway/telemetry.py): a `gateway.request` span per generation request
+continues the client's `traceparent`, with `gateway.auth` / `gateway.validate` / `gateway.quota`
+children; its trace id comes back in `x-kvfleet-trace-id` (tracing on). The final chunk of a
+stream (and the usage chunk) and a non-streamed body carry a top-level `timing` object
+(queue_s, prefill_s, transfer_s, decode_s, ttft_s, e2e_s); a non-streamed response also has it
+as the `x-kvfleet-timing` header (compact JSON).
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from collections.abc import Awaitable
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,6 +44,8 @@ from services.gateway.core import GatewayCore, Session, build_generation, new_re
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.openai_responses import Collected, Shaper
 from services.gateway.streaming import openai_events
+from services.gateway.telemetry import TIMING_HEADER, RequestTelemetry
+from services.telemetry.tracing import TRACE_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +67,12 @@ def create_app(core: GatewayCore) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error)
 
     async def completions(request: Request) -> Response:
-        return await _generate(core, request, schema.CompletionRequest, schema.completion, "cmpl")
+        return await _generate(core, request, schema.CompletionRequest, schema.completion, "cmpl",
+                               "text_completion")
 
     async def chat_completions(request: Request) -> Response:
-        return await _generate(core, request, schema.ChatCompletionRequest, schema.chat, "chatcmpl")
+        return await _generate(core, request, schema.ChatCompletionRequest, schema.chat, "chatcmpl",
+                               "chat")
 
     # the handlers parse the bodies themselves (size limit, UTF-8, strict schema); the routes
     # document them. Every request, generation included, passes the app's middleware.
@@ -96,22 +109,50 @@ def create_app(core: GatewayCore) -> FastAPI:
         return JSONResponse({"status": "ok" if serving else "unavailable", "detail": detail,
                              "model": core.model.name}, status_code=200 if serving else 503)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(core.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+
     return app
 
 
-async def _generate(core: GatewayCore, request: Request, model_cls, build, prefix: str) -> Response:
-    key = core.authenticate(request.headers.get("authorization"))
-    body = await read_body(request, core.config.max_body_bytes)
-    req = schema.parse(model_cls, body)
-    cls = core.config.traffic_class(key.traffic_class)
-    gen, plan = await build_generation(len(body), build, req, key, cls, core.validator,
-                                       new_request_id(prefix))
-    session = await core.open(gen)
+async def _generate(core: GatewayCore, request: Request, model_cls, build, prefix: str,
+                    operation: str) -> Response:
+    """One generation request, its telemetry ended however it ends (the session's close ends it
+    once a session is open; before that, here)."""
+    telemetry = core.request(operation, request.headers.items())
+    try:
+        return await _generation(core, request, model_cls, build, prefix, telemetry)
+    except GatewayError as e:
+        telemetry.rejected(e)
+        e.trace_id = telemetry.trace_id
+        raise
+    except (ClientGone, asyncio.CancelledError):
+        telemetry.end("cancelled", 0)
+        raise
+    except BaseException:
+        telemetry.end("error", 0)
+        raise
+
+
+async def _generation(core: GatewayCore, request: Request, model_cls, build, prefix: str,
+                      telemetry: RequestTelemetry) -> Response:
+    with telemetry.phase("gateway.auth"):
+        key = core.authenticate(request.headers.get("authorization"))
+    with telemetry.phase("gateway.validate"):
+        body = await read_body(request, core.config.max_body_bytes)
+        req = schema.parse(model_cls, body)
+        cls = core.config.traffic_class(key.traffic_class)
+        gen, plan = await build_generation(len(body), build, req, key, cls, core.validator,
+                                           new_request_id(prefix))
+    session = await core.open(gen, telemetry, plan.request_id)
     shaper = Shaper(plan, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,
                "x-kvfleet-quality-version": core.model.quality_version, "x-request-id": gen.request_id}
     if gen.output_cap is not None:          # max_tokens was clamped to the class's output cap
         headers["x-kvfleet-output-cap"] = str(gen.output_cap)
+    if telemetry.trace_id:
+        headers[TRACE_HEADER] = telemetry.trace_id
     streaming = False
     try:
         first = await _until_disconnect(request, session.first())
@@ -119,7 +160,7 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
             streaming = True      # from here the stream's own close (and its background) owns it
             # a client that disconnects cancels the stream (Starlette's disconnect listener),
             # and the events' own `finally` closes the session; after a normal end, too
-            return StreamingResponse(openai_events(session, first, shaper),
+            return StreamingResponse(openai_events(session, first, shaper, request.is_disconnected),
                                      media_type="text/event-stream",
                                      headers={**headers, **SSE_HEADERS},
                                      background=BackgroundTask(session.close))
@@ -129,15 +170,19 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
     finally:
         if not streaming:
             session.close()
-    return JSONResponse(shaper.body(collected, session.prompt_tokens, session.output_tokens),
-                        headers=headers)
+    timing = telemetry.timing()
+    headers[TIMING_HEADER] = telemetry.timing_json(timing)
+    body = shaper.body(collected, session.prompt_tokens, session.sent_tokens)
+    return JSONResponse({**body, "timing": timing}, headers=headers)
 
 
 async def _collect(session: Session, first) -> Collected:
+    """The whole generation; each chunk counts as sent once collected for the client's body."""
     collected = Collected()
     chunk = first
     while chunk is not None:
         collected.add(chunk)
+        session.sent(chunk)
         chunk = None if chunk.finished else await session.next()
     return collected
 

@@ -6,9 +6,18 @@ A `Session` is one live generation:
      names; the session is registered under its request id;
   2. `first()`, then `next()` until None: the workers' TokenChunks; typed failures
      (services/protocol/status.py) become GatewayErrors;
-  3. `close()`, exactly once whatever happened (finished, client gone, error, Cancel): a run that
+  3. the front end calls `sent(chunk)` once a chunk is on its way to the client: those tokens,
+     and only those, are charged to the tenant (usage accounting, below);
+  4. `close()`, exactly once whatever happened (finished, client gone, error, Cancel): a run that
      did not finish cancels its calls and the request on every worker it touched, and the stream
      slot is released in a task of its own, so it also runs from a cancelled task.
+
+Usage accounting, the same on every ending (finished, client cancel or disconnect, error, worker
+death, shutdown): the tokens the client was sent are charged when the session closes, to the
+tenant's Redis token window (Quotas.finish -> FleetState.finish_stream) and to
+kvfleet_generation_tokens_total (telemetry.RequestTelemetry.end), from the one count
+`sent_tokens`. A Cancel call only stops the run (`stop`): the front end still sends what it has
+and closes the session, so a chunk in flight when the Cancel came is charged if it was sent.
 """
 from __future__ import annotations
 
@@ -25,10 +34,11 @@ from services.protocol.timeouts import Timeouts
 from services.state.fleet_state import StreamLease
 from services.gateway import errors
 from services.gateway.auth import KeyRing
-from services.gateway.config import ApiKey, GatewayConfig
+from services.gateway.config import ANONYMOUS_KEY, ApiKey, GatewayConfig
 from services.gateway.model import ServedModel
 from services.gateway.plan import Channels, PlanRun, Routers
 from services.gateway.quota import Quotas
+from services.gateway.telemetry import GatewayTelemetry, RequestTelemetry
 from services.gateway.validation import Generation, Validator
 
 T = TypeVar("T")
@@ -61,14 +71,19 @@ CLIENT_FINISH_REASONS = ("stop", "length")
 
 
 class Session:
-    def __init__(self, core: GatewayCore, gen: Generation, run: PlanRun) -> None:
+    def __init__(self, core: GatewayCore, gen: Generation, run: PlanRun,
+                 telemetry: RequestTelemetry) -> None:
         self.core = core
         self.gen = gen
         self.run = run                   # the request's plan, run against the workers
-        self.output_tokens = 0
+        self.telemetry = telemetry
+        self.output_tokens = 0           # tokens received from the fleet
+        self.sent_tokens = 0             # ... and sent to the client: what is charged
         self.prompt_tokens = len(gen.prompt_ids)
         self.aborted = False             # ended by a Cancel call, or by shutdown
         self.shutting_down = False       # ... by shutdown: the client gets an error, not a finish
+        self.error: errors.GatewayError | None = None   # what ended it, when a failure did
+        self.finished = False            # its last chunk (stop | length) was sent
         self._closed = False
         self._ended = False
 
@@ -81,6 +96,20 @@ class Session:
         if self._ended:
             return None
         try:
+            chunk = await self._next()
+        except errors.GatewayError as e:
+            self.error = e
+            raise
+        finally:
+            self.telemetry.admitted(self.run.plan, self.run.admitted_at)
+        if chunk is not None:
+            self.telemetry.arrived(chunk)
+        return chunk
+
+    async def _next(self) -> pb.TokenChunk | None:
+        try:
+            if self.aborted:             # stopped before it asked: nothing more will come
+                raise asyncio.CancelledError()
             chunk = await self.run.next()
         except grpc.aio.AioRpcError as e:
             self._ended = True
@@ -88,9 +117,10 @@ class Session:
         except asyncio.CancelledError:
             if not self.aborted or asyncio.current_task().cancelling():
                 raise
+            self._ended = True
             if self.shutting_down:
                 raise errors.unavailable("the gateway is shutting down; retry", None,
-                                         "shutting_down") from None
+                                         "shutting_down").tagged("SHUTTING_DOWN") from None
             chunk = pb.TokenChunk(request_id=self.request_id, finished=True, finish_reason="abort")
         if chunk is None:
             self._ended = True
@@ -101,8 +131,26 @@ class Session:
         if chunk.finished and chunk.finish_reason not in CLIENT_FINISH_REASONS and not self.aborted:
             raise errors.GatewayError(502, f"a worker ended the request with "
                                       f"{chunk.finish_reason or 'no reason'}: {chunk.error}",
-                                      code="upstream_error")
+                                      code="upstream_error").tagged("WORKER_ENDED")
         return chunk
+
+    def sent(self, chunk: pb.TokenChunk) -> None:
+        """`chunk` is on its way to the client (written to its connection, or collected for its
+        non-streamed body): its tokens count as delivered, and are charged."""
+        if self._closed:
+            return
+        self.sent_tokens += len(chunk.token_ids)
+        self.telemetry.sent(len(chunk.token_ids))
+        if chunk.finished and chunk.finish_reason in CLIENT_FINISH_REASONS:
+            self.finished = True
+
+    def outcome(self) -> str:
+        """How it ended, for telemetry: finished | cancelled | error | rejected."""
+        if self.finished:
+            return "finished"
+        if self.error is not None:
+            return "error" if self.telemetry.first_at is not None else "rejected"
+        return "error" if self.shutting_down else "cancelled"
 
     async def first(self) -> pb.TokenChunk:
         """The first chunk; a request the fleet refused before any token raises GatewayError."""
@@ -111,6 +159,12 @@ class Session:
             raise errors.GatewayError(502, "the fleet ended the stream without output",
                                       code="upstream_error")
         return chunk
+
+    def stop(self) -> None:
+        """Stop the run (a Cancel call): the front end's next() ends it, and it closes."""
+        self.aborted = True
+        if not self._ended:
+            self.run.close()
 
     def close(self) -> None:
         """Idempotent and synchronous, so `finally` blocks of cancelled tasks can call it."""
@@ -142,27 +196,40 @@ class GatewayCore:
         self._opening: set[str] = set()          # request ids whose quota admission is under way
         self._leases: dict[str, StreamLease] = {}   # request id -> its stream slot, while live
         self._cleanup: set[asyncio.Task] = set()
+        self.telemetry = GatewayTelemetry(
+            model.name, quotas.holder, model.quality_version,
+            tenants=[k.tenant for k in config.api_keys or (ANONYMOUS_KEY,)])
+
+    def request(self, operation: str, carrier) -> RequestTelemetry:
+        """A generation request was received (chat | text_completion); `carrier`: its HTTP
+        headers or gRPC metadata, which may continue a trace."""
+        return self.telemetry.start(operation, carrier)
 
     def authenticate(self, authorization: str | None) -> ApiKey:
         return self.keys.authenticate(authorization)
 
-    async def open(self, gen: Generation) -> Session:
+    async def open(self, gen: Generation, telemetry: RequestTelemetry,
+                   response_id: str | None = None) -> Session:
         rid = gen.request_id
+        telemetry.identify(rid, response_id or rid, gen.key.tenant, gen.traffic_class,
+                           gen.params, len(gen.prompt_ids))
         if rid in self._live or rid in self._opening:
             raise errors.bad_request(f"request id {rid!r} is already in use", "request_id",
                                      "duplicate_request_id")
         self._opening.add(rid)       # a second open of this id waits for nothing: it is refused
         try:
-            lease = await self.quotas.admit(gen.key, len(gen.prompt_ids))
+            with telemetry.phase("gateway.quota"):
+                lease = await self.quotas.admit(gen.key, len(gen.prompt_ids))
         finally:
             self._opening.discard(rid)
         run = PlanRun(pb.WorkRequest(
             request_id=rid, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
             prompt_token_ids=gen.prompt_ids, params=gen.params), self.routers, self.channels,
-            self.timeouts)
+            self.timeouts, telemetry.context)
         # invariant: a live session's lease is in _leases until _ended gives it back
         self._leases[rid] = lease
-        session = self._live[rid] = Session(self, gen, run)
+        session = self._live[rid] = Session(self, gen, run, telemetry)
+        telemetry.opened()
         return session
 
     def cancel(self, request_id: str, tenant: str) -> bool:
@@ -170,15 +237,15 @@ class GatewayCore:
         session = self._live.get(request_id) or self._live.get(internal_request_id(request_id, tenant))
         if session is None or session.gen.key.tenant != tenant:
             return False
-        session.aborted = True
-        session.close()
+        session.stop()
         return True
 
     def _ended(self, session: Session) -> None:
         self._live.pop(session.request_id, None)
         lease = self._leases.pop(session.request_id, None)
         if lease is not None:
-            self._finish_soon(lease, session.output_tokens)
+            self._finish_soon(lease, session.sent_tokens)
+        session.telemetry.end(session.outcome(), session.prompt_tokens, session.error)
 
     def _finish_soon(self, lease: StreamLease, output_tokens: int) -> None:
         """Give the slot back in a task of its own (so it also runs from a cancelled task)."""

@@ -20,6 +20,7 @@ import math
 import grpc
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.telemetry.tracing import TRACE_HEADER
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -38,6 +39,15 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        # for telemetry (kvfleet_rejections): why and in which overload stage the request was
+        # refused; a CallStatus reason name or quota_* (None: a gateway-side client error)
+        self.reason: str | None = None
+        self.stage: str | None = None
+        self.trace_id: str | None = None      # the request's trace, named in the response
+
+    def tagged(self, reason: str, stage: str | None = None) -> GatewayError:
+        self.reason, self.stage = reason, stage
+        return self
 
     @property
     def type(self) -> str:
@@ -48,7 +58,10 @@ class GatewayError(Exception):
                           "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)} if self.retry_after is not None else {}
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after is not None else {}
+        if self.trace_id:
+            headers[TRACE_HEADER] = self.trace_id
+        return headers
 
     @property
     def retry_after_s(self) -> int:
@@ -100,7 +113,12 @@ def unavailable(message: str, retry_after: float | None = None, code: str = "una
 
 def from_status(st: pb.CallStatus) -> GatewayError:
     """A fleet failure (router refusal, worker error; services/protocol/status.py) as a gateway
-    error: the reason picks the status, the engine's code and field travel as they are."""
+    error: the reason picks the status, the engine's code and field travel as they are. The
+    error is tagged with the CallStatus's reason and stage names (telemetry)."""
+    return _from_status(st).tagged(pb.Reason.Name(st.reason), pb.OverloadStage.Name(st.stage))
+
+
+def _from_status(st: pb.CallStatus) -> GatewayError:
     retry = st.retry_after_s if st.HasField("retry_after_s") else None
     if st.reason == pb.INVALID_REQUEST:
         return GatewayError(400, st.message, code=st.code or "invalid_request",

@@ -4,7 +4,13 @@ Authentication: metadata `authorization: Bearer <key>`. Errors are gRPC statuses
 messages (errors.py maps them); a quota refusal carries `retry-after` (seconds) in the trailing
 metadata. Initial metadata names what serves the request: `x-kvfleet-model`,
 `x-kvfleet-quality-version`, `x-request-id`, and `x-kvfleet-output-cap` when the class's output cap
-clamped `params.max_tokens`. Cancelling the call cancels the request everywhere.
+clamped `params.max_tokens`, and `x-kvfleet-trace-id` when tracing is on. Cancelling the call
+cancels the request everywhere.
+
+Telemetry: a `traceparent` in the call's metadata is continued (services/gateway/telemetry.py).
+The last chunk's `timing` holds the request's phase times (gateway queue included; earlier chunks
+carry none), and the trailing metadata `x-kvfleet-timing` the whole timing object as JSON, with
+ttft_s and e2e_s, which RequestTiming has no field for.
 
 Differences from proto3 defaults, stated once: `model` empty means the served model;
 `params.max_tokens` 0 is an error (there is no "unset" for it); `params.top_p` 0 means 1.0 (off);
@@ -32,7 +38,9 @@ from services.gateway.config import ApiKey
 RETRY_AFTER = "retry-after"       # trailing metadata of a refusal: seconds, as HTTP's header
 from services.gateway.core import (GatewayCore, build_generation, internal_request_id,
                                    new_request_id)
+from services.gateway.telemetry import TIMING_HEADER
 from services.gateway.validation import Generation
+from services.telemetry.tracing import TRACE_HEADER
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 SERVICE = "kvfleet.v1.Gateway"
@@ -77,19 +85,33 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self.core = core
 
     async def Generate(self, request: pb.GenerateRequest | Undecodable, context):
+        telemetry = self.core.request("text_completion", context.invocation_metadata())
         try:
-            _check_decoded(request)
-            key = self._authenticate(context)
-            gen = await build_generation(request.ByteSize(), self._generation, request, key)
-            session = await self.core.open(gen)
+            _check_decoded(request)            # before the key, as for every method
+            with telemetry.phase("gateway.auth"):
+                key = self._authenticate(context)
+            with telemetry.phase("gateway.validate"):
+                gen = await build_generation(request.ByteSize(), self._generation, request, key)
+            session = await self.core.open(gen, telemetry, request.request_id or gen.request_id)
         except errors.GatewayError as e:
+            telemetry.rejected(e)
+            e.trace_id = telemetry.trace_id
             await _abort(context, e)
+        except BaseException:
+            telemetry.end("cancelled", 0)
+            raise
         try:
-            await context.send_initial_metadata(self._served_by(gen))
+            await context.send_initial_metadata(self._served_by(gen, telemetry.trace_id))
             chunk = await session.first()
             while chunk is not None:
                 chunk.request_id = request.request_id or gen.request_id
+                if chunk.finished:
+                    chunk.timing.CopyFrom(telemetry.timing_pb())
+                    context.set_trailing_metadata(((TIMING_HEADER, telemetry.timing_json()),))
+                else:
+                    chunk.ClearField("timing")
                 yield chunk
+                session.sent(chunk)
                 chunk = None if chunk.finished else await session.next()
         except errors.GatewayError as e:
             await _abort(context, e)
@@ -154,11 +176,12 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         v.check_params(params)
         return Generation(rid, key, cls, tuple(ids), params, requested)
 
-    def _served_by(self, gen: Generation) -> tuple[tuple[str, str], ...]:
+    def _served_by(self, gen: Generation, trace_id: str | None) -> tuple[tuple[str, str], ...]:
         m = self.core.model
         cap = (("x-kvfleet-output-cap", str(gen.output_cap)),) if gen.output_cap else ()
+        traced = ((TRACE_HEADER, trace_id),) if trace_id else ()
         return (("x-kvfleet-model", m.name), ("x-kvfleet-quality-version", m.quality_version),
-                ("x-request-id", gen.request_id), *cap)
+                ("x-request-id", gen.request_id), *cap, *traced)
 
 
 def _check_decoded(request: Message | Undecodable) -> None:
@@ -167,6 +190,9 @@ def _check_decoded(request: Message | Undecodable) -> None:
 
 
 async def _abort(context, e: errors.GatewayError) -> None:
-    if e.retry_after is not None:
-        context.set_trailing_metadata(((RETRY_AFTER, str(e.retry_after_s)),))
+    trailing = ((RETRY_AFTER, str(e.retry_after_s)),) if e.retry_after is not None else ()
+    if e.trace_id:
+        trailing += ((TRACE_HEADER, e.trace_id),)
+    if trailing:
+        context.set_trailing_metadata(trailing)
     await context.abort(e.grpc_code, e.message)

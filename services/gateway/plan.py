@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 import grpc
+from opentelemetry import context as otel_context
 
 from services.protocol import status
 from services.protocol.aio import internal_channel
@@ -31,6 +33,7 @@ from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,8 @@ class Subscription:
                 raise item
 
     def cancel(self) -> bool:
+        # wake a reader waiting on the queue (the link stops routing to it): it ends cancelled
+        self._queue.put_nowait(asyncio.CancelledError())
         return self.link.cancel(self.request_id)
 
 
@@ -181,13 +186,15 @@ class Routers:
     def stub(self, address: str) -> pb_grpc.RouterStub:
         return pb_grpc.RouterStub(self._channels.get(address))
 
-    async def admit(self, request: pb.WorkRequest) -> pb.Plan:
+    async def admit(self, request: pb.WorkRequest,
+                    metadata: tuple[tuple[str, str], ...] | None = None) -> pb.Plan:
         first = next(self._next)
         last: grpc.aio.AioRpcError | None = None
         for i in range(len(self.addresses)):
             address = self.addresses[(first + i) % len(self.addresses)]
             try:
-                return await self.stub(address).Admit(request, timeout=self._timeouts.admit_s)
+                return await self.stub(address).Admit(request, timeout=self._timeouts.admit_s,
+                                                      metadata=metadata)
             except grpc.aio.AioRpcError as e:
                 if not _router_unreachable(e):
                     raise           # the router decided (a refusal, a bad request): final
@@ -219,15 +226,21 @@ def _router_unreachable(e: grpc.aio.AioRpcError) -> bool:
 
 class PlanRun:
     """One request's run through the fleet. `next()` returns TokenChunks (client-visible fields
-    only) until None; any failure raises grpc.aio.AioRpcError carrying a CallStatus."""
+    only) until None; any failure raises grpc.aio.AioRpcError carrying a CallStatus.
+
+    `trace` is the request's span context (services/telemetry/tracing.py): the Admit, Prefill
+    and Generate calls carry it in their metadata. It is passed explicitly, since `_read` runs in
+    whatever task asks for the next chunk (a streaming response's task, not the request's)."""
 
     def __init__(self, request: pb.WorkRequest, routers: Routers, channels: Channels,
-                 timeouts: Timeouts) -> None:
+                 timeouts: Timeouts, trace: otel_context.Context | None = None) -> None:
         self.request = request
         self.routers = routers
         self.channels = channels
         self.timeouts = timeouts
         self.plan: pb.Plan | None = None
+        self.admitted_at: float | None = None       # monotonic time the router's plan came
+        self._metadata = tracing.outgoing(trace) if trace is not None else None
         self._calls: list[grpc.aio.Call] = []      # Generate / Prefill calls, to stop early
         self._touched: set[str] = set()            # prefill / mixed workers, to Cancel on
         self._decode: Subscription | None = None   # the decode side, ended once (_end_decode)
@@ -240,7 +253,8 @@ class PlanRun:
         return self.request.request_id
 
     async def start(self) -> pb.Plan:
-        self.plan = await self.routers.admit(self.request)
+        self.plan = await self.routers.admit(self.request, self._metadata)
+        self.admitted_at = time.monotonic()
         return self.plan
 
     async def next(self) -> pb.TokenChunk | None:
@@ -263,7 +277,8 @@ class PlanRun:
         worker = plan.prefill[0].address
         self._touched.add(worker)
         call = self.channels.worker(worker).Generate(
-            self.request, timeout=self.timeouts.stream_s(self.request.params.max_tokens))
+            self.request, timeout=self.timeouts.stream_s(self.request.params.max_tokens),
+            metadata=self._metadata)
         self._calls.append(call)
         async for chunk in call:
             yield chunk
@@ -299,7 +314,8 @@ class PlanRun:
                 traffic_class=self.request.traffic_class,
                 prompt_token_ids=self.request.prompt_token_ids, params=self.request.params,
                 target=plan.target, decode_worker=plan.decode.address,
-                kv_deadline_unix_s=plan.deadline_unix_s), timeout=self.timeouts.prefill_s())
+                kv_deadline_unix_s=plan.deadline_unix_s), timeout=self.timeouts.prefill_s(),
+                metadata=self._metadata)
             self._calls.append(call)
             try:
                 async for reply in call:

@@ -2,8 +2,10 @@
 tokens per minute. Counters are per tenant (shared by every gateway), limits are per API key.
 
 `admit` is one atomic Redis script: stream slot, then the request, then the prompt's tokens; a
-refusal at a later step takes no slot (FleetState.admit). Generated tokens are charged when the
-request ends (`finish`), so a tenant that overruns its token budget is refused from then until the
+refusal at a later step takes no slot (FleetState.admit); a refusal's error is tagged
+`quota_streams|quota_requests|quota_tokens|quota_too_large|quota_unavailable` (kvfleet_rejections).
+Generated tokens (those sent to the client, core.Session) are charged when the request ends,
+however it ends (`finish`), so a tenant that overruns its token budget is refused from then until the
 minute window rolls over.
 
 Stream slots are leases: `admit` takes one named `{gateway_id}/{n}`, this gateway renews every
@@ -84,7 +86,7 @@ class Quotas:
         if prompt_tokens > key.tokens_per_minute:
             raise errors.rate_limited(
                 f"request too large for tenant {key.tenant!r}: {prompt_tokens} prompt tokens, "
-                f"tokens_per_minute limit {key.tokens_per_minute}", None)
+                f"tokens_per_minute limit {key.tokens_per_minute}", None).tagged("quota_too_large")
         try:
             admission = await self.redis.call(
                 self.state.admit, key.tenant, key.max_concurrent_streams, key.requests_per_minute,
@@ -93,13 +95,13 @@ class Quotas:
         except UNREACHABLE as e:
             raise self.unavailable(e) from None
         if admission.lease is None:
-            raise self._refusal(key, admission)
+            raise self._refusal(key, admission).tagged(f"quota_{admission.refused}")
         self._held[admission.lease] = self._clock()
         return admission.lease
 
     def unavailable(self, e: BaseException) -> errors.GatewayError:
         return errors.unavailable(f"quota store unavailable (Redis): {e}",
-                                  max(1.0, self.redis.retry_in()))
+                                  max(1.0, self.redis.retry_in())).tagged("quota_unavailable")
 
     def _refusal(self, key: ApiKey, admission: Admission) -> errors.GatewayError:
         t = key.tenant

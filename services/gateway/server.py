@@ -6,6 +6,12 @@ Each gateway process has an id (`gateway_id()`), the prefix of the stream-slot l
 (services/gateway/quota.py). The lease TTL is `KVFLEET_STREAM_LEASE_TTL_S` (default 10 s; renewed
 every TTL/5): the longest a dead gateway's slots stay taken.
 
+Telemetry: traces are set up for the process (`tracing.setup`, on when OTEL_* names an
+endpoint); `/metrics` is on the HTTP app. The gateway registers itself in Redis as a
+`pb.ServiceRecord` (role gateway, its HTTP address and metrics URL) every `heartbeat_s`, each beat
+living `heartbeat_ttl_s` (services/state/service_heartbeat.py: Redis down is retried with
+backoff, never fatal), and takes the record out at shutdown.
+
 Shutdown: stop taking connections, end every live request as aborted (their quota slots are
 released), let the servers drain for a moment, stop renewing leases, close the channels.
 """
@@ -25,6 +31,8 @@ from services.protocol.shutdown import wait_for_stop_signal
 from services.protocol import fleet_token
 from services.protocol.timeouts import Timeouts
 from services.state.fleet_state import FleetState, LeaseTerms
+from services.state.service_heartbeat import beat_forever, service_record, stop_beating
+from services.telemetry import tracing
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
@@ -81,6 +89,7 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     # its calls to routers and workers carry the fleet token: without one, refuse to start
     channels = Channels(fleet_token.active().require("gateway"))
     quotas = Quotas(state, gateway_id(), lease_terms())
+    tracing.setup("gateway", quotas.holder)
     core = GatewayCore(config, model, quotas, channels, timeouts)
     renewer = asyncio.create_task(quotas.renew_forever())
 
@@ -100,8 +109,13 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
             http_task.result()
             raise RuntimeError("the HTTP server stopped while starting")
         await asyncio.sleep(0.01)
+    http_address = host_port(config.host, sock.getsockname()[1])
+    beat = asyncio.create_task(beat_forever(
+        state, service_record(quotas.holder, "gateway", http_address,
+                              f"http://{http_address}/metrics"),
+        timeouts.heartbeat_s, timeouts.heartbeat_ttl_s, log))
     print(f"GRPC {host_port(config.host, grpc_port)}", flush=True)
-    print(f"READY gateway {host_port(config.host, sock.getsockname()[1])}", flush=True)
+    print(f"READY gateway {http_address}", flush=True)
     log.info("serving %s (%s) with router %s; gateway id %s, stream leases %s", model.name,
              model.quality_version, config.router, quotas.holder, quotas.terms)
 
@@ -112,6 +126,7 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     await core.close()            # releases of requests that ended during the drain
     renewer.cancel()
     await asyncio.gather(renewer, return_exceptions=True)
+    await stop_beating(beat, state, quotas.holder, log)
     await channels.close()
     await state.close()
     return 0

@@ -113,3 +113,85 @@ def stream_counter(redis_client, tenant: str) -> int:
     """The tenant's open streams, as services/state/fleet_state.py keeps them: live leases."""
     return redis_client.zcount(f"kvfleet:tenant:{tenant}:leases", f"({int(time.time() * 1000)}",
                                "+inf")
+
+
+# ------------------------------------------------------------------------------ telemetry
+def scrape(http: str) -> dict[tuple[str, frozenset], float]:
+    """A gateway's /metrics (no key needed), parsed: (sample name, its labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+    text = httpx.get(f"http://{http}/metrics", timeout=10).raise_for_status().text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (0 when none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+class InProcessGateway:
+    """The gateway's HTTP app and gRPC service on a thread of the test process, against a real
+    fleet: what an in-process span exporter needs to see the gateway's spans. Built as
+    services/gateway/server.py builds it, less the signals, the lease renewer and the registry."""
+
+    def __init__(self, fleet: Fleet, model_dir: str, engine_yaml: str, keys_yaml: str) -> None:
+        import asyncio  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+        from services.gateway.__main__ import build_config, parse_args  # noqa: PLC0415
+        self._config = build_config(parse_args([
+            "--model", model_dir, "--router", ",".join(fleet.routers), "--redis-url",
+            fleet.redis_url, "--config", engine_yaml, "--api-keys", keys_yaml]))
+        self._fleet = fleet
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._loop.run_until_complete,
+                                        args=(self._serve(),), daemon=True)
+        self.http = self.grpc = ""
+        self.model = self._config.served_model_name
+
+    async def _serve(self) -> None:
+        import asyncio  # noqa: PLC0415
+        import grpc  # noqa: PLC0415
+        from services.gateway.app import create_app  # noqa: PLC0415
+        from services.gateway.core import GatewayCore  # noqa: PLC0415
+        from services.gateway.grpc_api import GatewayServicer, add_to_server  # noqa: PLC0415
+        from services.gateway.model import load_served_model  # noqa: PLC0415
+        from services.gateway.plan import Channels  # noqa: PLC0415
+        from services.gateway.quota import Quotas  # noqa: PLC0415
+        from services.gateway.server import _HttpServer, bind, gateway_id  # noqa: PLC0415
+        from services.state.fleet_state import FleetState  # noqa: PLC0415
+        import uvicorn  # noqa: PLC0415
+        c = self._config
+        model = load_served_model(c.model_dir, c.served_model_name, c.max_model_len,
+                                  c.quality_version)
+        state = FleetState(c.redis_url)
+        channels = Channels(self._fleet.auth)
+        self.core = GatewayCore(c, model, Quotas(state, gateway_id()), channels)
+        grpc_server = grpc.aio.server()
+        add_to_server(GatewayServicer(self.core), grpc_server)
+        self.grpc = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
+        await grpc_server.start()
+        sock = bind("127.0.0.1", 0)
+        self._http = _HttpServer(uvicorn.Config(create_app(self.core), lifespan="off",
+                                                log_level="warning", access_log=False))
+        task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            await asyncio.sleep(0.01)
+        self.http = f"127.0.0.1:{sock.getsockname()[1]}"
+        self._ready.set()
+        await task
+        await self.core.close()
+        await grpc_server.stop(0)
+        await channels.close()
+        await state.close()
+
+    def __enter__(self) -> "InProcessGateway":
+        self._thread.start()
+        assert self._ready.wait(30), "the in-process gateway did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._http.should_exit = True
+        self._thread.join(10)
+        self._loop.close()
