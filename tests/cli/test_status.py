@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -95,6 +97,28 @@ def test_prometheus_sd_writes_a_file_sd_that_promtool_accepts(fleet, tmp_path):
     check = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_watch_refreshes_until_ctrl_c(fleet):
+    redis_url, _ = fleet
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.cli", "status", "--redis-url",
+                             redis_url, "--watch", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        views = []
+        for _ in range(2):                 # one JSON object per refresh
+            ready, _, _ = select.select([proc.stdout], [], [], 30)
+            assert ready, f"no refresh within 30 s ({len(views)} so far)"
+            views.append(json.loads(proc.stdout.readline()))
+        assert views[1]["at_unix_s"] > views[0]["at_unix_s"]
+        assert all({p["role"] for p in v["processes"]} == ROLES for v in views)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_process_whose_metrics_do_not_answer_is_shown_as_such(fleet):
