@@ -6,13 +6,15 @@ From Redis (`--redis-url`, the URL `kvfleet up` prints as `redis`):
              ServiceRecord heartbeats, FleetState.live_services): role, id, address, metrics URL,
              and whether that /metrics answers now;
   workers    KV blocks used / reserved / total, sequences running and queued, the prompt backlog,
-             measured prefill and decode rates (tokens/s), all from the worker's own heartbeat;
+             measured prefill and decode rates (tokens/s), all from the worker's own heartbeat,
+             and the age of its oldest queued request (`kvfleet_queue_age_seconds`, its /metrics);
   stage      the overload stage, the highest `kvfleet_overload_stage` of the routers' /metrics
              (overload stages are not implemented yet: S0_NORMAL until they are);
   tenants    the top tenants by share of the fleet's live sequences and KV blocks (the sum of
              every worker's WorkerStats.tenants).
 
-`--endpoint GATEWAY_URL` reads only that gateway's /health and /metrics: the gateway does not
+`--endpoint GATEWAY_URL` reads only that gateway's /health and /metrics (its requests so far by
+outcome, its streams now by tenant): the gateway does not
 publish the Redis URL it uses, so the workers, routers, stage and tenants need `--redis-url`
 (the output says so).
 
@@ -73,6 +75,7 @@ class Worker:
     queued_prefill_tokens: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    queue_age_s: float | None = None   # the oldest queued request's age (its /metrics; None: unread)
 
 
 @dataclass
@@ -135,6 +138,9 @@ async def from_redis(redis_url: str, namespace: str, top: int = TOP_TENANTS) -> 
     pages = await scrape([p.metrics_url for p in out.processes])
     for process, page in zip(out.processes, pages):
         process.metrics = page.state
+    ages = {p.id: page.gauge("kvfleet_queue_age_seconds") for p, page in zip(out.processes, pages)}
+    for w in out.workers:
+        w.queue_age_s = ages.get(w.id)
     routers = [(p.id, page.gauge("kvfleet_overload_stage")) for p, page in
                zip(out.processes, pages) if p.role == "router"]
     known = [(stage, rid) for rid, stage in routers if stage is not None]
@@ -180,7 +186,10 @@ async def from_gateway(url: str) -> FleetStatus:
     out = FleetStatus(f"gateway {base}", time.time())
     out.processes = [Process("gateway", str(answer.get("id", "gateway")), parts.netloc,
                              f"{base}/metrics", metrics=page.state)]
-    out.gateway = {"http_status": health.status_code, **answer}
+    out.gateway = {"http_status": health.status_code, **answer,
+                   "requests": page.totals("kvfleet_requests_total", "outcome"),
+                   "streaming_by_tenant": {t: n for t, n in page.totals(
+                       "kvfleet_tenant_active_requests", "tenant").items() if n}}
     out.notes.append(NEEDS_REDIS)
     return out
 
@@ -195,6 +204,16 @@ class Page:
         family = self.families.get(name)
         values = [s.value for s in family.samples if s.name == name] if family else []
         return max(values) if values else None
+
+    def totals(self, sample: str, by: str) -> dict[str, float]:
+        """`sample`'s values summed by the label `by` (e.g. requests by outcome)."""
+        out: dict[str, float] = {}
+        for family in self.families.values():
+            for s in family.samples:
+                if s.name == sample:
+                    key = s.labels.get(by, "")
+                    out[key] = out.get(key, 0.0) + s.value
+        return out
 
 
 async def scrape(urls: list[str]) -> list[Page]:
@@ -224,6 +243,12 @@ def render(st: FleetStatus) -> str:
         lines.append(f"gateway        {st.gateway.get('status', '?')} "
                      f"(HTTP {st.gateway['http_status']}), model {st.gateway.get('model', '?')}: "
                      f"{st.gateway.get('detail', '')}")
+        done = ", ".join(f"{k} {v:.0f}" for k, v in sorted(st.gateway["requests"].items()))
+        streaming = st.gateway["streaming_by_tenant"]
+        lines.append(f"requests       {done or 'none yet'}; streaming now "
+                     f"{sum(streaming.values()):.0f}"
+                     + (" (" + ", ".join(f"{t} {n:.0f}" for t, n in sorted(streaming.items())) + ")"
+                        if streaming else ""))
     else:
         stage = (f"{STAGES[st.stage]} (from {st.stage_from}'s /metrics)" if st.stage is not None
                  else "unknown (no router's /metrics answered)")
@@ -235,8 +260,9 @@ def render(st: FleetStatus) -> str:
     if st.workers:
         lines += ["", "WORKERS (KV in blocks; rates are measured tokens/s)"]
         lines += _table(["ID", "ROLE", "KV USED", "RESERVED", "TOTAL", "RUNNING", "QUEUED",
-                         "BACKLOG TOK", "PREFILL TOK/S", "DECODE TOK/S"],
+                         "QUEUE AGE S", "BACKLOG TOK", "PREFILL TOK/S", "DECODE TOK/S"],
                         [[w.id, w.role, w.kv_used, w.kv_reserved, w.kv_total, w.running, w.queued,
+                          "-" if w.queue_age_s is None else f"{w.queue_age_s:.2f}",
                           w.queued_prefill_tokens, _rate(w.prefill_tokens_per_s),
                           _rate(w.decode_tokens_per_s)]
                          for w in sorted(st.workers, key=_process_order)])

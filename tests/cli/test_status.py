@@ -64,6 +64,7 @@ def test_status_lists_every_process_with_a_metrics_url_that_answers(fleet):
     assert set(workers) == {"prefill-0", "decode-0"}
     for w in workers.values():
         assert w["kv_total"] > 0 and 0 <= w["kv_used"] + w["kv_reserved"] <= w["kv_total"]
+        assert w["queue_age_s"] is not None, w              # read from its /metrics
     assert (view["stage"], view["stage_name"], view["stage_from"]) == (0, "S0_NORMAL", "router-0")
 
 
@@ -71,7 +72,7 @@ def test_the_text_view_names_every_process_and_the_stage(fleet):
     redis_url, _ = fleet
     out = status("--redis-url", redis_url)
     assert out.returncode == 0, out.stderr
-    for word in ("PROCESSES", "WORKERS", "TENANTS", "router-0", "prefill-0", "decode-0",
+    for word in ("PROCESSES", "WORKERS", "QUEUE AGE", "TENANTS", "router-0", "prefill-0", "decode-0",
                  "gateway", "overload stage S0_NORMAL"):
         assert word in out.stdout, out.stdout
 
@@ -147,12 +148,17 @@ def test_a_process_whose_metrics_do_not_answer_is_shown_as_such(fleet):
 
 def test_endpoint_reads_the_gateway_and_says_what_needs_redis(fleet):
     _, gateway = fleet
+    model = httpx.get(f"{gateway}/v1/models", timeout=10).json()["data"][0]["id"]
+    done = httpx.post(f"{gateway}/v1/completions", timeout=60, json={
+        "model": model, "prompt": "hello", "max_tokens": 2, "temperature": 0})
+    assert done.status_code == 200, done.text
     out = status("--endpoint", gateway, "--json")
     assert out.returncode == 0, out.stderr
     view = json.loads(out.stdout)
     (process,) = view["processes"]
     assert process["role"] == "gateway" and process["metrics"] == "ok"
     assert view["gateway"]["http_status"] == 200
+    assert view["gateway"]["requests"].get("finished", 0) >= 1, view["gateway"]
     assert any("--redis-url" in note for note in view["notes"])
 
 
