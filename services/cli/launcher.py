@@ -48,6 +48,8 @@ class LaunchError(RuntimeError):
 
 class Launcher:
     def __init__(self, env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
+        # Children inherit this process's whole environment, never scrubbed: the OTEL_* variables
+        # (traces, services/telemetry/tracing.py) and KVFLEET_METRICS reach every one of them.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         # one fleet token for every child (and a restarted one): the environment's, or a new one
         self.env = {**env, **fleet_token.child_env(env)}

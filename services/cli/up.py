@@ -9,6 +9,12 @@ Workers and routers start side by side, then the gateway. Every timeout of the f
 `Timeouts` (services/protocol/timeouts.py): `kvfleet up` takes its flags, refuses to start on a
 contradiction, and hands the same values to every child.
 
+Telemetry: every router and worker serves Prometheus /metrics on a free loopback port (their
+--metrics-port defaults to 0), the gateway on its HTTP port at /metrics; each registers its
+metrics URL in Redis, so `kvfleet status --redis-url URL` (printed below) lists them and writes a
+Prometheus file_sd. A restarted router or worker gets a new metrics port and registers it. The
+OTEL_* environment of `kvfleet up` reaches every child (launcher.py passes the environment on).
+
 Prints the endpoints, then supervises: a child that exits is restarted with backoff, on the same
 port (services/cli/supervisor.py), while the rest keep serving. Only Ctrl-C or SIGTERM stops
 the fleet, within SHUTDOWN_BUDGET_S (3 s) even with streams in flight: SIGTERM to every child
