@@ -66,6 +66,7 @@ class Worker:
     metrics: exposition.MetricsServer
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
+    telemetry: WorkerTelemetry
 
     async def close(self) -> None:
         await self.channel.close()
@@ -96,7 +97,7 @@ async def start_worker(model_dir: str, role: str, **scheduler) -> Worker:
     telemetry.metrics_url = metrics.url
     channel = grpc.aio.insecure_channel(address)
     return Worker(role, address, engine, transport, server, metrics, channel,
-                  pb_grpc.WorkerStub(channel))
+                  pb_grpc.WorkerStub(channel), telemetry)
 
 
 def traceparent(span_id: str) -> tuple[tuple[str, str], ...]:
