@@ -154,15 +154,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 "router.admit", context=tracing.incoming(context), kind=SpanKind.SERVER,
                 record_exception=False, set_status_on_exception=False) as span:
             if span.is_recording():
-                span.set_attributes({tracing.REQUEST_ID: request.request_id,
-                                     tracing.TENANT: request.tenant,
-                                     tracing.TRAFFIC_CLASS: request.traffic_class,
-                                     tracing.REPLICA: self.router_id,
-                                     tracing.PROVIDER: tracing.PROVIDER_NAME,
-                                     tracing.INPUT_TOKENS: len(request.prompt_token_ids),
-                                     tracing.MAX_TOKENS: request.params.max_tokens,
-                                     tracing.QUEUE_WAIT: 0.0,     # the router has no queue yet
-                                     tracing.STAGE: STAGE_NAME})
+                span.set_attributes(self._attributes(request))
             try:
                 plan = await self._admit(request)
             except status.CallFailed as e:
@@ -175,6 +167,15 @@ class RouterServicer(pb_grpc.RouterServicer):
             plan.stage = STAGE
             self._decided(span, cls, started, "OK", plan)
             return plan
+
+    def _attributes(self, request: pb.WorkRequest) -> dict:
+        return {tracing.REQUEST_ID: request.request_id, tracing.TENANT: request.tenant,
+                tracing.TRAFFIC_CLASS: request.traffic_class, tracing.REPLICA: self.router_id,
+                tracing.PROVIDER: tracing.PROVIDER_NAME,
+                tracing.INPUT_TOKENS: len(request.prompt_token_ids),
+                tracing.MAX_TOKENS: request.params.max_tokens,
+                tracing.QUEUE_WAIT: 0.0,                  # the router has no queue yet
+                tracing.STAGE: STAGE_NAME}
 
     async def _admit(self, request: pb.WorkRequest) -> pb.Plan:
         workers = await self.live_workers()
