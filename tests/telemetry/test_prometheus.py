@@ -5,8 +5,9 @@ worker, embedded Redis) with two tenants' API keys; a Prometheus on loopback run
 prometheus.yml and alerts.yml (1-s intervals), its targets the file `kvfleet status
 --prometheus-sd` writes from the fleet's Redis (every worker's WorkerStats.metrics_url, every
 gateway's and router's ServiceRecord). A short load runs:
-streamed requests from two tenants in two classes, one cancelled stream, requests refused by a
-tenant's quota, and one long stream still running while the queries are asked. Then every
+streamed requests from two tenants in two classes (one a long document), one cancelled stream,
+requests refused by a tenant's quota, and one long stream still running while the queries are
+asked. Then every
 dashboard target, dashboard variable, recording rule and alert operand must parse and return at
 least one series: a metric renamed, dropped or never wired into a service fails here.
 """
@@ -108,6 +109,13 @@ def query(url: str, expr: str) -> dict:
     return httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10).json()
 
 
+def wait_for_series(url: str, expr: str, timeout_s: float = SERIES_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not query(url, expr)["data"]["result"]:
+        assert time.monotonic() < deadline, f"no series for {expr} within {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
 # --- the load ------------------------------------------------------------------------------------
 
 class Load:
@@ -119,14 +127,16 @@ class Load:
         self.model = models["data"][0]["id"]
         self.open: list[threading.Thread] = []
 
-    def body(self, max_tokens: int, **extra) -> dict:
-        return {"model": self.model, "prompt": "the fleet has many workers and", "stream": True,
-                "max_tokens": max_tokens, "temperature": 0, **extra}
+    def body(self, max_tokens: int, prompt: str = "the fleet has many workers and",
+             **extra) -> dict:
+        return {"model": self.model, "prompt": prompt, "stream": True, "max_tokens": max_tokens,
+                "temperature": 0, **extra}
 
-    def stream(self, key: str, max_tokens: int = 12) -> int:
+    def stream(self, key: str, max_tokens: int = 12, prompt: str | None = None) -> int:
         """One streamed completion read to its end; returns the HTTP status."""
-        with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body(max_tokens),
-                          headers=_bearer(key), timeout=60) as r:
+        body = self.body(max_tokens, **({"prompt": prompt} if prompt else {}))
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=_bearer(key),
+                          timeout=60) as r:
             for _ in r.iter_lines():
                 pass
             return r.status_code
@@ -160,7 +170,12 @@ def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[key]['key']}"}
 
 
-def run_load(load: Load) -> None:
+def run_load(load: Load, prometheus_url: str) -> None:
+    # A document long enough to fill a prefill step: the prefill worker measures its rate from
+    # such steps, and the router predicts TTFT (kvfleet_predicted_ttft_seconds) once it has one.
+    assert load.stream("doc", prompt="the fleet has many workers and " * 120) == 200
+    wait_for_series(prometheus_url, 'kvfleet_engine_tokens_per_second{role="prefill", '
+                                    'phase="prefill"} > 0')
     for key in ("acme", "acme", "doc", "solo", "solo"):      # two tenants, two classes
         assert load.stream(key) == 200, key
     load.cancel_after_first_token("leaver")
@@ -181,8 +196,11 @@ def scraped_fleet(tiny_model_dir, tmp_path_factory):
                                 {"gateway", "router", "prefill", "decode"})
         with prometheus(tmp) as url:
             load = Load(http)
-            run_load(load)
+            run_load(load, url)
             stop = load.long_stream("solo")
+            for outcome in ("finished", "cancelled", "rejected"):   # the load's endings arrived
+                wait_for_series(url, f'kvfleet_requests_total{{outcome="{outcome}"}}')
+            wait_for_series(url, 'sum(kvfleet_tenant_sequences{tenant="solo"}) > 0')
             try:
                 yield url, targets
             finally:
@@ -236,3 +254,25 @@ def test_every_dashboard_and_rule_expression_returns_series(scraped_fleet):
             break
         time.sleep(1)
     assert not empty, "no series for:\n" + "\n".join(f"  {s}: {e}" for s, e in empty.items())
+
+
+def test_series_keep_their_own_role_labels(scraped_fleet):
+    """The targets' `role` label (kvfleet status) is renamed kvfleet_role before the scrape, so a
+    router's per-role series say which role they count, not "router"."""
+    url, _ = scraped_fleet
+    roles = query(url, "count by (role) (kvfleet_router_live_workers)")["data"]["result"]
+    assert {r["metric"]["role"] for r in roles} == {"prefill", "decode", "mixed"}
+    assert query(url, '{exported_role!=""}')["data"]["result"] == []
+    workers = query(url, "count by (kvfleet_role, role) (kvfleet_kv_cache_usage_perc)")
+    assert {(r["metric"]["kvfleet_role"], r["metric"]["role"])
+            for r in workers["data"]["result"]} == {("prefill", "prefill"), ("decode", "decode")}
+
+
+def test_a_healthy_fleet_raises_no_alert(scraped_fleet):
+    """Nothing pending or firing: in particular no alert for the role a disaggregated fleet does
+    not use (mixed = 0) and none for idle KV writers. The SLO burn alerts are left out: whether a
+    request met its targets depends on how loaded this machine is."""
+    url, _ = scraped_fleet
+    wait_for_series(url, "kvfleet:slo_miss:ratio_rate5m")      # the rules have been evaluated
+    alerts = query(url, 'ALERTS{alertname!~"KvfleetSLOBurnRate.*"}')["data"]["result"]
+    assert alerts == [], [a["metric"] for a in alerts]
