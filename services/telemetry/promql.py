@@ -79,6 +79,7 @@ def dashboard_queries() -> list[Query]:
     return out
 
 
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _JOIN = re.compile(r"\s+(and|unless|or)\s+(?:(?:on|ignoring)\s*\([^)]*\)\s*)?")
 _CMP = re.compile(r"^(?P<value>.*\S)\s*(?:>=|<=|==|!=|>|<)\s*(?:bool\s+)?"
                   r"(?P<number>[-+]?[0-9.]+(?:e[-+]?[0-9]+)?)$", re.S)
@@ -93,8 +94,8 @@ def _top_level_split(expr: str) -> list[str]:
             depth += 1
         elif ch in ")]}":
             depth -= 1
-        elif ch == '"':
-            i = expr.index('"', i + 1)
+        elif ch == '"':                                  # skip the string, escapes and all
+            i = _STRING.match(expr, i).end() - 1
         elif depth == 0:
             m = _JOIN.match(expr, i)
             if m:

@@ -72,5 +72,6 @@ def test_alerts_are_comparisons_whose_values_can_be_evaluated_alone():
     assert promql.operands("a > 0 and on (role) b == 0") == ["a", "b"]
     assert promql.operands('min by (role) (x{r="a>b"}) < 1 unless max(y) == 0') == \
         ['min by (role) (x{r="a>b"})', "max(y)"]
+    assert promql.operands('x{r="a and b"} > 0') == ['x{r="a and b"}']
     with pytest.raises(ValueError, match="not `<value> <comparison> <number>`"):
         promql.operands("rate(x[5m]) > rate(y[5m])")

@@ -157,6 +157,8 @@ HIGH_TTFT = Row("High TTFT, healthy decode: prefill queue age and prompt backlog
 ))
 
 SLOW_ITL = Row("Slow ITL: decode batch size and KV read volume", (
+    Panel("ITL p90 by class", "The symptom, next to its causes below.",
+          ((quantile(0.9, ITL, "traffic_class", CLS), "{{traffic_class}}"),), "s"),
     Panel("Decode batch size", "Decode tokens per engine step (sequences in the batch), p50/p90.",
           quantiles("kvfleet_iteration_tokens", "worker", 'phase="decode"', (0.5, 0.9)), "short"),
     Panel("Mean decode tokens per step", "Mean decode batch per worker.",
