@@ -14,7 +14,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,6 +58,27 @@ class EngineStats:
     last_step_s: float
     last_schedule_s: float       # schedule() alone
     last_prepare_s: float        # building the chunks, the flat batch and attention metadata
+    oldest_queued_s: float = 0.0  # age of the longest-waiting request not yet admitted; 0 if none
+    # (tenant, sequences holding KV, KV blocks held or reserved), largest KV first
+    tenants: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step() that ran the model did (`LLMEngine.last_step`); times on the engine's
+    clock."""
+
+    prefill_tokens: int
+    decode_tokens: int            # one per decoding sequence
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    duration_s: float             # the step, schedule to outputs
+    gap_s: float                  # before it, while work waited (from when work arrived if idle)
+    kv_read_bytes: int            # KV the decode sequences attended over: context x bytes/token
+    prefix_queries: int           # tokens of requests admitted this step looked up in the prefix
+    prefix_hits: int              # cache, and the tokens it held
+    preemptions: int
+    prefill_chunks: list[tuple[str, int]]   # (request id, tokens) per prefill chunk
 
 
 def resolve_model_dir(model: str) -> str:
@@ -86,6 +107,7 @@ class LLMEngine:
                    if kv_alloc is not None else None)
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype,
                                 data=kv_data)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)  # all layers, K+V
         self.runner = ModelRunner(model, self.kv_cache)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -104,6 +126,8 @@ class LLMEngine:
         self._last = (0.0, 0.0, 0.0)
         self._decode_rate = RateEstimator()
         self._chunk_build_s = 0.0
+        self.last_step: StepRecord | None = None   # the latest step(), if it ran the model
+        self._ready_since: float | None = None     # since when work waits for a step; None: idle
 
     # --------------------------------------------------------------------- API
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -113,15 +137,23 @@ class LLMEngine:
         a message naming the limits) for bad input; nothing else is affected."""
         req = self._make_request(prompt, params, tenant, traffic_class, request_id)
         self.scheduler.add(req)
+        if self._ready_since is None:
+            self._ready_since = req.arrival_time
         return req.request_id
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        start = self.clock()
+        gap = start - self._ready_since if self._ready_since is not None else 0.0
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         outputs, self._pending = self._pending, []
         outputs += [self._delta(r) for r in plan.rejected]
-        if plan.decodes or plan.prefills:
+        ran = bool(plan.decodes or plan.prefills)
+        if ran:
+            for c in plan.prefills:
+                if c.request.first_scheduled_time is None:
+                    c.request.first_scheduled_time = start
             outputs += self._execute(plan)
         elapsed = time.perf_counter() - t0
         if plan.num_prefill_tokens >= (self.config.scheduler.token_budget - len(plan.decodes)) // 2:
@@ -129,6 +161,7 @@ class LLMEngine:
             self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
         self._decode_rate.observe(len(plan.decodes), elapsed)
         self._count(plan, elapsed, t1 - t0)
+        self._record(plan, start, gap, ran or bool(plan.preempted))
         return outputs
 
     def cancel(self, request_id: str) -> bool:
@@ -174,7 +207,13 @@ class LLMEngine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
             prefill_tokens_per_s=self.scheduler.prefill_rate.rate or 0.0,
             decode_tokens_per_s=self._decode_rate.rate or 0.0, last_step_s=self._last[0],
-            last_schedule_s=self._last[1], last_prepare_s=self._last[2], **self._counters)
+            last_schedule_s=self._last[1], last_prepare_s=self._last[2],
+            oldest_queued_s=self._oldest_queued_s(), tenants=self.scheduler.tenant_shares(),
+            **self._counters)
+
+    def _oldest_queued_s(self) -> float:
+        arrival = self.scheduler.oldest_queued_arrival()
+        return 0.0 if arrival is None else max(0.0, self.clock() - arrival)
 
     # ------------------------------------------------- disaggregated roles' API
     def reserve_remote(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -202,6 +241,8 @@ class LLMEngine:
         if request_id not in self._states:
             raise UnknownRequestError(request_id)
         req = self.scheduler.kv_arrived(request_id, first_token)
+        if self._ready_since is None:
+            self._ready_since = self.clock()
         self._states[request_id].seed_first_token(first_token)  # the prefill worker streamed it
         if req.is_finished:
             self._pending.append(self._delta(req))
@@ -285,6 +326,25 @@ class LLMEngine:
         self._counters["rejections"] += len(plan.rejected)
         prep = self._chunk_build_s + self.runner.last_prepare_s if plan.chunks else 0.0
         self._last = (step_s, sched_s, prep)
+
+    def _record(self, plan: SchedulerOutput, start: float, gap: float, ran: bool) -> None:
+        """Set last_step (None for a step that only flushed outputs) and when work next waits
+        from: this step's end if work is left, else (idle) its next arrival."""
+        end = self.clock()
+        self.last_step = StepRecord(
+            prefill_tokens=plan.num_prefill_tokens, decode_tokens=len(plan.decodes),
+            num_prefill_seqs=len(plan.prefills), num_decode_seqs=len(plan.decodes),
+            duration_s=end - start, gap_s=gap,
+            # a decode chunk attends over its whole context: positions [0, start_pos] inclusive
+            kv_read_bytes=sum(c.start_pos + 1 for c in plan.decodes) * self.kv_bytes_per_token,
+            prefix_queries=plan.prefix_queries, prefix_hits=plan.prefix_hits,
+            preemptions=len(plan.preempted),
+            prefill_chunks=[(c.request.request_id, c.num_tokens) for c in plan.prefills],
+        ) if ran else None
+        if not self.has_unfinished():
+            self._ready_since = None
+        elif ran or self._ready_since is None:
+            self._ready_since = end
 
 
 def clamp_to_output_cap(params: SamplingParams, cls) -> SamplingParams:

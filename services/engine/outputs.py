@@ -27,6 +27,11 @@ class RequestOutput:
     num_output_tokens: int = 0
     block_ids: list[int] | None = None    # prefilled: the request's KV blocks in position order,
                                           # for the prefill worker to ship (no second ask)
+    # On the output carrying the request's first token, when this engine computed its prompt
+    # (None otherwise, e.g. a decode-role request whose prompt was prefilled elsewhere), seconds
+    # on the engine's clock: arrival -> first scheduled, first scheduled -> first token sampled.
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass
@@ -112,6 +117,8 @@ class OutputState:
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             error=req.reject_reason, retry_after_s=req.retry_after_s,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens)
+        if self.emitted_tokens == 0 and req.num_output_tokens > 0:
+            out.queue_s, out.prefill_s = first_token_times(req)
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and (
                 req.num_output_tokens > 0 or finished):
             out.prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
@@ -119,3 +126,12 @@ class OutputState:
         self.emitted_chars = max(visible, self.emitted_chars)
         self.pending_logprobs = []
         return out
+
+
+def first_token_times(req: Request) -> tuple[float | None, float | None]:
+    """(queue_s, prefill_s) of a request that has its first token; (None, None) when this engine
+    never scheduled its prompt."""
+    if req.first_scheduled_time is None or req.first_token_time is None:
+        return None, None
+    return (req.first_scheduled_time - req.arrival_time,
+            req.first_token_time - req.first_scheduled_time)

@@ -47,6 +47,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)   # prompt + output
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
+    first_scheduled_time: float | None = None   # start of the step that gave it its first chunk
     first_token_time: float | None = None
     stop_reason: str | int | None = None   # the stop string or token that ended it
     reject_reason: str | None = None

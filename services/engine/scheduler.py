@@ -68,6 +68,8 @@ class SchedulerOutput:
     rejected: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     attention_left: float = math.inf   # (query, key) pairs prefill chunks may still attend over
+    prefix_queries: int = 0   # tokens of the requests admitted this iteration looked up in ...
+    prefix_hits: int = 0      # ... the prefix cache, and how many of them it held
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -175,7 +177,7 @@ class Scheduler:
         for req in list(self.queues[cls].get(tenant, ())):
             if used >= max_tokens:
                 break
-            if req.status != Status.RUNNING and not self._admit(req):
+            if req.status != Status.RUNNING and not self._admit(req, out):
                 break                      # FCFS: the tenant's head waits for capacity or caps
             prev = out.prefill_of(req)
             have = prev.num_tokens if prev else 0
@@ -215,8 +217,10 @@ class Scheduler:
         return ScheduledChunk(req, start, n, start + n == req.num_tokens, rows)
 
     # ----------------------------------------------------------- admission/KV
-    def _admit(self, req: Request) -> bool:
-        """Reserve prompt + bounded output (minus prefix-cache hits). All or nothing."""
+    def _admit(self, req: Request, out: SchedulerOutput) -> bool:
+        """Reserve prompt + bounded output (minus prefix-cache hits). All or nothing. Only an
+        admission counts its prefix lookup in `out` (a request refused for capacity looks up
+        again next iteration)."""
         if len(self.running) >= self.config.max_running:
             return False
         hits = self._prefix_hits(req)
@@ -227,6 +231,9 @@ class Scheduler:
             return False
         req.num_computed_tokens = len(hits) * self.block_size
         req.num_registered_blocks = len(hits)
+        if self._looks_up_prefix(req):
+            out.prefix_queries += req.num_tokens
+            out.prefix_hits += req.num_computed_tokens
         self.running[req.request_id] = req
         self._hold(req, Status.RUNNING)
         return True
@@ -234,11 +241,14 @@ class Scheduler:
     def _prefix_hits(self, req: Request) -> list[int]:
         """Cached blocks of this tenant matching the request's leading full blocks. At least one
         token is always left to compute (its logits are needed)."""
-        if not self.prefix_caching or req.params.prompt_logprobs is not None:
+        if not self._looks_up_prefix(req):
             return []
         usable = (req.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(req, usable)
         return self.pool.lookup_prefix(hashes)
+
+    def _looks_up_prefix(self, req: Request) -> bool:
+        return self.prefix_caching and req.params.prompt_logprobs is None
 
     def _ensure_slots(self, req: Request, upto_tokens: int, out: SchedulerOutput) -> bool:
         """Give `req` blocks for positions [0, upto_tokens). Under `reserve` the reservation
@@ -449,3 +459,20 @@ class Scheduler:
     def num_queued(self) -> int:
         return sum(1 for qs in self.queues.values() for q in qs.values() for r in q
                    if r.status != Status.RUNNING)
+
+    def oldest_queued_arrival(self) -> float | None:
+        """Arrival time of the longest-waiting request not yet admitted (queued or preempted)."""
+        return min((r.arrival_time for qs in self.queues.values() for q in qs.values() for r in q
+                    if r.status != Status.RUNNING), default=None)
+
+    def tenant_shares(self) -> list[tuple[str, int, int]]:
+        """(tenant, sequences holding KV, KV blocks held or reserved) per tenant holding any,
+        largest KV first. Sequences awaiting KV (decode role) and prefilled ones awaiting export
+        count: their blocks are taken. A prefix block shared by several counts for each."""
+        shares = []
+        for tenant, ids in self.holding.items():
+            if ids:
+                blocks = sum(self.pool.held(i) + self.pool.reserved(i) for i in ids)
+                shares.append((tenant, len(ids), blocks))
+        shares.sort(key=lambda s: (-s[2], -s[1], s[0]))
+        return shares

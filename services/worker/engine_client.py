@@ -1,6 +1,6 @@
 """The server process's handle on its engine core (services/worker/engine_core.py).
 
-    client = EngineClient(config, on_failure=...)
+    client = EngineClient(config, on_failure=..., on_step=...)
     await client.start()                  spawn the core, wait for Ready, map its KV memory
     stream = client.stream(rid)           open BEFORE adding, so no output can be missed
     await client.add_request(rid, ...)    typed commands; each await resolves with the core's reply
@@ -11,6 +11,8 @@
 Everything runs on the asyncio loop: one reader task decodes the core's messages (replies resolve
 the futures of pending calls; each step's outputs are routed to the open streams) and the core
 process is watched with loop.add_reader on its pidfd. No threads, no GIL choreography.
+`on_step(StepStats)` runs on the loop for every step that ran the model, before that step's
+outputs are routed (telemetry: batch composition, gaps, KV read volume, prefix-cache lookups).
 
 The core is `python -m services.worker.engine_core RUN_DIR` (a fresh interpreter: nothing of the
 server's main module is re-imported, as multiprocessing's spawn would). Its stdin carries the
@@ -47,7 +49,8 @@ from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.worker import engine_core as core
 from services.worker.engine_core import (ENCODER, REPLY_DECODER, CallFailed, Cancelled,
-                                         Done, Failure, Ready, Reserved, Stats, StepOutputs)
+                                         Done, Failure, Ready, Reserved, Stats, StepOutputs,
+                                         StepStats)
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +121,20 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
         error=last.error, retry_after_s=last.retry_after_s,
         prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
-        block_ids=last.block_ids)
+        block_ids=last.block_ids,
+        queue_s=next((o.queue_s for o in outs if o.queue_s is not None), None),
+        prefill_s=next((o.prefill_s for o in outs if o.prefill_s is not None), None))
 
 
 class EngineClient:
     def __init__(self, config: EngineConfig, *,
                  on_failure: Callable[[EngineFailed], None] | None = None,
+                 on_step: Callable[[StepStats], None] | None = None,
                  torch_threads: int = 0, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.config = config
         self.failure: EngineFailed | None = None
         self._on_failure = on_failure
+        self._on_step = on_step
         self._torch_threads = torch_threads
         self._start_timeout_s = start_timeout_s
         self._ids = itertools.count(core.NO_REPLY + 1)
@@ -325,6 +332,8 @@ class EngineClient:
 
     def _dispatch(self, msg: core.Reply) -> None:
         if isinstance(msg, StepOutputs):
+            if msg.step is not None and self._on_step is not None:
+                self._step_observed(msg.step)
             self._route(msg.outputs)
         elif isinstance(msg, Failure):
             self._core_failed(msg)
@@ -335,6 +344,13 @@ class EngineClient:
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+
+    def _step_observed(self, step: StepStats) -> None:
+        """Telemetry never breaks serving: a failing on_step is logged, the outputs still go."""
+        try:
+            self._on_step(step)
+        except Exception:  # noqa: BLE001
+            log.exception("engine client: on_step failed")
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

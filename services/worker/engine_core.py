@@ -14,7 +14,8 @@ Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineCli
      (services/worker/faults.py), send Ready (where the KV memory is).
   2. loop: run every queued command (each answered with its typed reply; a command that raises
      is answered with CallFailed and the core goes on), then step() while there is work, sending
-     each step's outputs in ONE StepOutputs message; block on the sockets when idle.
+     each step's outputs and its StepStats in ONE StepOutputs message (a step that ran the model
+     sends one even without outputs); block on the sockets when idle.
   3. Shutdown -> exit 0. The server process gone (stdin, which the server keeps open and never
      writes to again, reaches EOF) -> remove the run directory the server could not, exit 0.
      Any exception out of step() or the loop -> Failure (type + text + traceback), exit 1.
@@ -46,7 +47,7 @@ import torch
 import zmq
 
 from services.engine.config import EngineConfig
-from services.engine.engine import EngineStats, LLMEngine
+from services.engine.engine import EngineStats, LLMEngine, StepRecord
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.worker import faults
@@ -116,10 +117,34 @@ class Ready(msgspec.Struct, tag=20, array_like=True):
     kv_dtype: str                 # torch dtype name without "torch."
 
 
+class StepStats(msgspec.Struct, array_like=True):
+    """What one engine step that ran the model did (LLMEngine.last_step on the wire). Seconds on
+    the core's clock (time.monotonic)."""
+    prefill_tokens: int
+    decode_tokens: int            # one per decoding sequence
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    duration_s: float
+    gap_s: float                  # idle before this step while work waited (0 back to back)
+    kv_read_bytes: int            # sum over decode sequences of context x KV bytes per token
+    prefix_queries: int           # prompt tokens of the requests admitted this step looked up in
+    prefix_hits: int              # the prefix cache / found there
+    preemptions: int
+    prefill_chunks: list[tuple[str, int]] = []   # (request id, tokens) per prefill chunk
+
+    @classmethod
+    def of(cls, r: StepRecord) -> StepStats:
+        return cls(r.prefill_tokens, r.decode_tokens, r.num_prefill_seqs, r.num_decode_seqs,
+                   r.duration_s, r.gap_s, r.kv_read_bytes, r.prefix_queries, r.prefix_hits,
+                   r.preemptions, r.prefill_chunks)
+
+
 class StepOutputs(msgspec.Struct, tag=21, array_like=True):
-    """Everything one step() produced, for every request, in one message."""
+    """Everything one step() produced, for every request, in one message. Sent for every step
+    that produced outputs or ran the model (a mid-prompt prefill chunk has stats, no outputs)."""
     outputs: list[RequestOutput]
     sent_at_s: float              # time.monotonic() at send (one clock for the whole host)
+    step: StepStats | None = None  # None: the step only flushed outputs (cancelled, rejected)
 
 
 class Done(msgspec.Struct, tag=22, array_like=True):
@@ -233,8 +258,10 @@ class EngineCore:
                 return
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
-                if outputs:
-                    self.send(StepOutputs(outputs, time.monotonic()))
+                record = self.engine.last_step
+                if outputs or record is not None:
+                    step = StepStats.of(record) if record is not None else None
+                    self.send(StepOutputs(outputs, time.monotonic(), step))
 
     def _drain(self) -> bool:
         """Run every queued command; False on Shutdown."""

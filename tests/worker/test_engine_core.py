@@ -18,7 +18,7 @@ from services.engine.errors import (DuplicateRequestError, EmptyPromptError, Inv
                                     UnknownRequestError)
 from services.engine.sampling_params import SamplingParams
 from services.worker.engine_client import EngineCallError, EngineClient, EngineFailed
-from services.worker.engine_core import Done
+from services.worker.engine_core import Done, StepStats
 from services.worker.faults import ENGINE_STEP
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -118,6 +118,51 @@ def test_cancel_frees_the_requests_pages_and_errors_come_back_typed(tiny_model_d
     assert ended[-1].finished and ended[-1].finish_reason == "abort"
     assert after.kv_blocks_used == 0 and after.num_running == 0
     assert isinstance(empty, InvalidRequestError) and empty.code == "empty_prompt" and empty.message
+
+
+def test_on_step_gets_every_steps_stats_and_the_first_token_its_times(tiny_model_dir):
+    steps: list[StepStats] = []
+
+    async def scenario(client: EngineClient):
+        stream = client.stream("r3")
+        await client.add_request("r3", PROMPT, GREEDY, None, None)
+        outs = await collect(stream)
+        seen_by_then = list(steps)             # on_step ran before the last outputs were routed
+        long = client.stream("long")
+        await client.add_request("long", PROMPT, LONG, None, None)
+        await asyncio.wait_for(long.next(), DEADLINE_S)              # it is decoding
+        stats = await client.stats()
+        await client.cancel("long")
+        return outs, seen_by_then, stats
+
+    cfg = config(tiny_model_dir, token_budget=8, chunk_size=8, max_running=8)   # chunks 8, 8, 4
+    outs, seen, stats = with_core(cfg, scenario, on_step=steps.append)
+    assert all(isinstance(s, StepStats) for s in seen)
+    assert [s.prefill_tokens for s in seen if s.prefill_tokens] == [8, 8, 4]   # no outputs for 2
+    assert sum(s.decode_tokens for s in seen) == GREEDY.max_tokens - 1   # the prefill samples one
+    assert all(s.duration_s >= 0 and s.gap_s >= 0 and s.preemptions == 0 for s in seen)
+    decode_reads = [s.kv_read_bytes for s in seen if s.decode_tokens]
+    assert decode_reads == sorted(decode_reads) and decode_reads[0] > 0    # the context grows
+    first = next(o for o in outs if o.new_token_ids)
+    assert first.queue_s is not None and first.queue_s >= 0 and first.prefill_s > 0
+    assert all(o.queue_s is None for o in outs if o is not first)
+    assert stats.oldest_queued_s == 0.0                                    # nothing waits
+    (tenant, sequences, kv_blocks), = stats.tenants
+    assert (tenant, sequences) == ("default", 1) and kv_blocks > 0
+
+
+def test_an_on_step_that_raises_is_logged_and_the_outputs_still_arrive(tiny_model_dir, caplog):
+    def broken(_: StepStats) -> None:
+        raise RuntimeError("dashboard down")
+
+    async def scenario(client: EngineClient):
+        stream = client.stream("r4")
+        await client.add_request("r4", PROMPT, GREEDY, None, None)
+        return await collect(stream)
+
+    outs = with_core(config(tiny_model_dir), scenario, on_step=broken)
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 12
+    assert "on_step failed" in caplog.text
 
 
 class MalformedAdd(msgspec.Struct, tag=1, array_like=True):    # AddRequest's tag, bad fields
