@@ -16,6 +16,14 @@ decode_s as the workers report them; ttft_s = received -> first token sent; e2e_
 now (the final chunk). The phases are disjoint intervals inside [received, final chunk], so
 queue + prefill + transfer + decode <= e2e and ttft <= e2e.
 
+Outcomes (kvfleet_requests_total): finished (its last chunk, stop or length, was sent);
+cancelled (the client cancelled or went away); error (a failure after a token was sent, or
+shutdown); rejected (refused before any token: bad input, quota, the router's refusal, a worker
+that failed first). A rejection is counted by reason: the CallStatus reason name for the fleet's
+refusals (its `stage` the OverloadStage name; always S0_NORMAL until overload stages exist),
+quota_streams|quota_requests|quota_tokens|quota_too_large|quota_unavailable for the quotas
+(stage "none"), else the error's code (invalid_request, invalid_api_key, ...; stage "none").
+
 Cost: with tracing off no span is made (`span` is None); metric children are looked up once per
 request (`_Children`), so a token costs two float subtractions and one histogram observation.
 """
@@ -101,6 +109,7 @@ class RequestTelemetry:
         self.tokens = 0                           # tokens sent to the client
         self.phases = [0.0, 0.0, 0.0, 0.0]        # the workers' queue, prefill, transfer, decode
         self.finish_reason = ""
+        self.active = False                       # counted in kvfleet_tenant_active_requests
         self.ended = False
 
     @property
@@ -142,6 +151,7 @@ class RequestTelemetry:
     def opened(self) -> None:
         """Quota admitted: the request is active until it ends."""
         self._children.active.inc()
+        self.active = True
 
     def admitted(self, plan: pb.Plan | None, at: float | None) -> None:
         """The router answered (its plan, or None when it refused)."""
@@ -222,9 +232,10 @@ class RequestTelemetry:
         if outcome == "rejected" and error is not None:
             m.rejections.labels(error.reason or error.code or "error",
                                 error.stage or self.stage, cls).inc()
+        if self.active:
+            self._children.active.dec()
         if self._children is not None:
             if outcome != "rejected":
-                self._children.active.dec()
                 m.prompt_tokens.labels(tenant, cls).inc(prompt_tokens)
             m.generation_tokens.labels(tenant, cls).inc(self.tokens)
         if outcome == "finished":

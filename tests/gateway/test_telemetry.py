@@ -28,7 +28,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.state.fleet_state import FleetState
 from services.telemetry import tracing
 from tests.gateway.gateway_helpers import (KEYS, InProcessGateway, bearer, metric, openai_error,
-                                           scrape)
+                                           scrape, start_gateway)
 
 TIMING = ("queue_s", "prefill_s", "transfer_s", "decode_s", "ttft_s", "e2e_s")
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -126,11 +126,25 @@ def test_the_gateway_registers_itself_with_its_metrics_url(gateway, fleet):
     async def gateways():
         async with FleetState(fleet.redis_url) as state:
             return await state.live_services("gateway")
-    records = asyncio.run(gateways())
-    mine = [r for r in records if r.address == gateway.http]
-    assert len(mine) == 1 and mine[0].pid > 0
-    assert mine[0].metrics_url == f"http://{gateway.http}/metrics"
-    assert httpx.get(mine[0].metrics_url).status_code == 200
+
+    def records():
+        return [r for r in asyncio.run(gateways()) if r.address == gateway.http]
+    assert wait_until(lambda: len(records()) == 1, 5)
+    (record,) = records()
+    assert record.pid > 0 and record.service_id.startswith("gw-")
+    assert record.metrics_url == f"http://{gateway.http}/metrics"
+    assert httpx.get(record.metrics_url).status_code == 200
+
+
+def test_a_gateway_that_stops_takes_its_record_out_of_redis(fleet, tiny_model_dir, configs):
+    async def addresses():
+        async with FleetState(fleet.redis_url) as state:
+            return {r.address for r in await state.live_services("gateway")}
+    second = start_gateway(fleet, str(tiny_model_dir), "gateway-2", "--config", configs[0],
+                           "--api-keys", configs[1])
+    assert wait_until(lambda: second.http in asyncio.run(addresses()), 5)   # its first beat
+    fleet.launcher.stop("gateway-2")             # SIGTERM: a clean shutdown
+    assert second.http not in asyncio.run(addresses())
 
 
 # ------------------------------------------------------------------------------ traces

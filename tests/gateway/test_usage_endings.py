@@ -183,3 +183,18 @@ def test_a_stream_whose_worker_dies_is_charged_what_was_sent(mortal):
     assert 3 <= sent < 2000
     assert ledger.settles_at(sent), (sent, ledger.charged())
     assert metric(scrape(gw.http), "kvfleet_requests_total", tenant="acme", outcome="error") == 1
+
+    # with no worker left the router refuses the next request: a rejection by its reason and
+    # stage, and no request is left counted as active
+    assert wait_until(lambda: fleet.router_stub().Health(pb.HealthRequest()).status ==
+                      pb.HealthResponse.NOT_SERVING, 5)
+    with httpx.Client(base_url=f"http://{gw.http}", headers=bearer("acme"), timeout=30) as c:
+        assert c.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT}
+                      ).status_code == 503
+    samples = scrape(gw.http)
+    assert metric(samples, "kvfleet_rejections_total", reason="UNAVAILABLE",
+                  stage="S0_NORMAL", traffic_class="interactive") == 1
+    assert metric(samples, "kvfleet_requests_total", tenant="acme", outcome="rejected") == 1
+    assert metric(samples, "kvfleet_tenant_active_requests", tenant="acme") == 0
+    # no generated token is charged for it; its prompt was, at quota admission (quota.py)
+    assert ledger.charged() == (sent + len(PROMPT), sent)
