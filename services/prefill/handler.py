@@ -49,8 +49,8 @@ class PrefillRole:
         return len(self._writes)
 
     async def prefill(self, request: pb.PrefillRequest, context) -> AsyncIterator[pb.PrefillReply]:
-        """The call's `prefill` span runs from receipt to the first token (under the caller's
-        trace context); the KV write gets a `kv_transfer` span of its own (_ship)."""
+        """The call's `prefill` span runs from receipt to the first token sent (under the
+        caller's trace context); the KV write gets a `kv_transfer` span of its own (_ship)."""
         rid, tel = request.request_id, self.telemetry
         parent = tracing.incoming(context) if context is not None else None
         span = tel.start_span("prefill", parent, request, self.engine.model, SpanKind.SERVER)
@@ -71,14 +71,16 @@ class PrefillRole:
                 if failure is not None:
                     await status.abort(context, ending.failed(failure))
                 chunk = chunk_from_output(out, self.config.worker_id)
-                if out.new_token_ids and span_open:   # the first token: the prefill is over
+                is_first = out.new_token_ids and span_open
+                if is_first:
                     first_token_timing(chunk, out)
                     tel.queued(out.queue_s)
                     tel.prefilled(rid)
+                yield pb.PrefillReply(chunk=chunk)
+                if is_first:                       # the first token is sent: the prefill is over
                     end_span(span, output_tokens=out.num_output_tokens,
                              finish_reason=out.finish_reason if out.finished else None)
                     span_open = False
-                yield pb.PrefillReply(chunk=chunk)
                 if prefilled:
                     first, blocks = chunk, out.block_ids
                     break

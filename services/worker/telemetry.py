@@ -10,7 +10,7 @@ Where each metric comes from:
   KV          `kv_moved` / `kv_failed`: the prefill side counts bytes sent, the decode side bytes
               landed (direction sent | received)
 
-Spans (DESIGN 7; one trace per request): `prefill` (call receipt -> first token, under the
+Spans (DESIGN 7; one trace per request): `prefill` (call receipt -> first token sent, under the
 Prefill call's context), `kv_transfer` (write start -> over), `decode` (KV landed -> last token,
 under the Reserve call's context), `generate` (a mixed worker: call receipt -> last token). A
 prefill (or generate) span gets one `chunk` event per engine prefill chunk of its request, with
