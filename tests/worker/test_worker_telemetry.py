@@ -244,7 +244,9 @@ def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_mo
         assert kv.parent.span_id == p.context.span_id
 
         # in order: prefill to the first token, then the write, then decode from the landing
-        assert p.end_time <= kv.start_time <= kv.end_time <= d.start_time <= d.end_time
+        # (which the decode worker may see before the writer has the target's last reply)
+        assert p.end_time <= kv.start_time < d.start_time < d.end_time
+        assert kv.start_time < kv.end_time
         assert [e.attributes[CHUNK_TOKENS] for e in p.events if e.name == "chunk"] == [32, 32, 2]
         assert kv.attributes[tracing.KV_BYTES] > 0 and kv.attributes[tracing.KV_BACKEND] == "tcp"
         assert kv.attributes[tracing.KV_CHECKSUM] == "off"
