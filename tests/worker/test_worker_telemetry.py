@@ -4,6 +4,7 @@ A prefill and a decode worker (each a WorkerServicer over real gRPC on 127.0.0.1
 a real process on the tiny model, KV over tcp between their pools) serve one disaggregated request
 the way the gateway drives it: Reserve on the decode worker, Prefill with the reservation as its
 target, then a DecodeStream subscription. Then:
+  - a live reservation shows as its tenant's share (WorkerStats.tenants, the tenant gauges);
   - each worker's /metrics (found through WorkerStats.metrics_url) shows the KV it sent or
     received, its steps by phase, its busy time and its KV blocks;
   - the first chunk says how long the request queued and prefilled, the last how long its KV
@@ -185,6 +186,18 @@ def test_a_disaggregated_request_shows_in_both_workers_metrics_and_in_its_chunks
         prefill = await start_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
         decode = await start_worker(str(tiny_model_dir), "decode")
         try:
+            # a reservation is a tenant's share of the decode worker, in its stats and /metrics
+            held = await decode.stub.Reserve(pb.ReserveRequest(
+                request_id="m-0", tenant="default", prompt_token_ids=PROMPT, params=params()))
+            stats = await decode.stub.Stats(pb.StatsRequest())
+            assert [(t.tenant, t.sequences, t.kv_blocks) for t in stats.tenants] == \
+                [("default", 1, len(held.target.block_ids))]
+            samples = await scrape(decode)
+            assert value(samples, "kvfleet_tenant_sequences", tenant="default") == 1
+            assert value(samples, "kvfleet_tenant_kv_blocks", tenant="default") == 5
+            await decode.stub.Cancel(pb.CancelRequest(request_id="m-0"))
+            assert value(await scrape(decode), "kvfleet_tenant_sequences", tenant="default") == 0
+
             chunks, client_s = await disaggregated(prefill, decode, "m-1")
             assert [len(c.token_ids) for c in chunks][:1] == [1]
             assert sum(len(c.token_ids) for c in chunks) == MAX_TOKENS
@@ -214,6 +227,7 @@ def test_a_disaggregated_request_shows_in_both_workers_metrics_and_in_its_chunks
                 assert value(samples, "kvfleet_kv_blocks", state="total") > 0
             assert value(sent, "kvfleet_worker_requests_total", outcome="handed_off") == 1
             assert value(received, "kvfleet_worker_requests_total", outcome="finished") == 1
+            assert value(received, "kvfleet_worker_requests_total", outcome="cancelled") == 1
         finally:
             await prefill.close()
             await decode.close()
