@@ -26,6 +26,7 @@ as the `x-kvfleet-timing` header (compact JSON).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable
@@ -53,13 +54,20 @@ CLIENT_CLOSED = 499   # nginx's status for "client closed the request"; nobody r
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
 
 
+# Recent FastAPI makes HTTP server spans (and OTel metrics) of its own whenever a tracer provider
+# is installed: off, since the gateway's SERVER span is `gateway.request`, the root of the
+# request's trace under the client's traceparent (a second root would split the trace).
+_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 class ClientGone(Exception):
     pass
 
 
 def create_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="kvfleet gateway", docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+                  openapi_url="/openapi.json", **_NO_NATIVE_TELEMETRY)
     started = int(time.time())
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(ClientGone, _client_gone)
@@ -137,14 +145,16 @@ async def _generate(core: GatewayCore, request: Request, model_cls, build, prefi
 
 async def _generation(core: GatewayCore, request: Request, model_cls, build, prefix: str,
                       telemetry: RequestTelemetry) -> Response:
+    request_id = new_request_id(prefix)
     with telemetry.phase("gateway.auth"):
         key = core.authenticate(request.headers.get("authorization"))
+        telemetry.named(request_id, key.tenant, key.traffic_class)
     with telemetry.phase("gateway.validate"):
         body = await read_body(request, core.config.max_body_bytes)
         req = schema.parse(model_cls, body)
         cls = core.config.traffic_class(key.traffic_class)
         gen, plan = await build_generation(len(body), build, req, key, cls, core.validator,
-                                           new_request_id(prefix))
+                                           request_id)
     session = await core.open(gen, telemetry, plan.request_id)
     shaper = Shaper(plan, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,

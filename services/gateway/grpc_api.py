@@ -90,8 +90,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             _check_decoded(request)            # before the key, as for every method
             with telemetry.phase("gateway.auth"):
                 key = self._authenticate(context)
+                rid = internal_request_id(request.request_id, key.tenant) or new_request_id("cmpl")
+                telemetry.named(rid, key.tenant, key.traffic_class)
             with telemetry.phase("gateway.validate"):
-                gen = await build_generation(request.ByteSize(), self._generation, request, key)
+                gen = await build_generation(request.ByteSize(), self._generation, request, key,
+                                             rid)
             session = await self.core.open(gen, telemetry, request.request_id or gen.request_id)
         except errors.GatewayError as e:
             telemetry.rejected(e)
@@ -147,7 +150,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         except errors.GatewayError as e:
             await _abort(context, e)
 
-    def _generation(self, request: pb.GenerateRequest, key: ApiKey) -> Generation:
+    def _generation(self, request: pb.GenerateRequest, key: ApiKey, rid: str) -> Generation:
         """Validate and tokenize (in a thread for a large request: tokenizing a long prompt takes
         a while)."""
         v = self.core.validator
@@ -160,7 +163,6 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
             raise errors.bad_request("request_id must be 1-128 characters of [A-Za-z0-9._:-]",
                                      "request_id")
-        rid = internal_request_id(request.request_id, key.tenant) or new_request_id("cmpl")
         which = request.WhichOneof("prompt")
         if which is None:
             raise errors.bad_request("missing prompt: set text or token_ids", "prompt")

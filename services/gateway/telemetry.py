@@ -90,12 +90,15 @@ class RequestTelemetry:
         self.received = time.monotonic()
         self.span: trace.Span | None = None
         self.context = None                       # the span's context, for outgoing calls
+        # what every gateway span of this request carries (more once the key is read: `named`)
+        self._common: dict[str, str] = {}
         if tracing.on():
+            self._common = {tracing.REQUEST_MODEL: tel.model, tracing.REPLICA: tel.replica,
+                            tracing.QUALITY_VERSION: tel.quality_version}
             self.span = tracing.tracer.start_span(
                 "gateway.request", context=tracing.from_metadata(carrier), kind=SpanKind.SERVER,
                 attributes={tracing.OPERATION: operation, tracing.PROVIDER: tracing.PROVIDER_NAME,
-                            tracing.REQUEST_MODEL: tel.model, tracing.REPLICA: tel.replica,
-                            tracing.QUALITY_VERSION: tel.quality_version})
+                            **self._common})
             self.context = trace.set_span_in_context(self.span)
         self.tenant = ""                          # the bounded label, once the key is known
         self.cls: TrafficClass | None = None
@@ -120,7 +123,8 @@ class RequestTelemetry:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """A child span (gateway.auth, gateway.validate, gateway.quota) around a block; a
-        GatewayError leaving it marks it failed. Nothing when tracing is off."""
+        GatewayError leaving it marks it failed. It carries the request's common attributes as
+        known when it ends (`named`). Nothing when tracing is off."""
         if self.span is None:
             yield
             return
@@ -132,6 +136,16 @@ class RequestTelemetry:
             except Exception as e:
                 span.set_status(Status(StatusCode.ERROR, str(e)))
                 raise
+            finally:
+                span.set_attributes(self._common)
+
+    def named(self, request_id: str, tenant: str, traffic_class: str) -> None:
+        """The key is read: the request's id, tenant and class, on every span from here on
+        (and on the span of the block that learned them, if called inside `phase`)."""
+        if self.span is not None:
+            self._common.update({tracing.REQUEST_ID: request_id, tracing.TENANT: tenant,
+                                 tracing.TRAFFIC_CLASS: traffic_class})
+            self.span.set_attributes(self._common)
 
     # ----------------------------------------------------------------- steps
     def identify(self, request_id: str, response_id: str, tenant: str, cls: TrafficClass,

@@ -189,9 +189,13 @@ def test_a_traced_request_continues_the_clients_trace_and_names_it_in_the_respon
     request = spans["gateway.request"]
     assert format(request.parent.span_id, "016x") == PARENT_SPAN
     assert request.kind == trace.SpanKind.SERVER
+    attrs = request.attributes
     for child in ("gateway.auth", "gateway.validate", "gateway.quota"):
         assert spans[child].parent.span_id == request.context.span_id
-    attrs = request.attributes
+        # every span names the request, its tenant and class, and the gateway that served it
+        assert spans[child].attributes[tracing.REQUEST_ID] == attrs[tracing.REQUEST_ID]
+        assert spans[child].attributes[tracing.TENANT] == "acme"
+        assert spans[child].attributes[tracing.REPLICA] == attrs[tracing.REPLICA]
     assert attrs[tracing.OPERATION] == "text_completion"
     assert attrs[tracing.TENANT] == "acme" and attrs[tracing.TRAFFIC_CLASS] == "interactive"
     assert attrs[tracing.OUTPUT_TOKENS] == 3 and attrs[tracing.MAX_TOKENS] == 3
