@@ -109,8 +109,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             while chunk is not None:
                 chunk.request_id = request.request_id or gen.request_id
                 if chunk.finished:
-                    chunk.timing.CopyFrom(telemetry.timing_pb())
-                    context.set_trailing_metadata(((TIMING_HEADER, telemetry.timing_json()),))
+                    timing = telemetry.timing()
+                    chunk.timing.CopyFrom(telemetry.timing_pb(timing))
+                    context.set_trailing_metadata(
+                        ((TIMING_HEADER, telemetry.timing_json(timing)),))
                 else:
                     chunk.ClearField("timing")
                 yield chunk

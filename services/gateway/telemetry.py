@@ -219,14 +219,14 @@ class RequestTelemetry:
                 "ttft_s": (self.first_at if self.first_at is not None else now) - self.received,
                 "e2e_s": now - self.received}
 
-    def timing_pb(self) -> pb.RequestTiming:
-        t = self.timing()
+    @staticmethod
+    def timing_pb(t: dict[str, float]) -> pb.RequestTiming:
         return pb.RequestTiming(queue_s=t["queue_s"], prefill_s=t["prefill_s"],
                                 transfer_s=t["transfer_s"], decode_s=t["decode_s"])
 
-    def timing_json(self, timing: dict[str, float] | None = None) -> str:
-        return json.dumps({k: round(v, 6) for k, v in (timing or self.timing()).items()},
-                          separators=(",", ":"))
+    @staticmethod
+    def timing_json(t: dict[str, float]) -> str:
+        return json.dumps({k: round(v, 6) for k, v in t.items()}, separators=(",", ":"))
 
     # ----------------------------------------------------------------- end
     def rejected(self, error) -> None:
