@@ -4,11 +4,10 @@ The story: `kvfleet up` starts a disaggregated fleet (gateway, router, one prefi
 worker, embedded Redis) with two tenants' API keys; a Prometheus on loopback runs the repo's own
 prometheus.yml and alerts.yml (1-s intervals), its targets the file `kvfleet status
 --prometheus-sd` writes from the fleet's Redis (every worker's WorkerStats.metrics_url, every
-gateway's and router's ServiceRecord). A short load runs:
-streamed requests from two tenants in two classes (one a long document), one cancelled stream,
-requests refused by a tenant's quota, and one long stream still running while the queries are
-asked. Then every
-dashboard target, dashboard variable, recording rule and alert operand must parse and return at
+gateway's and router's ServiceRecord). A short load runs: streamed requests from two tenants in
+two classes (one a long document), one cancelled stream, requests refused by a tenant's quota,
+and one long stream still running while the queries are asked. Then every dashboard target,
+dashboard variable, recording rule and alert operand must parse and return at
 least one series: a metric renamed, dropped or never wired into a service fails here.
 """
 from __future__ import annotations
