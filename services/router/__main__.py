@@ -48,11 +48,13 @@ async def serve(args: argparse.Namespace) -> int:
     record = service_record(args.router_id, "router", f"{args.host}:{port}",
                             metrics.url if metrics else "")
     beat = asyncio.create_task(beat_forever(state, record, limits.heartbeat_s,
-                                            limits.heartbeat_ttl_s, log))
+                                            limits.heartbeat_ttl_s, log, outage=servicer.redis))
+    watch = asyncio.create_task(servicer.watch_workers(limits.heartbeat_s))
     if metrics:
         print(f"METRICS router {metrics.url}", flush=True)
     print(f"READY router {args.host}:{port}", flush=True)
     await wait_for_stop_signal()
+    watch.cancel()
     await stop_beating(beat, state, args.router_id, log)
     await server.stop(grace=limits.shutdown_grace_s)
     await servicer.close()

@@ -147,6 +147,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         finally:
             self._refreshing = None
 
+    async def watch_workers(self, every_s: float) -> None:
+        """Re-read the worker list every `every_s` while no request does, so that the live-workers
+        gauge (and the no-ready-workers alert on it) follows the fleet on an idle router too.
+        Runs until cancelled; a failed read waits for the next period (Outage logs it once)."""
+        while True:
+            await asyncio.sleep(every_s)
+            if time.monotonic() - self._workers[0] >= every_s and self._refreshing is None:
+                await self._refresh_workers()
+
     async def Admit(self, request: pb.WorkRequest, context) -> pb.Plan:
         started = time.perf_counter()
         cls = self._classes.label(request.traffic_class)

@@ -35,10 +35,12 @@ def service_record(service_id: str, role: str, address: str, metrics_url: str = 
 
 
 async def beat_forever(state: FleetState, record: pb.ServiceRecord, every_s: float, ttl_s: float,
-                       log: logging.Logger) -> None:
-    """Publish `record` every `every_s` (each beat lives `ttl_s`) until cancelled."""
-    redis = Outage(f"{record.role} {record.service_id} heartbeat", log,
-                   Backoff(base_s=min(every_s, 0.5), cap_s=max(every_s, 2.0)))
+                       log: logging.Logger, outage: Outage | None = None) -> None:
+    """Publish `record` every `every_s` (each beat lives `ttl_s`) until cancelled. `outage`: the
+    process's own Redis outage tracker when it has one (the gateway's quotas), so that one outage
+    is one warning per process, not one per Redis user in it."""
+    redis = outage or Outage(f"{record.role} {record.service_id} heartbeat", log,
+                             Backoff(base_s=min(every_s, 0.5), cap_s=max(every_s, 2.0)))
     broken = False                 # the last beat failed on something other than Redis
     while True:
         try:

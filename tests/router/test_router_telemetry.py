@@ -193,6 +193,10 @@ async def _registered_then_traced(fleet, state: FleetState, address: str, rx: Ot
         assert (record.service_id, record.role, record.address) == ("router-tel", "router", address)
         assert record.pid > 0 and record.pid != os.getpid()
         assert "kvfleet_overload_stage 0.0" in httpx.get(record.metrics_url, timeout=5).text
+        # idle (no Admit yet), the router still follows the fleet: its decode worker is counted
+        live = lambda: value(samples(record.metrics_url), "kvfleet_router_live_workers",  # noqa: E731
+                             role="decode")
+        assert await asyncio.to_thread(wait_until, lambda: live() == 1.0, 10), live()
 
         await state.heartbeat(synthetic_prefill(1000.0), ttl_s=60)
         async with internal_channel(address, fleet.auth) as ch:
