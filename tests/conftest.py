@@ -72,3 +72,28 @@ def redis_ns(request):
             client.delete(*keys)
     finally:
         client.close()
+
+
+# --- tracing ---------------------------------------------------------------------------------
+@pytest.fixture
+def in_memory_spans(monkeypatch):
+    """Tracing on in this process, every span ended meanwhile kept by the SDK's in-memory
+    exporter (an InMemorySpanExporter, named as such: not an OTLP collector; the tests of whole
+    traces across processes use services/telemetry/receiver.py)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.telemetry import tracing
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):      # the SDK's provider can be set only once
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    processor = SimpleSpanProcessor(exporter)
+    provider.add_span_processor(processor)
+    monkeypatch.setattr(tracing, "_provider", provider)
+    yield exporter
+    processor.shutdown()                                # this exporter keeps no more

@@ -16,7 +16,6 @@ from opentelemetry.trace import StatusCode
 from services.kv_transfer.base import wait_done
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from tests.decode.test_reservations import RESERVATION_S, Rig
-from tests.worker.test_worker_telemetry import spans  # noqa: F401 - the in-memory span exporter
 
 
 def sample(rig: Rig, name: str, **labels) -> float:
@@ -46,7 +45,7 @@ def test_a_landed_transfer_counts_its_bytes_and_times_the_last_chunk(tiny_model_
 
 
 def test_a_reservation_whose_kv_never_comes_counts_a_timeout_and_ends_as_an_error(
-        tiny_model_dir, spans):  # noqa: F811
+        tiny_model_dir, in_memory_spans):
     async def story():
         async with Rig(str(tiny_model_dir), "tcp") as rig:
             await rig.reserve("never")
@@ -59,5 +58,5 @@ def test_a_reservation_whose_kv_never_comes_counts_a_timeout_and_ends_as_an_erro
             assert sample(rig, "kvfleet_kv_transfer_bytes_total", backend="tcp",
                           direction="received") == 0
     asyncio.run(story())
-    (decode,) = [s for s in spans.get_finished_spans() if s.name == "decode"]
+    (decode,) = [s for s in in_memory_spans.get_finished_spans() if s.name == "decode"]
     assert decode.status.status_code == StatusCode.ERROR and "timed out" in decode.status.description

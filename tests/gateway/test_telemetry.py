@@ -18,8 +18,6 @@ import httpx
 import pytest
 from openai import OpenAI
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.cli.launcher import wait_until
@@ -148,20 +146,6 @@ def test_a_gateway_that_stops_takes_its_record_out_of_redis(fleet, tiny_model_di
 
 
 # ------------------------------------------------------------------------------ traces
-@pytest.fixture
-def in_memory_spans(monkeypatch):
-    """Tracing on in this process, every ended span kept by an in-memory exporter (an
-    InMemorySpanExporter, not an OTLP collector: the gateway's own spans only)."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):      # the SDK's provider can be set only once
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    processor = SimpleSpanProcessor(exporter)
-    provider.add_span_processor(processor)
-    monkeypatch.setattr(tracing, "_provider", provider)
-    yield exporter
-    processor.shutdown()
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ from services.kv_transfer.peer import make_cache
 from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
-from tests.worker.test_worker_telemetry import PROMPT, params, spans, start_worker  # noqa: F401
+from tests.worker.test_worker_telemetry import PROMPT, params, start_worker
 
 
 def test_a_write_past_its_reservation_is_a_deadline_failure_in_an_error_span(tiny_model_dir,
-                                                                             spans):  # noqa: F811
+                                                                             in_memory_spans):
     async def story():
         prefill = await start_worker(str(tiny_model_dir), "prefill")
         target = make_transport("tcp", "decode-x")
@@ -47,7 +47,7 @@ def test_a_write_past_its_reservation_is_a_deadline_failure_in_an_error_span(tin
             target.close()
             await prefill.close()
     asyncio.run(story())
-    by_name = {s.name: s for s in spans.get_finished_spans()}
+    by_name = {s.name: s for s in in_memory_spans.get_finished_spans()}
     kv, prefill_span = by_name["kv_transfer"], by_name["prefill"]
     assert kv.status.status_code == StatusCode.ERROR and "expires" in kv.status.description
     assert kv.parent.span_id == prefill_span.context.span_id

@@ -30,10 +30,6 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.engine.engine import engine_config
@@ -156,19 +152,6 @@ def value(samples, name: str, **labels) -> float:
 
 
 # ------------------------------------------------------------------------------ tracing
-@pytest.fixture
-def spans(monkeypatch):
-    """Tracing on in this process, every ended span kept by an in-memory exporter."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):      # the SDK's provider can be set only once
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    processor = SimpleSpanProcessor(exporter)
-    provider.add_span_processor(processor)
-    monkeypatch.setattr(tracing, "_provider", provider)
-    yield exporter
-    processor.shutdown()                                # this exporter keeps no more
 
 
 async def until(check, timeout_s: float = 10.0) -> bool:
@@ -234,18 +217,19 @@ def test_a_disaggregated_request_shows_in_both_workers_metrics_and_in_its_chunks
     asyncio.run(story())
 
 
-def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_model_dir, spans):
+def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_model_dir,
+                                                                         in_memory_spans):
     async def story():
         prefill = await start_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
         decode = await start_worker(str(tiny_model_dir), "decode")
         try:
             await disaggregated(prefill, decode, "t-1")
             names = ("prefill", "kv_transfer", "decode")
-            assert await until(lambda: {s.name for s in spans.get_finished_spans()} >= set(names))
+            assert await until(lambda: {s.name for s in in_memory_spans.get_finished_spans()} >= set(names))
         finally:
             await prefill.close()
             await decode.close()
-        by_name = {s.name: s for s in spans.get_finished_spans()
+        by_name = {s.name: s for s in in_memory_spans.get_finished_spans()
                    if s.attributes.get(tracing.REQUEST_ID) == "t-1"}
         p, kv, d = (by_name[n] for n in names)
 
@@ -276,7 +260,8 @@ def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_mo
     asyncio.run(story())
 
 
-def test_a_mixed_worker_times_queue_prefill_and_decode_in_a_generate_span(tiny_model_dir, spans):
+def test_a_mixed_worker_times_queue_prefill_and_decode_in_a_generate_span(tiny_model_dir,
+                                                                         in_memory_spans):
     async def story():
         mixed = await start_worker(str(tiny_model_dir), "mixed")
         try:
@@ -295,7 +280,7 @@ def test_a_mixed_worker_times_queue_prefill_and_decode_in_a_generate_span(tiny_m
         assert value(samples, "kvfleet_worker_requests_total", outcome="finished") == 1
         assert value(samples, "kvfleet_tokens_total", phase="prefill") == len(PROMPT)
 
-        (g,) = [s for s in spans.get_finished_spans() if s.name == "generate"]
+        (g,) = [s for s in in_memory_spans.get_finished_spans() if s.name == "generate"]
         assert format(g.parent.span_id, "016x") == GATEWAY_SPAN
         assert g.attributes[tracing.OUTPUT_TOKENS] == MAX_TOKENS
         assert [e.name for e in g.events].count("first_token") == 1
