@@ -9,6 +9,7 @@ import threading
 from contextlib import contextmanager
 
 from services.cli.launcher import descendants
+from services.cli.up import read_banner
 from services.state.redis_server import free_port
 
 
@@ -25,12 +26,7 @@ def kvfleet_up(model_dir, *args: str, env: dict[str, str] | None = None):
         env={**os.environ, **(env or {})})
     tree = []
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("READY up"):
-                break
-        assert lines and lines[-1].startswith("READY up"), "\n".join(lines)
+        lines = read_banner(proc.stdout).lines
         threading.Thread(target=lambda: [lines.append(x.rstrip()) for x in proc.stdout],
                          daemon=True).start()
         tree = descendants(proc.pid)

@@ -30,6 +30,7 @@ import grpc
 import httpx
 import redis
 
+from services.cli.up import read_banner
 from services.protocol.fleet_token import ENV_TOKEN, METADATA_KEY, generate
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -198,14 +199,8 @@ def run_soak(args: argparse.Namespace) -> int:
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True, env={**os.environ, ENV_TOKEN: token})
     try:
-        lines = []
-        for line in up.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("READY up"):
-                break
-        workers = {p[0]: p[1] for p in (l.split() for l in lines)
-                   if len(p) == 2 and p[0].split("-")[0] in ("prefill", "decode", "mixed")}
-        redis_url = next(l.split()[-1] for l in lines if l.strip().startswith("redis "))
+        banner = read_banner(up.stdout)
+        workers, redis_url = banner.workers, banner.redis_url
         threading.Thread(target=lambda: [print(l, end="", file=sys.stderr) for l in up.stdout],
                          daemon=True).start()      # the supervisor's lines, and no full pipe
         report = asyncio.run(soak(args, f"127.0.0.1:{http}", workers, up.pid, redis_url, token))

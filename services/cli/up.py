@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.supervisor import Supervisor
@@ -178,7 +179,7 @@ def _up(args: argparse.Namespace) -> int:
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")
         print(f"  started in   {time.monotonic() - started:.1f} s")
-        print("READY up " + endpoints["gateway"], flush=True)
+        print(READY_PREFIX + endpoints["gateway"], flush=True)
         supervisor = Supervisor(launcher, pinned=pinned_ports(endpoints))
         while not launcher.stopping.wait(SUPERVISE_EVERY_S):
             supervisor.poll()
@@ -193,6 +194,40 @@ def _up(args: argparse.Namespace) -> int:
         if redis is not None:
             redis.stop()
         print(f"kvfleet up: stopped in {time.monotonic() - stopping_at:.1f} s", flush=True)
+
+
+# --- reading `kvfleet up`'s banner (tests, the soak and startup benches start it as a program) --
+
+READY_PREFIX = "READY up "
+WORKER_ROLES = ("prefill", "decode", "mixed")
+
+
+@dataclass(frozen=True)
+class Banner:
+    """What `kvfleet up` printed up to and including its READY line."""
+    lines: list[str]
+
+    @property
+    def workers(self) -> dict[str, str]:
+        """Each worker's name -> gRPC address (its `  decode-0   127.0.0.1:PORT` line)."""
+        return {parts[0]: parts[1] for parts in (line.split() for line in self.lines)
+                if len(parts) == 2 and parts[0].split("-")[0] in WORKER_ROLES}
+
+    @property
+    def redis_url(self) -> str | None:
+        return next((line.split()[-1] for line in self.lines
+                     if line.strip().startswith("redis ")), None)
+
+
+def read_banner(stdout) -> Banner:
+    """Read `kvfleet up`'s text output until READY; RuntimeError with what it printed if the
+    output ends first (it failed to start)."""
+    lines = []
+    for line in stdout:
+        lines.append(line.rstrip())
+        if line.startswith(READY_PREFIX):
+            return Banner(lines)
+    raise RuntimeError("kvfleet up ended before READY:\n" + "\n".join(lines))
 
 
 # --- `kvfleet bench startup`: how long `kvfleet up` takes to serve, and to stop ------------------
@@ -237,10 +272,11 @@ def run_startup(args: argparse.Namespace) -> int:
 
 
 def _ready_after(proc, t0: float) -> float:
-    for line in proc.stdout:
-        if line.startswith("READY up"):
-            return time.monotonic() - t0
-    raise SystemExit(f"kvfleet up exited with status {proc.wait()} before READY")
+    try:
+        read_banner(proc.stdout)
+    except RuntimeError:
+        raise SystemExit(f"kvfleet up exited with status {proc.wait()} before READY") from None
+    return time.monotonic() - t0
 
 
 def _first_completion_after(url: str, t0: float, timeout_s: float) -> float:

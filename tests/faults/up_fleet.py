@@ -22,6 +22,7 @@ import yaml
 
 from services.protocol.fleet_token import METADATA_KEY
 from services.cli.launcher import children, wait_until
+from services.cli.up import read_banner
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.state.redis_server import free_port
@@ -134,15 +135,8 @@ def kvfleet_up(redis_url: str, model_dir: str, config: str, mode: str = "disagg"
         env={**os.environ, "KVFLEET_FLEET_TOKEN": TOKEN, "KVFLEET_STREAM_LEASE_TTL_S": "3",
              **(env or {})})
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("READY up"):
-                break
-        assert lines and lines[-1].startswith("READY up"), "\n".join(lines)
-        workers = {parts[0]: parts[1] for parts in (l.split() for l in lines)
-                   if len(parts) == 2 and parts[0].split("-")[0] in ("prefill", "decode", "mixed")}
-        fleet = UpFleet(proc, f"127.0.0.1:{http}", db_url, workers, lines)
+        banner = read_banner(proc.stdout)
+        fleet = UpFleet(proc, f"127.0.0.1:{http}", db_url, banner.workers, banner.lines)
         _drain_output(fleet)
         fleet.model = httpx.get(f"{fleet.url}/v1/models", timeout=10).json()["data"][0]["id"]
         yield fleet
