@@ -76,18 +76,25 @@ def stats_problems(stats: pb.WorkerStats) -> list[str]:
     return out
 
 
-def parse_stats(worker_id: str, raw: bytes) -> pb.WorkerStats:
-    """The stats stored under `worker_id`'s key, or ValueError naming what is wrong with them."""
+def _parse(kind, key_id: str, id_field: str, raw: bytes, problems_of):
+    """The `kind` message stored under `key_id`'s key, or ValueError naming what is wrong with it:
+    undecodable, `problems_of(message)`, or an id field naming another key."""
     try:
-        stats = pb.WorkerStats.FromString(raw)
+        message = kind.FromString(raw)
     except DecodeError as e:
-        raise ValueError(f"not a WorkerStats message ({e})") from None
-    problems = stats_problems(stats)
-    if stats.worker_id and stats.worker_id != worker_id:
-        problems.append(f"worker_id {stats.worker_id!r} under the key of {worker_id!r}")
+        raise ValueError(f"not a {kind.__name__} message ({e})") from None
+    problems = problems_of(message)
+    own = getattr(message, id_field)
+    if own and own != key_id:
+        problems.append(f"{id_field} {own!r} under the key of {key_id!r}")
     if problems:
         raise ValueError("; ".join(problems))
-    return stats
+    return message
+
+
+def parse_stats(worker_id: str, raw: bytes) -> pb.WorkerStats:
+    """The stats stored under `worker_id`'s key, or ValueError naming what is wrong with them."""
+    return _parse(pb.WorkerStats, worker_id, "worker_id", raw, stats_problems)
 
 
 def service_problems(record: pb.ServiceRecord) -> list[str]:
@@ -106,16 +113,7 @@ def service_problems(record: pb.ServiceRecord) -> list[str]:
 
 def parse_service(service_id: str, raw: bytes) -> pb.ServiceRecord:
     """The record stored under `service_id`'s key, or ValueError naming what is wrong with it."""
-    try:
-        record = pb.ServiceRecord.FromString(raw)
-    except DecodeError as e:
-        raise ValueError(f"not a ServiceRecord message ({e})") from None
-    problems = service_problems(record)
-    if record.service_id and record.service_id != service_id:
-        problems.append(f"service_id {record.service_id!r} under the key of {service_id!r}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    return record
+    return _parse(pb.ServiceRecord, service_id, "service_id", raw, service_problems)
 
 
 # KEYS[1] window counter; ARGV amount, limit, ttl_ms. All or nothing: a refused charge leaves the
