@@ -96,10 +96,11 @@ class RequestTelemetry:
             self._common = {tracing.REQUEST_MODEL: tel.model, tracing.REPLICA: tel.replica,
                             tracing.QUALITY_VERSION: tel.quality_version}
             self.span = tracing.tracer.start_span(
-                "gateway.request", context=tracing.from_metadata(carrier), kind=SpanKind.SERVER,
-                attributes={tracing.OPERATION: operation, tracing.PROVIDER: tracing.PROVIDER_NAME,
-                            **self._common})
+                "gateway.request", context=tracing.from_metadata(carrier), kind=SpanKind.SERVER)
             self.context = trace.set_span_in_context(self.span)
+        # the request span's attributes, set once when it ends (as the phase spans are made
+        # then): the SDK's attribute checks stay off the way to the first token
+        self._attrs: dict = {tracing.OPERATION: operation, tracing.PROVIDER: tracing.PROVIDER_NAME}
         self.tenant = ""                          # the bounded label, once the key is known
         self.cls: TrafficClass | None = None
         self._children: _Children | None = None
@@ -114,6 +115,8 @@ class RequestTelemetry:
         self.finish_reason = ""
         self.active = False                       # counted in kvfleet_tenant_active_requests
         self.ended = False
+        # (name, start ns, end ns, error or None) of each gateway phase, made spans at the end
+        self._phase_spans: list[tuple[str, int, int, str | None]] = []
 
     @property
     def trace_id(self) -> str | None:
@@ -124,20 +127,22 @@ class RequestTelemetry:
     def phase(self, name: str) -> Iterator[None]:
         """A child span (gateway.auth, gateway.validate, gateway.quota) around a block; a
         GatewayError leaving it marks it failed. It carries the request's common attributes as
-        known when it ends (`named`). Nothing when tracing is off."""
+        known at the request's end. Nothing when tracing is off.
+
+        Only the block's wall-clock bounds are taken here: the span itself is made when the
+        request ends (`_end_span`, with those start and end times), so the SDK's cost of three
+        spans is not on the way to the first token (docs/benchmarks.md, [T2])."""
         if self.span is None:
             yield
             return
-        with tracing.tracer.start_as_current_span(name, context=self.context,
-                                                  record_exception=False,
-                                                  set_status_on_exception=False) as span:
-            try:
-                yield
-            except Exception as e:
-                span.set_status(Status(StatusCode.ERROR, str(e)))
-                raise
-            finally:
-                span.set_attributes(self._common)
+        start, failed = time.time_ns(), None
+        try:
+            yield
+        except Exception as e:
+            failed = str(e)
+            raise
+        finally:
+            self._phase_spans.append((name, start, time.time_ns(), failed))
 
     def named(self, request_id: str, tenant: str, traffic_class: str) -> None:
         """The key is read: the request's id, tenant and class, on every span from here on
@@ -145,7 +150,7 @@ class RequestTelemetry:
         if self.span is not None:
             self._common.update({tracing.REQUEST_ID: request_id, tracing.TENANT: tenant,
                                  tracing.TRAFFIC_CLASS: traffic_class})
-            self.span.set_attributes(self._common)
+            self._attrs.update(self._common)
 
     # ----------------------------------------------------------------- steps
     def identify(self, request_id: str, response_id: str, tenant: str, cls: TrafficClass,
@@ -155,7 +160,7 @@ class RequestTelemetry:
         self.cls = cls
         self._children = _Children(self.tel.metrics, self.tel.model, self.tenant, cls.name)
         if self.span is not None:
-            self.span.set_attributes({
+            self._attrs.update({
                 tracing.TENANT: tenant, tracing.TRAFFIC_CLASS: cls.name,
                 tracing.REQUEST_ID: request_id, tracing.RESPONSE_ID: response_id,
                 tracing.RESPONSE_MODEL: self.tel.model, tracing.MAX_TOKENS: params.max_tokens,
@@ -176,7 +181,7 @@ class RequestTelemetry:
             self.predicted_ttft_s = plan.predicted_ttft_s
             self.stage = pb.OverloadStage.Name(plan.stage)
             if self.span is not None:
-                self.span.set_attributes({tracing.STAGE: self.stage,
+                self._attrs.update({tracing.STAGE: self.stage,
                                           tracing.PREDICTED_TTFT: plan.predicted_ttft_s,
                                           tracing.QUEUE_WAIT: at - self.received})
 
@@ -272,14 +277,22 @@ class RequestTelemetry:
 
     def _end_span(self, outcome: str, prompt_tokens: int, error) -> None:
         span = self.span
-        span.set_attributes({tracing.OUTPUT_TOKENS: self.tokens, "kvfleet.outcome": outcome})
+        for name, start, end, failed in self._phase_spans:
+            child = tracing.tracer.start_span(name, context=self.context, start_time=start,
+                                              attributes=self._common)
+            if failed is not None:
+                child.set_status(Status(StatusCode.ERROR, failed))
+            child.end(end_time=end)
+        attrs = {**self._attrs, **self._common, tracing.OUTPUT_TOKENS: self.tokens,
+                 "kvfleet.outcome": outcome}
         if prompt_tokens:
-            span.set_attribute(tracing.INPUT_TOKENS, prompt_tokens)
+            attrs[tracing.INPUT_TOKENS] = prompt_tokens
         if self.finish_reason:
-            span.set_attribute(tracing.FINISH_REASONS, (self.finish_reason,))
+            attrs[tracing.FINISH_REASONS] = (self.finish_reason,)
+        if error is not None and error.reason:
+            attrs[tracing.REASON] = error.reason
+        span.set_attributes(attrs)
         if error is not None:
-            if error.reason:
-                span.set_attribute(tracing.REASON, error.reason)
             span.set_status(Status(StatusCode.ERROR, error.message))
         elif outcome == "error":
             span.set_status(Status(StatusCode.ERROR, outcome))
