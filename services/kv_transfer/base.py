@@ -49,6 +49,11 @@ FAILURE_REASONS = (("checksum mismatch", "checksum_mismatch"), ("layout mismatch
                    ("refused", "refused"), ("finished the transfer", "refused"))
 
 
+# Every value failure_reason() can answer (the metric's children are made at zero up front, so
+# Prometheus's rate() sees a failure's first increment).
+FAILURE_REASON_NAMES = tuple(dict.fromkeys(r for _, r in FAILURE_REASONS)) + ("other",)
+
+
 def failure_reason(error: str) -> str:
     """checksum_mismatch | layout_mismatch | closed | timeout | deadline | peer_gone | refused | other."""
     for needle, reason in FAILURE_REASONS:

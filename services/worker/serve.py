@@ -158,6 +158,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
         transport = make_transport(args.kv_backend, config.worker_id)
+        telemetry.expect_kv(args.kv_backend)
         transport.register(engine.kv_cache)
     servicer = WorkerServicer(config, engine, transport, telemetry)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))

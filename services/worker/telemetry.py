@@ -28,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
+from services.kv_transfer.base import FAILURE_REASON_NAMES
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.telemetry import tracing
 from services.telemetry.labels import TenantLabels
@@ -163,6 +164,15 @@ class WorkerTelemetry:
         m.labels(m.kv_transfer_bytes, backend, direction).inc(nbytes)
         if seconds is not None:
             m.labels(m.kv_transfer_seconds, backend).observe(max(0.0, seconds))
+
+    def expect_kv(self, backend: str) -> None:
+        """This worker moves KV over `backend`: its KV series exist from the start, at zero (a
+        counter born at its first increment hides that increment from rate())."""
+        m = self.metrics
+        direction = "sent" if self.role == "prefill" else "received"
+        m.labels(m.kv_transfer_bytes, backend, direction)
+        for reason in FAILURE_REASON_NAMES:
+            m.labels(m.kv_transfer_failures, backend, reason)
 
     def kv_failed(self, backend: str, reason: str) -> None:
         m = self.metrics

@@ -325,3 +325,16 @@ def free_port() -> int:
 def blocks_total(text: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "kvfleet_kv_blocks" and s.labels["state"] == "total")
+
+
+def test_a_kv_moving_worker_exports_its_failure_series_at_zero_from_the_start():
+    # so that Prometheus's rate() sees the first failure (a counter born at 1 shows no increase)
+    telemetry = WorkerTelemetry("prefill", "p-zero")
+    telemetry.expect_kv("tcp")
+    registry = telemetry.metrics.registry
+    labels = {"role": "prefill", "worker": "p-zero", "backend": "tcp"}
+    for reason in ("timeout", "deadline", "peer_gone", "other"):
+        assert registry.get_sample_value("kvfleet_kv_transfer_failures_total",
+                                         {**labels, "reason": reason}) == 0.0
+    assert registry.get_sample_value("kvfleet_kv_transfer_bytes_total",
+                                     {**labels, "direction": "sent"}) == 0.0
