@@ -41,10 +41,12 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+
 WATCH_EVERY_S = 2.0
 SCRAPE_TIMEOUT_S = 2.0
 TOP_TENANTS = 5
-STAGES = ("S0_NORMAL", "S1_NO_BATCH", "S2_CAP_OUTPUT", "S3_FALLBACK", "S4_REJECT")
+STAGES = tuple(pb.OverloadStage.keys())     # by value: S0_NORMAL .. S4_REJECT
 NEEDS_REDIS = ("workers, routers, the overload stage and tenant shares are read from Redis: pass "
                "--redis-url URL (the gateway does not publish the Redis URL it uses)")
 

@@ -83,12 +83,13 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
-async def heartbeat_forever(state: FleetState, servicer: WorkerServicer) -> None:
-    """Publish this worker's stats (the Stats RPC's message) every `heartbeat_s` until cancelled;
-    each beat lives `heartbeat_ttl_s`. A failed beat (Redis down, or anything else) never ends
-    the loop: it is retried with capped, jittered backoff (one warning per outage, one info line
-    on recovery), and the first beat that lands re-registers the worker, also into an empty new
-    Redis."""
+async def heartbeat_forever(state: FleetState | None, servicer: WorkerServicer) -> None:
+    """Take this worker's stats (the Stats RPC's message, which also refreshes its /metrics
+    gauges) every `heartbeat_s` until cancelled, and publish them to Redis when there is one
+    (`state`); each beat lives `heartbeat_ttl_s`. A failed beat (Redis down, or anything else)
+    never ends the loop: it is retried with capped, jittered backoff (one warning per outage, one
+    info line on recovery), and the first beat that lands re-registers the worker, also into an
+    empty new Redis. A dead engine core ends it: the worker is going down."""
     config = servicer.config
     every_s, ttl_s = config.timeouts.heartbeat_s, config.timeouts.heartbeat_ttl_s
     redis = Outage(f"worker {config.worker_id} heartbeat", log,
@@ -97,33 +98,19 @@ async def heartbeat_forever(state: FleetState, servicer: WorkerServicer) -> None
     while True:
         try:
             stats = await servicer.stats()
-            stats.updated_at_unix_s = time.time()
-            await redis.call(state.heartbeat, stats, ttl_s)
+            if state is not None:
+                stats.updated_at_unix_s = time.time()
+                await redis.call(state.heartbeat, stats, ttl_s)
             delay, broken = every_s, False
         except UNREACHABLE:
             delay = max(redis.retry_in(), 0.05)
+        except EngineFailed:
+            return
         except Exception:  # noqa: BLE001 - a bad beat must not end the worker's registration
             if not broken:         # one traceback per streak, not one per beat
                 log.exception("worker %s: heartbeat failed", config.worker_id)
             delay, broken = every_s, True
         await asyncio.sleep(delay)
-
-
-async def refresh_forever(servicer: WorkerServicer) -> None:
-    """Without Redis there is no heartbeat: take the same stats on its period so that the
-    /metrics gauges stay as fresh as with one."""
-    broken = False
-    while True:
-        try:
-            await servicer.stats()
-            broken = False
-        except EngineFailed:
-            return                     # the worker is going down
-        except Exception:  # noqa: BLE001 - a bad refresh must not end the metrics
-            if not broken:
-                log.exception("worker %s: refreshing the metrics failed", servicer.config.worker_id)
-            broken = True
-        await asyncio.sleep(servicer.config.timeouts.heartbeat_s)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -168,10 +155,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     address = f"{args.host}:{port}"
     state = FleetState(args.redis_url) if args.redis_url else None
     servicer.address = address
-    if state is not None:
-        beat = asyncio.create_task(heartbeat_forever(state, servicer))
-    else:
-        beat = asyncio.create_task(refresh_forever(servicer)) if telemetry.metrics_url else None
+    beat = (asyncio.create_task(heartbeat_forever(state, servicer))
+            if state is not None or telemetry.metrics_url else None)
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     print(f"READY {config.worker_id} {address}", flush=True)

@@ -138,7 +138,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             model=self.engine.model, max_model_len=self.engine.max_model_len,
             metrics_url=self.telemetry.metrics_url,
             tenants=[pb.TenantShare(tenant=t, sequences=n, kv_blocks=b)
-                     for t, n, b in sorted(s.tenants, key=lambda share: -share[2])])
+                     for t, n, b in s.tenants])          # the engine's order: largest KV first
 
     async def Health(self, request, context) -> pb.HealthResponse:
         if self.engine.failure is not None:
