@@ -30,18 +30,10 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.timeouts import Timeouts
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
+from tests.waiting import eventually
 
 PROMPT = list(range(100, 166))          # 66 tokens: 5 blocks of 16
 RESERVATION_S = 3.0
-
-
-async def eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return True
-        await asyncio.sleep(0.02)
-    return await check()
 
 
 class Rig:

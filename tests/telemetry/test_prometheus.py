@@ -27,9 +27,10 @@ import httpx
 import pytest
 import yaml
 
+from services.cli.launcher import wait_until
 from services.state.redis_server import free_port
 from services.telemetry import promql
-from tests.cli.test_up import kvfleet_up
+from tests.up_helpers import kvfleet_up
 from tests.gateway.gateway_helpers import KEYS, write_configs
 
 PROMETHEUS = shutil.which("prometheus")
@@ -109,10 +110,8 @@ def query(url: str, expr: str) -> dict:
 
 
 def wait_for_series(url: str, expr: str, timeout_s: float = SERIES_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not query(url, expr)["data"]["result"]:
-        assert time.monotonic() < deadline, f"no series for {expr} within {timeout_s:.0f} s"
-        time.sleep(0.2)
+    assert wait_until(lambda: query(url, expr)["data"]["result"], timeout_s, 0.2), \
+        f"no series for {expr} within {timeout_s:.0f} s"
 
 
 # --- the load ------------------------------------------------------------------------------------

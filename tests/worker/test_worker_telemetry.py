@@ -39,6 +39,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.telemetry import exposition, tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
+from tests.waiting import eventually
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import CHUNK_TOKENS, WorkerTelemetry
 from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
@@ -154,15 +155,6 @@ def value(samples, name: str, **labels) -> float:
 # ------------------------------------------------------------------------------ tracing
 
 
-async def until(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
 # ------------------------------------------------------------------------------ the stories
 def test_a_disaggregated_request_shows_in_both_workers_metrics_and_in_its_chunks(tiny_model_dir):
     async def story():
@@ -225,7 +217,7 @@ def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_mo
         try:
             await disaggregated(prefill, decode, "t-1")
             names = ("prefill", "kv_transfer", "decode")
-            assert await until(lambda: {s.name for s in in_memory_spans.get_finished_spans()} >= set(names))
+            assert await eventually(lambda: {s.name for s in in_memory_spans.get_finished_spans()} >= set(names))
         finally:
             await prefill.close()
             await decode.close()
