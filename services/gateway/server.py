@@ -113,7 +113,7 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     beat = asyncio.create_task(beat_forever(
         state, service_record(quotas.holder, "gateway", http_address,
                               f"http://{http_address}/metrics"),
-        timeouts.heartbeat_s, timeouts.heartbeat_ttl_s, log, outage=quotas.redis))
+        timeouts.heartbeat_s, timeouts.heartbeat_ttl_s, log))
     print(f"GRPC {host_port(config.host, grpc_port)}", flush=True)
     print(f"READY gateway {http_address}", flush=True)
     log.info("serving %s (%s) with router %s; gateway id %s, stream leases %s", model.name,

@@ -48,7 +48,7 @@ async def serve(args: argparse.Namespace) -> int:
     record = service_record(args.router_id, "router", f"{args.host}:{port}",
                             metrics.url if metrics else "")
     beat = asyncio.create_task(beat_forever(state, record, limits.heartbeat_s,
-                                            limits.heartbeat_ttl_s, log, outage=servicer.redis))
+                                            limits.heartbeat_ttl_s, log))
     watch = asyncio.create_task(servicer.watch_workers(limits.heartbeat_s))
     if metrics:
         print(f"METRICS router {metrics.url}", flush=True)

@@ -53,9 +53,14 @@ class Outage:
 
     def __init__(self, what: str, log: logging.Logger, backoff: Backoff = Backoff(),
                  clock: Callable[[], float] = time.monotonic,
-                 rng: Callable[[], float] = random.random) -> None:
+                 rng: Callable[[], float] = random.random, announce: bool = True) -> None:
+        """`announce=False`: a background concern of a process whose main concern already
+        reports the outage (its warning and its recovery line go to DEBUG), so that one outage
+        is one warning per process."""
         self.what = what
         self.log = log
+        self._warn = logging.WARNING if announce else logging.DEBUG
+        self._back = logging.INFO if announce else logging.DEBUG
         self.backoff = backoff
         self.clock = clock
         self.rng = rng
@@ -77,8 +82,8 @@ class Outage:
         now = self.clock()
         if not self.down:
             self.since = now
-            self.log.warning("%s: redis unavailable, retrying with backoff (at most every %.1f s): %s",
-                             self.what, self.backoff.cap_s, error)
+            self.log.log(self._warn, "%s: redis unavailable, retrying with backoff (at most every "
+                         "%.1f s): %s", self.what, self.backoff.cap_s, error)
         else:
             self.log.debug("%s: redis still unavailable (%d tries): %s", self.what,
                            self.failures + 1, error)
@@ -90,8 +95,8 @@ class Outage:
 
     def succeeded(self) -> None:
         if self.down:
-            self.log.info("%s: redis is back after %.1f s (%d failed tries)", self.what,
-                          self.clock() - self.since, self.failures)
+            self.log.log(self._back, "%s: redis is back after %.1f s (%d failed tries)",
+                         self.what, self.clock() - self.since, self.failures)
         self.failures = 0
         self.next_try_at = 0.0
 

@@ -5,9 +5,9 @@ way a worker beats its WorkerStats (services/worker/serve.py: heartbeat_forever)
     ...
     await stop_beating(beat, state, record.service_id, log)     # at shutdown
 
-A failed beat never ends the loop: Redis down is retried with capped, jittered backoff (one
-warning per outage, one info line on recovery, services/state/outage.py), and the first beat that
-lands re-registers the service, also into an empty new Redis.
+A failed beat never ends the loop: Redis down is retried with capped, jittered backoff
+(services/state/outage.py; logged at DEBUG, since the process's main Redis concern reports the
+outage), and the first beat that lands re-registers the service, also into an empty new Redis.
 """
 from __future__ import annotations
 
@@ -35,12 +35,13 @@ def service_record(service_id: str, role: str, address: str, metrics_url: str = 
 
 
 async def beat_forever(state: FleetState, record: pb.ServiceRecord, every_s: float, ttl_s: float,
-                       log: logging.Logger, outage: Outage | None = None) -> None:
-    """Publish `record` every `every_s` (each beat lives `ttl_s`) until cancelled. `outage`: the
-    process's own Redis outage tracker when it has one (the gateway's quotas), so that one outage
-    is one warning per process, not one per Redis user in it."""
-    redis = outage or Outage(f"{record.role} {record.service_id} heartbeat", log,
-                             Backoff(base_s=min(every_s, 0.5), cap_s=max(every_s, 2.0)))
+                       log: logging.Logger) -> None:
+    """Publish `record` every `every_s` (each beat lives `ttl_s`) until cancelled. Its outages
+    are its own concern (a failed beat never puts the process's requests into backoff), logged
+    at DEBUG: the gateway's quota store and the router's worker list report them, one warning
+    per process."""
+    redis = Outage(f"{record.role} {record.service_id} heartbeat", log,
+                   Backoff(base_s=min(every_s, 0.5), cap_s=max(every_s, 2.0)), announce=False)
     broken = False                 # the last beat failed on something other than Redis
     while True:
         try:
