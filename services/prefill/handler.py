@@ -12,6 +12,10 @@ The write is bounded by the reservation's deadline less kv_deadline_margin_s. If
 early (the gateway cancelled it) the write is not cut short; the request's prompt blocks here are
 freed once the write is over, so a sender never reads blocks already handed to another request.
 The decode side's safety does not depend on this worker (services/decode/reservations.py).
+A write whose request was cancelled meanwhile is *abandoned*: the decode side ends its
+reservation and drops the connection, so the write ends as "peer gone". That is the cancel
+working, not a transfer failure: it is logged and marked on its span, but not counted in
+kvfleet_kv_transfer_failures_total (which the KV alert reads).
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ from services.worker.telemetry import WorkerTelemetry, child_context, end_span, 
 
 log = logging.getLogger(__name__)
 
+ABANDONED = "kvfleet.kv_transfer.abandoned"   # span attribute: the request was cancelled mid-write
+
 
 class PrefillRole:
     def __init__(self, config: WorkerConfig, engine: EngineClient, transport,
@@ -43,6 +49,7 @@ class PrefillRole:
         self.transport = transport
         self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self._writes: dict[str, asyncio.Task] = {}    # request id -> its KV write, while running
+        self._abandoned: set[str] = set()   # ids in _writes whose request was cancelled meanwhile
 
     @property
     def writes_in_flight(self) -> int:
@@ -110,6 +117,8 @@ class PrefillRole:
             if span_open:                     # no first token: the span ends with the call
                 end_span(span, error=ending.error if ending.outcome != "cancelled" else None)
             tel.ended(ending.outcome)
+            if write is not None and not write.done() and ending.outcome == "cancelled":
+                self._abandoned.add(rid)       # the caller went away while the KV was moving
             if write is not None and not write.done():
                 write.add_done_callback(lambda _t, rid=rid: self._written(rid))
             else:
@@ -131,7 +140,10 @@ class PrefillRole:
             await wait_done(handle)
         except KVTransferError as e:
             error = str(e)
-            self.telemetry.kv_failed(backend, failure_reason(error))
+            if rid in self._abandoned:         # the cancel ended it: not a transfer failure
+                span.set_attribute(ABANDONED, True)
+            else:
+                self.telemetry.kv_failed(backend, failure_reason(error))
             raise
         finally:
             seconds = time.monotonic() - started
@@ -142,7 +154,7 @@ class PrefillRole:
                 result = checksum_result(checksum, error)
                 if result is not None:
                     span.set_attribute(tracing.KV_CHECKSUM, result)
-            end_span(span, error=error)
+            end_span(span, error=None if rid in self._abandoned else error)
         self.telemetry.kv_moved(backend, "sent", nbytes, seconds)
         return pb.KVShipped(request_id=rid, blocks=len(blocks), seconds=seconds)
 
@@ -167,14 +179,18 @@ class PrefillRole:
     def _written(self, rid: str) -> None:
         """The request's write is over (or never started): its prompt blocks here go back."""
         task = self._writes.pop(rid, None)
+        abandoned = rid in self._abandoned
+        self._abandoned.discard(rid)
         if task is not None and task.done() and not task.cancelled() and task.exception():
-            log.info("%s: KV write ended with %s", rid, task.exception())
+            log.info("%s: KV write ended with %s%s", rid, task.exception(),
+                     " (abandoned: the request was cancelled)" if abandoned else "")
         self.engine.cancel_soon(rid)
 
     def cancel(self, rid: str) -> bool:
         """Stop the request here; a KV write already under way runs to its end (bounded by its
         deadline), and the request's blocks go back after it."""
         if rid in self._writes:
+            self._abandoned.add(rid)
             return True            # the Prefill call's own ending frees it after the write
         self.engine.cancel_soon(rid)
         return True

@@ -19,6 +19,10 @@ from tests.up_helpers import kvfleet_up
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+# Long enough that the fixed hops between phases (a gRPC call, a dispatch, the last chunk's way
+# back to the client: ~15 ms on an idle box, ~25 on a loaded CI runner) are a small part of it,
+# as they are for a real request; the phases themselves must still account for all the rest.
+TOKENS = 160
 
 # The phases of a disaggregated request, in the order they happen, each the span of one process.
 PHASES = ("gateway.auth", "gateway.validate", "gateway.quota", "router.admit", "prefill",
@@ -63,7 +67,7 @@ def test_a_disaggregated_request_is_one_trace_with_every_phase_from_every_proces
     rx, url, lines = traced_fleet
     with httpx.Client(base_url=url, timeout=60) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": "Tell me about paged attention", "max_tokens": 48,
+        body = {"model": model, "prompt": "Tell me about paged attention", "max_tokens": TOKENS,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         for _ in range(3):          # warm: the client's, the gateway's (Redis, gRPC) connections
@@ -108,14 +112,14 @@ def test_a_disaggregated_request_is_one_trace_with_every_phase_from_every_proces
     for s in spans:
         assert s.attributes.get(tracing.REQUEST_ID), s
     decode = by_name["decode"][0]
-    assert decode.attributes[tracing.OUTPUT_TOKENS] >= 47
+    assert decode.attributes[tracing.OUTPUT_TOKENS] >= TOKENS - 1   # the first came from prefill
     assert decode.attributes[tracing.FINISH_REASONS] == ("length",)
     assert decode.attributes[tracing.TENANT] and decode.attributes[tracing.TRAFFIC_CLASS]
     assert by_name["kv_transfer"][0].attributes[tracing.KV_BYTES] > 0
     assert by_name["kv_transfer"][0].attributes[tracing.KV_BACKEND] == "tcp"
     assert any(name == "chunk" for name, _ in by_name["prefill"][0].events)
     assert root.attributes[tracing.REQUEST_MODEL] == model
-    assert root.attributes[tracing.OUTPUT_TOKENS] == 48
+    assert root.attributes[tracing.OUTPUT_TOKENS] == TOKENS
 
     # the phases add up to what the client measured, within 5%
     phases = sum(by_name[name][0].duration_s for name in PHASES)
