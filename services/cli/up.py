@@ -41,7 +41,8 @@ SUPERVISE_EVERY_S = 0.2   # how often children are checked (a dead one is seen t
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny", help="tiny (default), smollm2 (SmolLM2-135M-Instruct, "
+                   "made into the cache on first use), or a checkpoint directory")
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
@@ -61,11 +62,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_dir(model: str) -> str:
-    """A model directory; "tiny" is built on first use (only then is torch imported here)."""
-    if model != "tiny":
-        return model
-    from services.engine.tiny_model import ensure_tiny_model  # noqa: PLC0415
-    return str(ensure_tiny_model())
+    """A model directory; "tiny" or a named model (`smollm2`) is made into the cache on first use,
+    here, once, before any child starts (only then is torch imported here)."""
+    from services.engine.model_zoo import resolve  # noqa: PLC0415
+    return resolve(model)
 
 
 def worker_roles(args: argparse.Namespace) -> list[tuple[str, int]]:

@@ -82,10 +82,9 @@ class StepRecord:
 
 
 def resolve_model_dir(model: str) -> str:
-    if model == "tiny":
-        from services.engine.tiny_model import ensure_tiny_model
-        return str(ensure_tiny_model())
-    return model
+    """`tiny`, a named model (model_zoo.py: made into the cache on first use), or a directory."""
+    from services.engine.model_zoo import resolve  # noqa: PLC0415
+    return resolve(model)
 
 
 # Allocates the KV cache's memory: (shape, dtype) -> a zeroed tensor (e.g. in shared memory).

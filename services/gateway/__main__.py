@@ -45,8 +45,8 @@ def build_config(args: argparse.Namespace):
 
     engine = load_engine_config(args.config) if args.config else EngineConfig()
     model_dir = resolve_model_dir(args.model)
-    name = args.served_model_name or ("tiny" if args.model == "tiny"
-                                      else os.path.basename(os.path.normpath(args.model)))
+    name = args.served_model_name or os.path.basename(os.path.normpath(
+        args.model if args.model == "tiny" or os.path.isdir(args.model) else model_dir))
     return GatewayConfig(
         model_dir=model_dir, served_model_name=name, router=args.router, redis_url=args.redis_url,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,

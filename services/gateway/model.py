@@ -53,13 +53,14 @@ class CheckpointFacts:
 
 
 def resolve_model_dir(model: str) -> str:
-    """`tiny` is the default seeded checkpoint, kept in a cache dir (written on first use)."""
-    if model == "tiny":
-        from services.engine.tiny_model import ensure_tiny_model  # noqa: PLC0415 - torch only for tiny
-        return str(ensure_tiny_model())
-    if not os.path.isdir(model):
-        raise ValueError(f"--model {model!r} is neither `tiny` nor a checkpoint directory")
-    return model
+    """`tiny` (the default seeded checkpoint) or a named model (model_zoo.py) is kept in a cache
+    dir, written on first use; anything else must be a checkpoint directory."""
+    from services.engine.model_zoo import names, resolve  # noqa: PLC0415 - torch only when needed
+    path = resolve(model)
+    if not os.path.isdir(path):
+        raise ValueError(f"--model {model!r} is neither a checkpoint directory nor one of "
+                         f"{', '.join(names())}")
+    return path
 
 
 def load_served_model(model_dir: str, name: str, max_model_len: int | None = None,
