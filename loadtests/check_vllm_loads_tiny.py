@@ -17,6 +17,15 @@ What it does, for each prompt (defaults: three short prompts, 16 greedy tokens):
      vLLM runs with ignore_eos, so only the common prefix is compared), chosen-token logprobs
      (max |diff| against --logprob-tol) and decoded text (when both produced the same ids).
 
+With `--chat TEXT` (repeatable; instead of --prompt) each prompt is one user message rendered
+through the checkpoint's chat template: vLLM renders it itself (`LLM.chat`), kvfleet with
+`Tokenizer.encode_chat` (run in a subprocess with --kvfleet-python), whose ids then go to
+`kvfleet generate --prompt-ids`.
+
+`--record FILE` also writes vLLM's side (messages or prompt text, prompt ids, greedy ids, text,
+chosen-token logprobs, versions) as JSON test data, e.g.
+tests/engine/model/data/smollm2_vllm_greedy.json.
+
 Prints one JSON object; exit 0 when everything agrees, 1 on any mismatch, 2 when a side failed
 to run. Needs no network: HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are set, vLLM usage stats are
 off, and vLLM's host ip is pinned to loopback (all set only when not already in the env).
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -56,8 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="python that has kvfleet installed (default: %(default)s)")
     p.add_argument("--kvfleet-root", default=str(REPO_ROOT),
                    help="working dir for kvfleet's CLI (default: %(default)s)")
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: "
-                   + ", ".join(repr(x) for x in DEFAULT_PROMPTS))
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable); default: "
+                     + ", ".join(repr(x) for x in DEFAULT_PROMPTS))
+    src.add_argument("--chat", action="append", help="a user message, rendered through the "
+                     "checkpoint's chat template with the generation prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -66,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ids-pass", dest="ids_pass", action="store_false",
                    help="skip the second pass that feeds each side the other's prompt ids")
     p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--record", help="also write vLLM's prompt and greedy ids here (test data)")
     return p.parse_args(argv)
 
 
@@ -98,6 +112,21 @@ def run_kvfleet(args: argparse.Namespace, *, prompts: list[str] | None = None,
     return rows
 
 
+def kvfleet_chat_ids(args: argparse.Namespace, messages: list[list[dict]]) -> list[list[int]]:
+    """kvfleet's chat prompt ids (Tokenizer.encode_chat), computed by kvfleet's own python."""
+    code = ("import json, sys\n"
+            "from services.engine.tokenizer import Tokenizer\n"
+            "tok = Tokenizer.from_dir(sys.argv[1])\n"
+            "print(json.dumps([tok.encode_chat(m) for m in json.loads(sys.argv[2])]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    proc = subprocess.run([args.kvfleet_python, "-c", code, args.model, json.dumps(messages)],
+                          cwd=args.kvfleet_root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvfleet encode_chat exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------------------------- vLLM
 
 
@@ -108,13 +137,25 @@ def load_vllm(args: argparse.Namespace):
                enforce_eager=True, seed=0)
 
 
-def run_vllm(llm, args: argparse.Namespace, inputs: list) -> list[dict]:
+def greedy_params(args: argparse.Namespace):
     from vllm import SamplingParams  # noqa: PLC0415
 
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                        logprobs=0)
+    return SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                          logprobs=0)
+
+
+def run_vllm(llm, args: argparse.Namespace, inputs: list) -> list[dict]:
+    return _vllm_rows(llm.generate(inputs, greedy_params(args), use_tqdm=False))
+
+
+def run_vllm_chat(llm, args: argparse.Namespace, messages: list[list[dict]]) -> list[dict]:
+    """vLLM's own chat path: its tokenizer renders the checkpoint's chat template."""
+    return _vllm_rows(llm.chat(messages, greedy_params(args), use_tqdm=False))
+
+
+def _vllm_rows(outputs) -> list[dict]:
     rows = []
-    for out in llm.generate(inputs, sp, use_tqdm=False):
+    for out in outputs:
         c = out.outputs[0]
         ids = list(c.token_ids)
         lps = None
@@ -162,12 +203,13 @@ def compare(vl: dict, kv: dict, tol: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.model = str(Path(args.model).resolve())
-    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = args.chat or args.prompt or DEFAULT_PROMPTS
+    messages = [[{"role": "user", "content": c}] for c in args.chat] if args.chat else None
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
 
     report: dict = {"model": args.model, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                    "prompts": prompts}
+                    "chat": messages is not None, "prompts": prompts}
     # vLLM (and the engine-core / worker processes it spawns, which inherit fd 1) logs to
     # stdout; send all of that to stderr so stdout carries only the JSON report.
     sys.stdout.flush()
@@ -176,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = None
         t0 = time.perf_counter()
-        kv_text = run_kvfleet(args, prompts=prompts)
+        if messages is not None:
+            kv_text = run_kvfleet(args, prompt_ids=kvfleet_chat_ids(args, messages))
+        else:
+            kv_text = run_kvfleet(args, prompts=prompts)
         report["kvfleet_s"] = round(time.perf_counter() - t0, 2)
 
         t0 = time.perf_counter()
@@ -188,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         llm = load_vllm(args)
         report["vllm_load_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
-        vl_text = run_vllm(llm, args, prompts)
+        vl_text = (run_vllm_chat(llm, args, messages) if messages is not None
+                   else run_vllm(llm, args, prompts))
         report["vllm_generate_s"] = round(time.perf_counter() - t0, 3)
 
         vl_ids = kv_ids = None
@@ -227,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     report["results"] = results
     report["ok"] = all(r["ok"] for r in results)
     _emit(report, args.out)
+    if args.record:
+        _record(args, report, messages, vl_text)
     return 0 if report["ok"] else 1
 
 
@@ -242,6 +290,32 @@ def _shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort; exit cleans up anyway
         pass
+
+
+def _record(args: argparse.Namespace, report: dict, messages: list[list[dict]] | None,
+            vl_rows: list[dict]) -> None:
+    """vLLM's greedy ids as test data: what kvfleet's engine must reproduce."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    source = Path(args.model) / "kvfleet_source.json"
+    cases = []
+    for i, row in enumerate(vl_rows):
+        case = ({"messages": messages[i]} if messages is not None
+                else {"prompt": report["prompts"][i]})
+        case.update(prompt_token_ids=row["prompt_token_ids"], vllm_token_ids=row["token_ids"],
+                    vllm_text=row["text"], vllm_logprobs=row["logprobs"])
+        cases.append(case)
+    data = {"checkpoint": json.loads(source.read_text()) if source.is_file() else args.model,
+            "vllm": {"version": report.get("vllm_version"), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+            "dtype": args.dtype, "temperature": 0.0, "ignore_eos": True,
+            "max_tokens": args.max_tokens, "kvfleet_agreed": report["ok"], "cases": cases}
+    Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=1)  # then each list of numbers on one line:
+    text = re.sub(r"\[\s*([-+\d.eE,\s]+?)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    Path(args.record).write_text(text + "\n")
 
 
 def _emit(report: dict, out: str | None) -> None:
