@@ -130,14 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_lazy("services.cli.engine_generate", "run_generate"))
 
-    d = sub.add_parser("demo", help="mixed chats + documents through the engine, SLOs per class")
-    d.add_argument("--model", default="tiny")
-    d.add_argument("--chats", type=int, default=48)
-    d.add_argument("--documents", type=int, default=2)
-    d.add_argument("--doc-tokens", type=int, default=8192)
-    d.add_argument("--rate", type=float, default=12.0, help="chat arrivals per second")
-    d.add_argument("--budget", type=int, default=256, help="tokens per iteration")
-    d.add_argument("--chunk", type=int, default=128, help="max prefill chunk per sequence")
+    d = sub.add_parser("demo", help="mixed chats + documents through the engine (--fleet: through "
+                       "`kvfleet up` on SmolLM2, real answers), TTFT/ITL per class")
+    d.add_argument("--model", default=None,
+                   help="smollm2 (default with --fleet: real answers), tiny (default without), or "
+                        "a checkpoint directory")
+    d.add_argument("--chats", type=int, default=None, help="default: 48 on tiny, 16 on a real model")
+    d.add_argument("--documents", type=int, default=None, help="default 2")
+    d.add_argument("--doc-tokens", type=int, default=None,
+                   help="a document's length; default: 8192 on tiny, 512 on a real model")
+    d.add_argument("--rate", type=float, default=None,
+                   help="chat arrivals per second; default: 12 on tiny, 0.75 on a real model")
+    d.add_argument("--budget", type=int, default=256, help="tokens per iteration (without --fleet)")
+    d.add_argument("--chunk", type=int, default=128,
+                   help="max prefill chunk per sequence (without --fleet)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--fleet", action="store_true",
                    help="through `kvfleet up` and the REST API instead of the in-process engine")

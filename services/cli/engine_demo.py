@@ -1,4 +1,5 @@
-"""`kvfleet demo` / `make demo` (engine stage): a mixed workload through the in-process engine.
+"""`kvfleet demo` (without --fleet): a mixed workload through the in-process engine, on the tiny
+model unless --model names another (sizes: DemoSize).
 
 Many ~200-token chats from several tenants arrive open-loop (Poisson) while a few long documents
 are chunked in. Prints TTFT and ITL p50/p99 and tokens/s per class, and shows that every running
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from services.engine.config import Tenant
 from services.engine.engine import LLMEngine, engine_config
@@ -17,6 +18,34 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.workload import Arrival, mixed_workload
 
 CHAT_TENANTS = ["acme", "globex", "initech"]
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """How much a demo sends (this one and the fleet's); --chats ... override each field."""
+    chats: int
+    documents: int
+    doc_tokens: int
+    rate: float                  # chat arrivals per second
+    chat_tokens: int = 64        # max_tokens of a chat (a real model usually stops before)
+    doc_output: int = 32         # max_tokens of a document's summary
+
+
+SIZES = {"tiny": DemoSize(chats=48, documents=2, doc_tokens=8192, rate=12.0),
+         # SmolLM2-135M in fp32 (30 layers) on 2 CPU cores: about a minute of load (README, "Demo")
+         "real": DemoSize(chats=16, documents=2, doc_tokens=512, rate=0.75, doc_output=48)}
+
+
+def model_kind(model: str) -> str:
+    """"tiny" (the seeded random model: fast, answers are noise) or "real" (anything else)."""
+    return "tiny" if model == "tiny" else "real"
+
+
+def demo_size(args: argparse.Namespace) -> DemoSize:
+    base = SIZES[model_kind(args.model)]
+    given = {f.name: getattr(args, f.name) for f in fields(DemoSize)
+             if getattr(args, f.name, None) is not None}
+    return replace(base, **given)
 
 
 @dataclass
@@ -81,15 +110,16 @@ def summarize(traces: dict[str, Trace]) -> dict[str, dict[str, float]]:
     return table
 
 
-def run_once(args: argparse.Namespace, budget: int, chunk: int,
+def run_once(args: argparse.Namespace, size: DemoSize, budget: int, chunk: int,
              attention_cap: bool = True) -> tuple[dict, dict, LLMEngine]:
     tenants = tuple(Tenant(n) for n in CHAT_TENANTS) + (Tenant("docs", classes=("document",)),)
     cap = {} if attention_cap else {"max_prefill_attention": 0}
     engine = LLMEngine(engine_config(args.model, tenants=tenants, default_tenant="acme",
                                      token_budget=budget, chunk_size=chunk, reject_late=False, **cap))
-    arrivals = mixed_workload(vocab=engine.model_config.vocab_size, chats=args.chats,
-                              documents=args.documents, doc_tokens=args.doc_tokens,
-                              rate=args.rate, tenants=CHAT_TENANTS, seed=args.seed)
+    arrivals = mixed_workload(vocab=engine.model_config.vocab_size, chats=size.chats,
+                              documents=size.documents, doc_tokens=size.doc_tokens,
+                              rate=size.rate, tenants=CHAT_TENANTS, seed=args.seed,
+                              chat_output=size.chat_tokens, doc_output=size.doc_output)
     traces, info = drive(engine, arrivals)
     return summarize(traces), info, engine
 
@@ -103,18 +133,21 @@ def print_table(title: str, table: dict) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    print(f"kvfleet demo: {args.chats} chats (~200-token prompts, 64 output tokens, Poisson "
-          f"{args.rate}/s, tenants {', '.join(CHAT_TENANTS)}) + {args.documents} documents of "
-          f"{args.doc_tokens} tokens, through the in-process engine on the tiny model")
-    table, info, engine = run_once(args, args.budget, args.chunk)
+    args = argparse.Namespace(**{**vars(args), "model": args.model or "tiny"})
+    size = demo_size(args)
+    print(f"kvfleet demo: {size.chats} chats (~200-token prompts of random token ids, "
+          f"{size.chat_tokens} output tokens, Poisson {size.rate}/s, tenants "
+          f"{', '.join(CHAT_TENANTS)}) + {size.documents} documents of {size.doc_tokens} tokens, "
+          f"through the in-process engine on model {args.model}")
+    table, info, engine = run_once(args, size, args.budget, args.chunk)
     print_table(f"chunked prefill (token budget {args.budget}, chunk {args.chunk}):", table)
     print(f"while documents were prefilling: {info['doc_prefill_iterations']} iterations; running "
           f"chats that missed a decode iteration: {info['missed_decode_slots']}")
     print(f"KV blocks at the end: {engine.pool.num_free}/{engine.pool.num_blocks} free, "
           f"{engine.pool.num_reserved} reserved; wall time {info['wall_s']:.1f}s")
     if args.compare:
-        whole = args.doc_tokens + args.budget
-        base, _, _ = run_once(args, whole, whole, attention_cap=False)
+        whole = size.doc_tokens + args.budget
+        base, _, _ = run_once(args, size, whole, whole, attention_cap=False)
         print_table(f"baseline, prefills go whole (token budget {whole}):", base)
         chat, ref = table.get("interactive"), base.get("interactive")
         if chat and ref:
