@@ -9,16 +9,21 @@ models see the same items (loadtests/quality/eval_set.jsonl unless --dataset nam
                          tokenized alike: catches changes whose signed gap cancels out
   greedy_agreement       fraction of continuation positions where the candidate's top-1 token
                          equals the reference's (teacher-forced, so one early miss costs one position)
-  exact_match            fraction of items whose short greedy answer (<= 8 tokens, temperature 0,
-                         cut at the first newline, stripped) equals the reference's, verbatim
-  *_exact_match_gold     each model's exact match against the item's gold answer (lower-cased,
-                         punctuation, articles and extra spaces dropped); reported, never gated:
-                         a tiny random model scores ~0 there
+  exact_match            fraction of items whose short greedy answer (<= 8 tokens, 16 for chat
+                         items, temperature 0, cut at the first newline, stripped) equals the
+                         reference's, verbatim
+  *_gold_accuracy        each model's greedy answers checked against the items' gold answers by
+                         each item's rule (exact, or contains as whole words; both lower-cased,
+                         punctuation, articles and extra spaces dropped)
+  gold_drop              reference minus candidate gold accuracy (> 0: the candidate is worse)
+  *_exact_match_gold     each model's exact match against the gold answer, whatever the item's rule
 
 Gated (QualityThresholds; defaults below, then a --thresholds YAML file, then flags):
-|ll_gap| <= max_ll_gap, greedy_agreement >= min_agreement, exact_match >= min_exact_match, and
-mean_abs_ll_diff <= max_ll_abs_diff when that is set. Items the two models tokenize differently
-count as disagreement at every reference position and are left out of mean_abs_ll_diff.
+|ll_gap| <= max_ll_gap, greedy_agreement >= min_agreement, exact_match >= min_exact_match, and,
+when set, mean_abs_ll_diff <= max_ll_abs_diff, candidate_gold_accuracy >= min_gold_accuracy and
+gold_drop <= max_gold_drop (the gold gates are off by default: a tiny random model scores ~0).
+Items the two models tokenize differently count as disagreement at every reference position and
+are left out of mean_abs_ll_diff.
 
 Exit status: 0 every gated metric passes, 1 one fails, 2 a usage error (a missing checkpoint, an
 unreadable dataset or thresholds file, an unreachable server), reported in one line on stderr.
@@ -51,17 +56,23 @@ class ThresholdsError(UsageError):
     """A thresholds file or flag is unreadable or out of range."""
 
 
+OPTIONAL_THRESHOLDS = ("max_ll_abs_diff", "min_gold_accuracy", "max_gold_drop")
+THRESHOLD_NAMES = ("max_ll_gap", "min_agreement", "min_exact_match", *OPTIONAL_THRESHOLDS)
+
+
 @dataclass(frozen=True)
 class QualityThresholds:
     max_ll_gap: float = 0.05              # nats/token, |reference - candidate| mean log-likelihood
     min_agreement: float = 0.95           # teacher-forced greedy token agreement
     min_exact_match: float = 0.90         # short greedy answers equal to the reference's
     max_ll_abs_diff: float | None = None  # nats/token, mean per-token |difference|; None: not gated
+    min_gold_accuracy: float | None = None  # candidate's answers right by the gold; None: not gated
+    max_gold_drop: float | None = None    # reference minus candidate gold accuracy; None: not gated
 
     def __post_init__(self) -> None:
-        for name in ("max_ll_gap", "min_agreement", "min_exact_match", "max_ll_abs_diff"):
+        for name in THRESHOLD_NAMES:
             value = getattr(self, name)
-            if value is None and name == "max_ll_abs_diff":
+            if value is None and name in OPTIONAL_THRESHOLDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
                 raise ThresholdsError(f"threshold {name} must be a number, got {value!r}")
@@ -112,6 +123,9 @@ class ItemResult:
     reference_answer: str
     candidate_answer: str
     gold: str
+    match: str                        # the item's gold rule: exact or contains
+    reference_gold: bool              # the answer is right by that rule
+    candidate_gold: bool
 
 
 @dataclass(frozen=True)
@@ -216,6 +230,8 @@ def _metrics(ref_tf: list[TokenScores], cand_tf: list[TokenScores], results: lis
     diffs = [abs(a - b) for r, c in zip(ref_tf, cand_tf) if r.tokens == c.tokens
              for a, b in zip(r.logprobs, c.logprobs)]
     n = len(results)
+    ref_gold = sum(r.reference_gold for r in results) / n
+    cand_gold = sum(r.candidate_gold for r in results) / n
     return {
         "ll_gap": ref_ll - cand_ll,
         "mean_abs_ll_diff": sum(diffs) / len(diffs) if diffs else math.nan,
@@ -223,8 +239,13 @@ def _metrics(ref_tf: list[TokenScores], cand_tf: list[TokenScores], results: lis
         "exact_match": sum(r.reference_answer == r.candidate_answer for r in results) / n,
         "reference_mean_ll": ref_ll,
         "candidate_mean_ll": cand_ll,
-        "reference_exact_match_gold": sum(_gold(r.reference_answer, r.gold) for r in results) / n,
-        "candidate_exact_match_gold": sum(_gold(r.candidate_answer, r.gold) for r in results) / n,
+        "reference_gold_accuracy": ref_gold,
+        "candidate_gold_accuracy": cand_gold,
+        "gold_drop": ref_gold - cand_gold,
+        "reference_exact_match_gold": sum(matches_gold(r.reference_answer, (r.gold,), "exact")
+                                          for r in results) / n,
+        "candidate_exact_match_gold": sum(matches_gold(r.candidate_answer, (r.gold,), "exact")
+                                          for r in results) / n,
     }
 
 
@@ -234,6 +255,11 @@ def _checks(m: dict, t: QualityThresholds) -> tuple[Check, ...]:
         checks.append(_check("mean_abs_ll_diff", m["mean_abs_ll_diff"], "<=", t.max_ll_abs_diff))
     checks += [_check("greedy_agreement", m["greedy_agreement"], ">=", t.min_agreement),
                _check("exact_match", m["exact_match"], ">=", t.min_exact_match)]
+    if t.min_gold_accuracy is not None:
+        checks.append(_check("candidate_gold_accuracy", m["candidate_gold_accuracy"], ">=",
+                             t.min_gold_accuracy))
+    if t.max_gold_drop is not None:
+        checks.append(_check("gold_drop", m["gold_drop"], "<=", t.max_gold_drop))
     return tuple(checks)
 
 
@@ -243,11 +269,19 @@ def _item(item: EvalItem, r: TokenScores, c: TokenScores, ref_answer: str,
     return ItemResult(id=item.id, tokens=len(r.tokens), aligned=aligned,
                       reference_ll=sum(r.logprobs), candidate_ll=sum(c.logprobs),
                       agreement=sum(a == b for a, b in zip(r.top1, c.top1)) if aligned else 0,
-                      reference_answer=ref_answer, candidate_answer=cand_answer, gold=item.answer)
+                      reference_answer=ref_answer, candidate_answer=cand_answer, gold=item.answer,
+                      match=item.match, reference_gold=matches_gold(ref_answer, item.golds, item.match),
+                      candidate_gold=matches_gold(cand_answer, item.golds, item.match))
 
 
-def _gold(answer: str, gold: str) -> bool:
-    return normalize_answer(answer) == normalize_answer(gold)
+def matches_gold(answer: str, golds: Sequence[str], match: str) -> bool:
+    """exact: the normalized answer is a normalized gold answer; contains: a gold answer's words
+    appear in the answer's, as whole words ("paris" in "capital is paris", not in "parish")."""
+    said = normalize_answer(answer)
+    for gold in map(normalize_answer, golds):
+        if said == gold or (match == "contains" and gold and f" {gold} " in f" {said} "):
+            return True
+    return False
 
 
 def _check(metric: str, value: float, op: str, threshold: float) -> Check:
@@ -263,8 +297,9 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", required=True,
                    help="a local HF checkpoint dir, `tiny`, or an OpenAI-compatible base URL")
     p.add_argument("--candidate", required=True, help="DIR, `tiny`, or URL, as --reference")
-    p.add_argument("--dataset", default=None, help="JSON Lines of {id, prompt, continuation, "
-                   "answer} (default: the bundled eval set)")
+    p.add_argument("--dataset", default=None, help="JSON Lines of {id, prompt or messages, "
+                   "continuation, answer} (default: the bundled tiny-model set; "
+                   "loadtests/quality/smollm2_eval.jsonl: chat items for SmolLM2-135M-Instruct)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N items")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--thresholds", default=None, metavar="FILE",
@@ -277,6 +312,10 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    help=f"min teacher-forced greedy token agreement (default {d.min_agreement})")
     p.add_argument("--min-exact-match", type=float, default=None, help="min exact match of greedy "
                    f"answers vs the reference's (default {d.min_exact_match})")
+    p.add_argument("--min-gold-accuracy", type=float, default=None, help="min fraction of the "
+                   "candidate's greedy answers right by the gold answers (default: not gated)")
+    p.add_argument("--max-gold-drop", type=float, default=None, help="max reference minus candidate "
+                   "gold accuracy (default: not gated)")
     p.add_argument("--api-key", default=None, help="bearer token for URL models")
     p.add_argument("--reference-model", default=None,
                    help="URL: the model id (default: the only one /v1/models lists)")
@@ -291,8 +330,7 @@ def resolve_thresholds(args: argparse.Namespace) -> QualityThresholds:
     t = QualityThresholds()
     if getattr(args, "thresholds", None):
         t = QualityThresholds.from_file(args.thresholds, t)
-    flags = {name: getattr(args, name, None)
-             for name in ("max_ll_gap", "max_ll_abs_diff", "min_agreement", "min_exact_match")}
+    flags = {name: getattr(args, name, None) for name in THRESHOLD_NAMES}
     return replace(t, **{k: v for k, v in flags.items() if v is not None})
 
 

@@ -6,8 +6,8 @@ A `Scorer` answers, for a list of eval items:
                            each given the prompt and the continuation before it, and the model's
                            top-1 token at each of those positions (teacher-forced greedy)
     greedy_answers(items)  per item, the greedy completion of the prompt: at most
-                           ANSWER_MAX_TOKENS tokens at temperature 0, cut at the first newline and
-                           stripped (`clean_answer`)
+                           `answer_max_tokens(item)` tokens at temperature 0, cut at the first
+                           newline and stripped (`clean_answer`)
 
 Where the continuation starts (both paths use the same rule, so they agree whenever the tokenizers
 do): the continuation is every token of tokenize(prompt + continuation) that does not lie entirely
@@ -29,6 +29,13 @@ boundary counts as continuation, scored given the prompt minus its straddling pa
                 do not, the boundary is the prompt's own token count instead (usage.prompt_tokens of
                 a request for the prompt alone). Each item records which rule placed it.
 
+Chat items (`EvalItem.messages`, for instruct models): the prompt is the chat rendered by the
+checkpoint's template with a generation prompt (`Tokenizer.encode_chat`), the continuation the
+assistant's reply, encoded on its own (no special tokens) and appended, so the boundary is the
+chat prompt's last token. EngineScorer scores them like any item. HttpScorer asks
+/v1/chat/completions for their greedy answers; it cannot teacher-force them (no OpenAI endpoint
+echoes a chat prompt's logprobs), so a set with chat items is scored with checkpoint directories.
+
 Token identity across scorers is the token's text (decoded alone, special tokens kept), which is
 what an OpenAI server reports; so a DIR reference and a URL candidate compare like for like.
 """
@@ -44,7 +51,8 @@ from typing import Literal, Protocol
 
 from loadtests.quality.dataset import EvalItem
 
-ANSWER_MAX_TOKENS = 8
+ANSWER_MAX_TOKENS = 8          # completion items: a few words after "Answer:"
+CHAT_ANSWER_MAX_TOKENS = 16    # chat items: room for "The capital of France is Paris."
 Boundary = Literal["ids", "text_offset", "token_count"]
 
 
@@ -91,6 +99,12 @@ class Scorer(Protocol):
 def clean_answer(text: str) -> str:
     """A greedy answer as compared: leading whitespace dropped, cut at the first newline, stripped."""
     return text.lstrip().split("\n", 1)[0].strip()
+
+
+def answer_max_tokens(item: EvalItem) -> int:
+    if item.max_tokens is not None:
+        return item.max_tokens
+    return CHAT_ANSWER_MAX_TOKENS if item.is_chat else ANSWER_MAX_TOKENS
 
 
 def is_url(spec: str) -> bool:
@@ -160,8 +174,7 @@ class EngineScorer:
     def teacher_forced(self, items: Sequence[EvalItem]) -> list[TokenScores]:
         from services.engine.sampling_params import SamplingParams
 
-        encoded = [(self.tokenizer.encode(i.prompt), self.tokenizer.encode(i.prompt + i.continuation))
-                   for i in items]
+        encoded = [self._encode(i) for i in items]
         starts = [_common_prefix(p, full) for p, full in encoded]
         for item, start, (_, full) in zip(items, starts, encoded):
             if start == 0 or start == len(full):
@@ -182,11 +195,21 @@ class EngineScorer:
     def greedy_answers(self, items: Sequence[EvalItem]) -> list[str]:
         from services.engine.sampling_params import SamplingParams
 
-        params = SamplingParams(max_tokens=ANSWER_MAX_TOKENS, temperature=0.0)
-        return [clean_answer(o.text) for o in self._generate([i.prompt for i in items], params, items)]
+        params = [SamplingParams(max_tokens=answer_max_tokens(i), temperature=0.0) for i in items]
+        prompts = [self.tokenizer.encode_chat(i.chat()) if i.is_chat else i.prompt for i in items]
+        return [clean_answer(o.text) for o in self._generate(prompts, params, items)]
 
     def close(self) -> None:
         self.engine = None
+
+    def _encode(self, item: EvalItem) -> tuple[list[int], list[int]]:
+        """(prompt ids, prompt + continuation ids); their common prefix is the prompt's part."""
+        if item.is_chat:
+            prompt = self.tokenizer.encode_chat(item.chat())
+            return prompt, prompt + self.tokenizer.encode_user_text(item.continuation,
+                                                                   add_special_tokens=False)
+        return (self.tokenizer.encode(item.prompt),
+                self.tokenizer.encode(item.prompt + item.continuation))
 
     def _generate(self, prompts, params, items):
         from services.engine.errors import InvalidRequestError
@@ -268,20 +291,32 @@ class HttpScorer:
                          quality_versions_seen=seen)
 
     def teacher_forced(self, items: Sequence[EvalItem]) -> list[TokenScores]:
+        chat = [i.id for i in items if i.is_chat]
+        if chat:
+            raise ScorerError(f"{self.base_url}: chat items ({', '.join(chat[:3])}"
+                              f"{', ...' if len(chat) > 3 else ''}) cannot be teacher-forced over "
+                              "HTTP; score this set with checkpoint directories")
         return [self._teacher_forced(item) for item in items]
 
     def greedy_answers(self, items: Sequence[EvalItem]) -> list[str]:
-        out = []
-        for item in items:
-            body = self._complete(item.prompt, max_tokens=ANSWER_MAX_TOKENS)
-            self._remember_prompt_tokens(item.prompt, body)
-            out.append(clean_answer(_choice(body, self.base_url).get("text") or ""))
-        return out
+        return [self._greedy_answer(item) for item in items]
 
     def close(self) -> None:
         self._client.close()
 
     # ------------------------------------------------------------------ internals
+    def _greedy_answer(self, item: EvalItem) -> str:
+        if item.is_chat:
+            body = self._request("POST", "/chat/completions",
+                                 {"model": self.model, "messages": item.chat(), "temperature": 0.0,
+                                  "max_tokens": answer_max_tokens(item)})
+            self._seen.add(body)
+            message = _choice(body, self.base_url).get("message") or {}
+            return clean_answer(message.get("content") or "")
+        body = self._complete(item.prompt, max_tokens=answer_max_tokens(item))
+        self._remember_prompt_tokens(item.prompt, body)
+        return clean_answer(_choice(body, self.base_url).get("text") or "")
+
     def _discover(self, wanted: str | None) -> tuple[str, dict]:
         body = self._request("GET", "/models")
         cards = [c for c in body.get("data") or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]

@@ -95,7 +95,8 @@ def test_the_reference_against_itself_passes_with_nothing_to_report(tiny_model_d
         assert len(info["fingerprint"]) == 16 and info["quality_version"].startswith("float32-")
     assert report["dataset"]["name"] == "eval_set" and report["dataset"]["version"] == load_dataset().version
     assert report["thresholds"] == {"max_ll_gap": 0.05, "min_agreement": 0.95, "min_exact_match": 0.9,
-                                    "max_ll_abs_diff": None}
+                                    "max_ll_abs_diff": None, "min_gold_accuracy": None,
+                                    "max_gold_drop": None}
     assert {c["metric"] for c in report["checks"]} == {"abs_ll_gap", "greedy_agreement", "exact_match"}
     text = capsys.readouterr().out
     assert "Quality gate: PASS" in text and report["reference"]["fingerprint"] in text
