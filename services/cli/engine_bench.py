@@ -39,12 +39,24 @@ def _fill(engine: LLMEngine, batch: int, prompt: int, max_tokens: int, seed: int
                            traffic_class=traffic_class)
 
 
+def _blocks_for(seqs: int, tokens: int, block_size: int = 16) -> int:
+    """KV blocks for `seqs` sequences of `tokens` each (the default 512 MiB holds ~11K tokens of
+    a 30-layer model such as SmolLM2, too few for 128 x 126)."""
+    return seqs * -(-tokens // block_size) + 1
+
+
 def decode_rate(model: str, batch: int, steps: int) -> dict:
     """Tokens/s of pure decode iterations with `batch` running sequences."""
-    engine = _engine(model, token_budget=max(512, batch), max_running=max(batch, 1))
-    _fill(engine, batch, 32, steps + 64)
-    while engine.stats().num_decoding < batch:
+    prompt, max_tokens = 32, steps + 64
+    engine = _engine(model, token_budget=max(512, batch), max_running=max(batch, 1),
+                     num_blocks=_blocks_for(batch, prompt + max_tokens))
+    _fill(engine, batch, prompt, max_tokens)
+    for _ in range(4 * batch):                  # all prefilled long before this
+        if engine.stats().num_decoding >= batch:
+            break
         engine.step()
+    else:
+        raise RuntimeError(f"only {engine.stats().num_decoding} of {batch} sequences decoding")
     times, sched, prep = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
