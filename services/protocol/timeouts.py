@@ -16,6 +16,12 @@ The orderings that matter, and why:
                                    keeps writes short of the deadline, not the safety of the blocks;
   heartbeat_s * 2 <= heartbeat_ttl_s
                                    one lost beat does not take a worker out of the fleet;
+  heartbeat_ttl_s <= engine_stall_s
+                                   a worker beats on with its last stats while one engine step
+                                   runs long, and leaves the fleet only once its engine core has
+                                   not answered for engine_stall_s; below the TTL, a step shorter
+                                   than one beat's life would count as a stall
+                                   (services/worker/serve.py, heartbeat_forever);
   lease_renew_s * 3 <= lease_ttl_s a live stream lease never lapses between two renewals;
   shutdown_grace_s + 1 <= 3        every process stops within 3 s of SIGTERM (R2, item 9).
 """
@@ -40,6 +46,9 @@ class Timeouts:
     health_s: float = 2.0              # any Health or Stats call
     heartbeat_s: float = 0.5           # a worker's Redis heartbeat period
     heartbeat_ttl_s: float = 1.5       # ... and how long one beat keeps the worker live
+    engine_stall_s: float = 30.0       # a worker whose engine core has not answered its stats for
+                                       # this long (one step running on) stops beating: it leaves
+                                       # the fleet until the core answers again
     lease_ttl_s: float = 10.0          # a stream slot's lease (gateway quotas)
     lease_renew_s: float = 2.0         # ... renewed this often
     shutdown_grace_s: float = 1.0      # gRPC servers' stop(grace) on SIGTERM
@@ -58,6 +67,10 @@ class Timeouts:
         if not self.heartbeat_s * 2 <= self.heartbeat_ttl_s:
             out.append(f"heartbeat_ttl_s ({self.heartbeat_ttl_s:g}) must be >= 2 * heartbeat_s "
                        f"({self.heartbeat_s:g}): one late beat would drop a live worker")
+        if not self.heartbeat_ttl_s <= self.engine_stall_s:
+            out.append(f"engine_stall_s ({self.engine_stall_s:g}) must be >= heartbeat_ttl_s "
+                       f"({self.heartbeat_ttl_s:g}): a step shorter than one beat's life would "
+                       "count as a stalled engine")
         if not self.lease_renew_s * 3 <= self.lease_ttl_s:
             out.append(f"lease_ttl_s ({self.lease_ttl_s:g}) must be >= 3 * lease_renew_s "
                        f"({self.lease_renew_s:g}): a live stream's slot could lapse")

@@ -1,19 +1,24 @@
 """Fault injection for the fault suite (tests/faults/): off unless an environment variable names a
 fault. Production processes never set these; they exist so that a test can make a real worker
-process fail the way a bug would, and check that the fleet survives it.
+process fail the way a bug would, and check that the fleet survives it. Test-only, both of them:
 
-  KVFLEET_FAULT_ENGINE_STEP=N   the engine's N-th step() (1-based) raises InjectedFault
+  KVFLEET_FAULT_ENGINE_STEP=N         the engine's N-th step() (1-based) raises InjectedFault
+  KVFLEET_FAULT_ENGINE_SLOW_STEP=N:S  the engine's N-th step() sleeps S seconds, then runs: a long
+                                      step (a big prefill on a loaded CPU), during which the core
+                                      answers nothing, stats included
 
 The engine core process (services/worker/engine_core.py) installs them on its engine; it inherits
-the worker's environment. The fault then surfaces like a real one: the core sends a Failure naming
+the worker's environment. A failure then surfaces like a real one: the core sends a Failure naming
 InjectedFault and exits, and the server fails every request with EngineFailed and exits 70.
 """
 from __future__ import annotations
 
 import itertools
 import os
+import time
 
 ENGINE_STEP = "KVFLEET_FAULT_ENGINE_STEP"
+ENGINE_SLOW_STEP = "KVFLEET_FAULT_ENGINE_SLOW_STEP"
 
 
 class InjectedFault(RuntimeError):
@@ -22,14 +27,26 @@ class InjectedFault(RuntimeError):
 
 def install(engine, environ=os.environ) -> None:
     """Wrap the engine's step() as the environment asks (no-op when nothing is asked)."""
-    at = environ.get(ENGINE_STEP)
-    if not at:
+    fail_at = int(environ[ENGINE_STEP]) if environ.get(ENGINE_STEP) else None
+    slow_at, slow_s = _slow_step(environ.get(ENGINE_SLOW_STEP))
+    if fail_at is None and slow_at is None:
         return
-    fail_at, steps, real_step = int(at), itertools.count(1), engine.step
+    steps, real_step = itertools.count(1), engine.step
 
     def step():
-        if next(steps) == fail_at:
+        n = next(steps)
+        if n == fail_at:
             raise InjectedFault(f"injected failure at engine step {fail_at} ({ENGINE_STEP})")
+        if n == slow_at:
+            time.sleep(slow_s)
         return real_step()
 
     engine.step = step
+
+
+def _slow_step(value: str | None) -> tuple[int | None, float]:
+    """"N:S" -> (N, S); nothing -> (None, 0)."""
+    if not value:
+        return None, 0.0
+    at, _, seconds = value.partition(":")
+    return int(at), float(seconds)
