@@ -44,7 +44,14 @@ S3_FALLBACK: OverloadStage
 S4_REJECT: OverloadStage
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n", "priority")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +62,17 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -65,7 +83,18 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: int
     prompt_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_p: float
+    min_tokens: int
+    logit_bias: _containers.ScalarMap[int, float]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    n: int
+    priority: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -86,7 +115,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "error", "prompt_logprobs", "num_prompt_tokens", "num_output_tokens", "served_by", "timing")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_reason", "error", "prompt_logprobs", "num_prompt_tokens", "num_output_tokens", "served_by", "timing", "index", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +129,8 @@ class TokenChunk(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -113,7 +144,9 @@ class TokenChunk(_message.Message):
     num_output_tokens: int
     served_by: str
     timing: RequestTiming
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., served_by: _Optional[str] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ...) -> None: ...
+    index: int
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., served_by: _Optional[str] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ..., index: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestTiming(_message.Message):
     __slots__ = ("queue_s", "prefill_s", "transfer_s", "decode_s")
@@ -272,18 +305,20 @@ class Plan(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype")
+    __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype", "tensor_parallel_size")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     block_size: int
     kv_heads: int
     head_dim: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class NixlTarget(_message.Message):
     __slots__ = ("agent", "base", "num_blocks", "mem", "device")
