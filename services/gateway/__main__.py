@@ -28,7 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grpc-port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--insecure", action="store_true",
                    help="allow unauthenticated access on a non-loopback address")
-    p.add_argument("--served-model-name", help="default: the model dir's name (`tiny` for tiny)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the names requests may use (vLLM's flag); responses carry the first. "
+                        "Default: the model dir's name (`tiny` for tiny)")
     p.add_argument("--config", help="engine config YAML, as the workers use: traffic classes and "
                                     "max_model_len come from it")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
@@ -45,10 +47,11 @@ def build_config(args: argparse.Namespace):
 
     engine = load_engine_config(args.config) if args.config else EngineConfig()
     model_dir = resolve_model_dir(args.model)
-    name = args.served_model_name or os.path.basename(os.path.normpath(
-        args.model if args.model == "tiny" or os.path.isdir(args.model) else model_dir))
+    names = args.served_model_name or [os.path.basename(os.path.normpath(
+        args.model if args.model == "tiny" or os.path.isdir(args.model) else model_dir))]
     return GatewayConfig(
-        model_dir=model_dir, served_model_name=name, router=args.router, redis_url=args.redis_url,
+        model_dir=model_dir, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
+        router=args.router, redis_url=args.redis_url,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         api_keys=load_api_keys(args.api_keys) if args.api_keys else None, insecure=args.insecure,
         max_body_bytes=args.max_body_bytes, scheduler=engine.scheduler,

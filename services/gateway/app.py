@@ -2,8 +2,11 @@
 
   POST /v1/completions         prompt (text or token ids) -> text
   POST /v1/chat/completions    messages -> the chat template -> text
-  GET  /v1/models, /v1/models/{id}
-  POST /tokenize               vLLM's: {"model", "prompt"} -> {"count", "max_model_len", "tokens"}
+  GET  /v1/models, /v1/models/{id}   one card per --served-model-name, vLLM's fields
+  POST /tokenize               vLLM's: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"}
+  POST /detokenize             vLLM's: {"tokens"} -> {"prompt"}
+  GET  /version                {"version": kvfleet's}
+  GET|POST /ping               vLLM's liveness probe: 200 or 503 as /health, no body
   GET  /health                 the routers' health and the quota store's (no key needed)
   GET  /metrics                Prometheus text: the gateway's GatewayMetrics (no key needed)
   GET  /openapi.json           the OpenAPI document of these (request bodies with their ranges)
@@ -26,11 +29,14 @@ as the `x-kvfleet-timing` header (compact JSON).
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import inspect
+import json
 import logging
 import time
 from collections.abc import Awaitable
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +56,7 @@ from services.telemetry.tracing import TRACE_HEADER
 
 log = logging.getLogger(__name__)
 
+KVFLEET_VERSION = importlib.metadata.version("kvfleet")
 CLIENT_CLOSED = 499   # nginx's status for "client closed the request"; nobody reads it
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}   # no proxy buffering
 
@@ -87,29 +94,56 @@ def create_app(core: GatewayCore) -> FastAPI:
     app.post("/v1/completions", **_documented(schema.CompletionRequest))(completions)
     app.post("/v1/chat/completions", **_documented(schema.ChatCompletionRequest))(chat_completions)
     app.openapi = lambda: _openapi(app, (schema.CompletionRequest, schema.ChatCompletionRequest,
-                                         schema.TokenizeRequest))
+                                         schema.TokenizeRequest, schema.DetokenizeRequest))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         core.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [_model_card(core, started)]}
+        return {"object": "list", "data": [_model_card(core, name, started)
+                                           for name in core.model.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
         core.authenticate(request.headers.get("authorization"))
         core.validator.check_model(model_id)
-        return _model_card(core, started)
+        return _model_card(core, model_id, started)
 
     @app.post("/tokenize", **_documented(schema.TokenizeRequest))
     async def tokenize(request: Request) -> dict:
+        """vLLM's: {"prompt"} (completion form) or {"messages"} (chat form) -> the ids."""
         core.authenticate(request.headers.get("authorization"))
-        req = schema.parse(schema.TokenizeRequest, await read_body(request, core.config.max_body_bytes))
+        body = await read_body(request, core.config.max_body_bytes)
+        chat = _is_chat_tokenize(body)
+        req = schema.parse(schema.TokenizeChatRequest if chat else schema.TokenizeRequest, body)
         core.validator.check_model(req.model)
-        if core.model.tokenizer is None:
-            raise bad_request("this model has no tokenizer: send prompt token ids", "prompt")
-        ids = await asyncio.to_thread(core.model.tokenizer.encode_user_text, req.prompt,
-                                      req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": core.model.max_model_len, "tokens": ids}
+        tok = _tokenizer(core)
+        if chat:
+            messages = [m.as_template_input() for m in req.messages]
+            ids = await asyncio.to_thread(_encode_chat, tok, messages, req.add_generation_prompt,
+                                          req.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(tok.encode_user_text, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": core.model.max_model_len, "tokens": ids,
+                "token_strs": None}
+
+    @app.post("/detokenize", **_documented(schema.DetokenizeRequest))
+    async def detokenize(request: Request) -> dict:
+        """vLLM's: {"tokens"} -> {"prompt"} (special tokens skipped, as vLLM does)."""
+        core.authenticate(request.headers.get("authorization"))
+        req = schema.parse(schema.DetokenizeRequest, await read_body(request, core.config.max_body_bytes))
+        core.validator.check_model(req.model)
+        ids = core.validator.check_ids(req.tokens, "tokens") if req.tokens else []
+        return {"prompt": await asyncio.to_thread(_tokenizer(core).decode, ids)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": KVFLEET_VERSION}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: /health's status, no body."""
+        serving, _ = await core.health()
+        return Response(status_code=200 if serving else 503)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -244,10 +278,46 @@ def _too_large(size: str, limit: int) -> GatewayError:
                         code="body_too_large")
 
 
-def _model_card(core: GatewayCore, created: int) -> dict:
-    return {"id": core.model.name, "object": "model", "created": created, "owned_by": "kvfleet",
-            "max_model_len": core.model.max_model_len,
+def _model_card(core: GatewayCore, name: str, created: int) -> dict:
+    """vLLM's card (`root` the checkpoint, `parent` null, one permission entry) and the quality
+    version that serves it."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "kvfleet",
+            "root": core.model.path, "parent": None, "max_model_len": core.model.max_model_len,
+            "permission": [{"id": f"modelperm-{name}", "object": "model_permission",
+                            "created": created, "allow_create_engine": False,
+                            "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None,
+                            "is_blocking": False}],
             "quality_version": core.model.quality_version}
+
+
+def _is_chat_tokenize(body: str) -> bool:
+    """vLLM tells its two /tokenize forms apart by `messages`."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False        # the schema's parse names the problem
+    return isinstance(parsed, dict) and "messages" in parsed
+
+
+def _tokenizer(core: GatewayCore):
+    if core.model.tokenizer is None:
+        raise bad_request("this model has no tokenizer: send and read token ids", None,
+                          "no_tokenizer")
+    return core.model.tokenizer
+
+
+def _encode_chat(tok, messages: list[dict], add_generation_prompt: bool,
+                 add_special_tokens: bool) -> list[int]:
+    if tok.chat_template is None:
+        raise bad_request("this model has no chat template: tokenize a prompt", "messages")
+    try:
+        ids = tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as e:
+        raise bad_request(f"messages do not fit the chat template: {e}", "messages") from None
+    bos = tok.bos_token_id if add_special_tokens else None
+    return [bos, *ids] if bos is not None and (not ids or ids[0] != bos) else ids
 
 
 def _documented(body: type[BaseModel]) -> dict:

@@ -118,7 +118,7 @@ def exposure_refusal(host: str, has_keys: bool, insecure: bool) -> str | None:
 @dataclass(frozen=True)
 class GatewayConfig:
     model_dir: str                       # resolved checkpoint dir
-    served_model_name: str
+    served_model_name: str               # the first --served-model-name: responses carry it
     router: str                          # host:port of a Router
     redis_url: str
     host: str = "127.0.0.1"
@@ -130,6 +130,7 @@ class GatewayConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # traffic classes
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     quality_version: str | None = None   # None: derived from the checkpoint's config.json
+    served_model_aliases: tuple[str, ...] = ()   # the other --served-model-name names
 
     def __post_init__(self) -> None:
         refusal = exposure_refusal(self.host, self.api_keys is not None, self.insecure)

@@ -23,12 +23,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServedModel:
-    name: str
+    name: str                         # the first served name: the one responses carry
     path: str
     max_model_len: int
     vocab_size: int
     quality_version: str
     tokenizer: Tokenizer | None       # None: the checkpoint has no tokenizer.json (token ids only)
+    aliases: tuple[str, ...] = ()     # further --served-model-name names, accepted in requests
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ def resolve_model_dir(model: str) -> str:
 
 
 def load_served_model(model_dir: str, name: str, max_model_len: int | None = None,
-                      quality_version: str | None = None) -> ServedModel:
+                      quality_version: str | None = None,
+                      aliases: tuple[str, ...] = ()) -> ServedModel:
     facts = CheckpointFacts.from_dir(model_dir)
     context = min(facts.max_position_embeddings, max_model_len or facts.max_position_embeddings)
     has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
@@ -74,7 +80,7 @@ def load_served_model(model_dir: str, name: str, max_model_len: int | None = Non
     return ServedModel(name=name, path=model_dir, max_model_len=context,
                        vocab_size=facts.vocab_size,
                        quality_version=quality_version or _fingerprint(model_dir, facts.dtype),
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, aliases=tuple(a for a in aliases if a != name))
 
 
 def _fingerprint(model_dir: str, dtype: str) -> str:

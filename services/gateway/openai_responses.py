@@ -49,6 +49,7 @@ class Shaper:
         self.prompt_ids = prompt_ids     # prompt logprobs name their token by position
         self._offset = 0                 # completions' text_offset, across stream events
         self._echoed = False
+        self._completion_tokens = 0      # so far, for continuous usage stats
 
     # ------------------------------------------------------------------ whole
     def body(self, c: Collected, prompt_tokens: int, completion_tokens: int) -> dict:
@@ -61,8 +62,12 @@ class Shaper:
             choice["text"] = (self.plan.echo_text or "") + c.text
             choice["logprobs"] = self._completion_logprobs(c.prompt_logprobs, c.logprobs,
                                                            self.plan.echo_text or "")
-        return {**self._head(stream=False), "choices": [choice],
+        body = {**self._head(stream=False), "choices": [choice],
                 "usage": usage(prompt_tokens, completion_tokens)}
+        if self.plan.prompt_logprobs:     # vLLM's: per choice for completions, top-level for chat
+            (choice if self.plan.kind == "completion" else body)["prompt_logprobs"] = \
+                self._vllm_prompt_logprobs(c.prompt_logprobs)
+        return body
 
     # ----------------------------------------------------------------- stream
     def first_events(self) -> list[dict]:
@@ -74,6 +79,7 @@ class Shaper:
 
     def events(self, c: pb.TokenChunk) -> list[dict]:
         """OpenAI chunk events for one router chunk (none for a chunk that carries nothing)."""
+        self._completion_tokens += len(c.token_ids)
         fin = _finish(c.finish_reason) if c.finished else None
         if self.plan.kind == "chat":
             if not (c.text or fin or (self.plan.logprobs and c.logprobs)):
@@ -104,7 +110,9 @@ class Shaper:
 
     def _event(self, choice: dict) -> dict:
         event = {**self._head(stream=True), "choices": [choice]}
-        if self.plan.include_usage:
+        if self.plan.continuous_usage:      # vLLM's continuous_usage_stats: the count so far
+            event["usage"] = usage(len(self.prompt_ids), self._completion_tokens)
+        elif self.plan.include_usage:
             event["usage"] = None
         return event
 
@@ -128,6 +136,27 @@ class Shaper:
             out["text_offset"].append(self._offset)
             self._offset += len(text)
         return out
+
+    def _vllm_prompt_logprobs(self, prompt: list[pb.TokenLogprob]) -> list[dict | None]:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} holding the actual token and the top-N. A rank is known for the top-N
+        (1..N); the actual token's is null when it is not among them (kvfleet does not rank the
+        whole vocabulary)."""
+        out: list[dict | None] = []
+        for token_id, lp in zip(self.prompt_ids, prompt):
+            if math.isnan(lp.logprob) and not lp.top:
+                out.append(None)
+                continue
+            ranks = {t.token_id: i + 1 for i, t in enumerate(lp.top)}
+            entry = {str(token_id): self._vllm_entry(token_id, lp.logprob, ranks.get(token_id))}
+            for t in lp.top:
+                entry.setdefault(str(t.token_id), self._vllm_entry(t.token_id, t.logprob,
+                                                                   ranks[t.token_id]))
+            out.append(entry)
+        return out
+
+    def _vllm_entry(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self._token(token_id)}
 
     def _chat_logprobs(self, generated: list[pb.TokenLogprob]) -> dict | None:
         if not self.plan.logprobs:

@@ -84,7 +84,7 @@ def bind(host: str, port: int) -> socket.socket:
 async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     timeouts = timeouts or Timeouts()
     model = load_served_model(config.model_dir, config.served_model_name, config.max_model_len,
-                              config.quality_version)
+                              config.quality_version, config.served_model_aliases)
     state = FleetState(config.redis_url)
     # its calls to routers and workers carry the fleet token: without one, refuse to start
     channels = Channels(fleet_token.active().require("gateway"))

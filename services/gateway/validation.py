@@ -46,22 +46,32 @@ class Validator:
         self.model = model
 
     # -------------------------------------------------------------- model, prompt
-    def check_model(self, name: str) -> None:
-        if name != self.model.name:
-            raise errors.model_not_found(name, self.model.name)
+    @property
+    def served_name(self) -> str:
+        """The name responses carry (vLLM's: the first --served-model-name)."""
+        return self.model.name
 
-    def encode_text(self, text: str, cls: TrafficClass, param: str = "prompt") -> list[int]:
+    def check_model(self, name: str | None) -> None:
+        """Any served name (`--served-model-name A B`) is this model; None is the first name."""
+        if name is not None and name not in self.model.names:
+            raise errors.model_not_found(name, ", ".join(self.model.names))
+
+    def encode_text(self, text: str, cls: TrafficClass, param: str = "prompt", *,
+                    add_special_tokens: bool = True, check_bytes: bool = True) -> list[int]:
         """A text prompt's ids: plain text (a typed `<|eot_id|>` is text, not the control token),
-        the tokenizer's bos added."""
+        the tokenizer's bos added unless `add_special_tokens` is false. `check_bytes` false (the
+        prompt is truncated afterwards) skips the refusal of text too long to fit."""
         if not text:
             raise errors.bad_request(f"{param} is empty; send at least one token", param, "empty_prompt")
         tok = self.model.tokenizer
         if tok is None:
             raise errors.bad_request("this model has no tokenizer: send prompt token ids", param)
-        self._check_text_bytes(len(text.encode("utf-8")), cls, param)
-        return tok.encode_user_text(text)
+        if check_bytes:
+            self._check_text_bytes(len(text.encode("utf-8")), cls, param)
+        return tok.encode_user_text(text, add_special_tokens)
 
-    def encode_chat(self, messages: list[dict], cls: TrafficClass) -> list[int]:
+    def encode_chat(self, messages: list[dict], cls: TrafficClass, *,
+                    add_generation_prompt: bool = True, check_bytes: bool = True) -> list[int]:
         """The chat template's ids; special tokens only where the template writes them, the
         messages' text as plain text."""
         tok = self.model.tokenizer
@@ -69,10 +79,11 @@ class Validator:
             raise errors.bad_request(f"model `{self.model.name}` has no chat template; "
                                      "use /v1/completions", "messages")
         # templates trim message text: only what is left of it must become tokens
-        self._check_text_bytes(sum(len(m["content"].strip().encode("utf-8")) for m in messages),
-                               cls, "messages")
-        try:
-            return tok.encode_chat(messages, add_generation_prompt=True)   # holds the bos
+        if check_bytes:
+            self._check_text_bytes(sum(len(m["content"].strip().encode("utf-8")) for m in messages),
+                                   cls, "messages")
+        try:   # holds the bos
+            return tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:
             raise errors.bad_request(f"messages do not fit the chat template: {e}", "messages") from None
 

@@ -32,7 +32,16 @@ def _body(overrides: dict, model: str, drop: str | None = None) -> bytes:
     ({"prompt": 42}, None, "prompt", "invalid_request"),
     ({"prompt": [1, "two"]}, None, "prompt", "invalid_request"),
     ({}, "prompt", "prompt", "missing_field"),
-    ({"frobnicate": 1}, None, "frobnicate", "unsupported_field"),
+    ({"frobnicate": 1}, None, "frobnicate", "unknown_field"),
+    ({"best_of": 2}, None, "best_of", "unsupported_field"),           # vLLM's, not implemented
+    ({"guided_json": {"type": "object"}}, None, "guided_json", "unsupported_field"),
+    ({"presence_penalty": 2.5}, None, "presence_penalty", "invalid_value"),
+    ({"repetition_penalty": 0.0}, None, "repetition_penalty", "invalid_value"),
+    ({"min_p": 1.5}, None, "min_p", "invalid_value"),
+    ({"priority": 2**31}, None, "priority", "invalid_value"),          # past int32
+    ({"truncate_prompt_tokens": -2}, None, "truncate_prompt_tokens", "invalid_value"),
+    ({"logit_bias": {"7": 101.0}}, None, "logit_bias", "invalid_request"),
+    ({"logit_bias": {"seven": 1.0}}, None, "logit_bias", "invalid_request"),
     ({"max_tokens": 0}, None, "max_tokens", "invalid_max_tokens"),
     ({"max_tokens": -3}, None, "max_tokens", "invalid_max_tokens"),
     ({"max_tokens": 10**12}, None, "max_tokens", "invalid_max_tokens"),   # past uint32
@@ -134,7 +143,7 @@ def test_unknown_route_has_the_openai_error_shape(gateway):
     ("/v1/completions", {"max_tokens": 2**32}, "max_tokens", "[1, 4294967295]"),         # uint32
     ("/v1/completions", {"seed": 2**63}, "seed", "9223372036854775807]"),                # int64
     ("/v1/completions", {"seed": -(2**63) - 1}, "seed", "[-9223372036854775808"),
-    ("/v1/completions", {"n": 0}, "n", "[1, inf)"),
+    ("/v1/completions", {"n": 0}, "n", "[1, 16]"),
     ("/v1/completions", {"prompt": [2**40]}, "prompt", "[0, 4096)"),                     # vocab
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2**32}, "top_logprobs", "[0, 20]"),
     ("/v1/chat/completions", {"max_completion_tokens": 2**64}, "max_completion_tokens",
