@@ -9,8 +9,13 @@ Workers and routers start side by side, then the gateway. Every timeout of the f
 `Timeouts` (services/protocol/timeouts.py): `kvfleet up` takes its flags, refuses to start on a
 contradiction, and hands the same values to every child.
 
+Ports: without --port-base the gateway takes --http-port / --grpc-port (8000 / 50051) and every
+other listener a free port; with --port-base P each listener is on P + its offset in the table of
+services/cli/ports.py (docs/operations.md), and a taken one refuses the start before anything
+runs. The banner prints every listener (`  listen  <service> <kind> <host:port>`, Banner.listeners).
+
 Telemetry: every router and worker serves Prometheus /metrics on a free loopback port (their
---metrics-port defaults to 0), the gateway on its HTTP port at /metrics; each registers its
+--metrics-port defaults to 0; P + offset with --port-base), the gateway on its HTTP port at /metrics; each registers its
 metrics URL in Redis, so `kvfleet status --redis-url URL` (printed below) lists them and writes a
 Prometheus file_sd. A restarted router or worker gets a new metrics port and registers it. The
 OTEL_* environment of `kvfleet up` reaches every child (launcher.py passes the environment on).
@@ -30,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.supervisor import Supervisor
 from services.protocol import fleet_token, timeouts
@@ -49,8 +55,16 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routers", type=int, default=1,
                    help="router processes; the gateway spreads its Admit calls over them")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the gateway's OpenAI REST port (default 8000, or P+0 with --port-base)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="the gateway's gRPC port (default 50051, or P+1 with --port-base)")
+    p.add_argument("--port-base", type=int, default=None, metavar="P",
+                   help="every listener on P + its offset (services/cli/ports.py, "
+                        "docs/operations.md); default: routers' and workers' ports are free ones")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
+                   help="the model names requests may use (vLLM's flag), given to the gateway; "
+                        "responses carry the first. Default: the model dir's name")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--api-keys", default=None)
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
@@ -78,10 +92,34 @@ def worker_threads(args: argparse.Namespace) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // sum(n for _, n in worker_roles(args)))
 
 
+def gateway_ports(args: argparse.Namespace) -> tuple[int, int]:
+    """(HTTP, gRPC): the flags', else the --port-base table's, else 8000 and 50051."""
+    base = getattr(args, "port_base", None)
+    default = (8000, 50051) if base is None else (base, base + 1)
+    return (default[0] if args.http_port is None else args.http_port,
+            default[1] if args.grpc_port is None else args.grpc_port)
+
+
+def port_plan(args: argparse.Namespace, embedded_redis: bool) -> list[ports.Listener]:
+    """Every listener on its --port-base port (the gateway's flags win); [] without --port-base.
+    ValueError if the table has no room for the fleet."""
+    base = getattr(args, "port_base", None)
+    if base is None:
+        return []
+    services = ["gateway", *(["redis"] if embedded_redis else []),
+                *(f"router-{k}" for k in range(getattr(args, "routers", 1))),
+                *(f"{role}-{i}" for role, count in worker_roles(args) for i in range(count))]
+    http, grpc = gateway_ports(args)
+    pinned = {("gateway", "http"): http, ("gateway", "grpc"): grpc}
+    return [ports.Listener(x.service, x.kind, pinned.get((x.service, x.kind), x.port), x.host)
+            for x in ports.plan(base, services, args.kv_backend == "tcp", args.host)]
+
+
 def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
-                limits: Timeouts = Timeouts()) -> dict[str, str]:
+                limits: Timeouts = Timeouts(), plan: list[ports.Listener] = ()) -> dict[str, str]:
     """Workers and routers side by side, then the gateway; returns every child's address (and
-    `gateway-grpc`). `args` as `add_up_args` makes them (`routers` may be missing: one)."""
+    `gateway-grpc`). `args` as `add_up_args` makes them (`routers` may be missing: one); `plan`:
+    the --port-base ports (`port_plan`), or none (free ports)."""
     model = model_dir(args.model)
     config = ["--config", args.config] if args.config else []
     limit_args = limits.as_args()
@@ -89,18 +127,21 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
               "--threads", str(worker_threads(args)), *config, *limit_args]
     specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
-                             "--kv-backend", args.kv_backend, *common]
+                             "--kv-backend", args.kv_backend, *common,
+                             *ports.child_args(plan, f"{role}-{i}")]
              for role, count in worker_roles(args) for i in range(count)}
     routers = [f"router-{k}" for k in range(getattr(args, "routers", 1))]
     for name in routers:
         specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
-                       "--router-id", name, *limit_args]
+                       "--router-id", name, *limit_args, *ports.child_args(plan, name)]
     endpoints = launcher.start_many(specs)
+    http, grpc = gateway_ports(args)
     gateway = ["services.gateway", "--model", model,
                "--router", ",".join(endpoints[name] for name in routers),
                "--redis-url", redis_url, "--host", args.host,
-               "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port), *config,
-               *limit_args]
+               "--http-port", str(http), "--grpc-port", str(grpc), *config, *limit_args]
+    if getattr(args, "served_model_name", None):
+        gateway += ["--served-model-name", *args.served_model_name]
     if args.api_keys:
         gateway += ["--api-keys", args.api_keys]
     if args.insecure:
@@ -142,6 +183,42 @@ def check_routers(args: argparse.Namespace) -> None:
         raise SystemExit(f"kvfleet up: --routers must be >= 1, got {args.routers}")
 
 
+def check_ports(args: argparse.Namespace) -> list[ports.Listener]:
+    """The --port-base plan, refused before anything starts if the table cannot hold the fleet or
+    one of its ports is taken (the first one is named)."""
+    try:
+        plan = port_plan(args, embedded_redis=not args.redis_url)
+    except ValueError as e:
+        raise SystemExit(f"kvfleet up: {e}") from None
+    busy = ports.taken(plan)
+    if busy is not None:
+        raise SystemExit(f"kvfleet up: port {busy.port} ({busy.service} {busy.kind}, "
+                         f"--port-base {args.port_base} + {busy.port - args.port_base}) is "
+                         f"already in use on {busy.host}: nothing was started; free it or pick "
+                         f"another --port-base")
+    return plan
+
+
+def listeners(endpoints: dict[str, str], launcher: Launcher, redis: EmbeddedRedis | None
+              ) -> list[tuple[str, str, str]]:
+    """(service, kind, address) of every listener the fleet opened, as each child reported it
+    (`GRPC`, `METRICS`, `KV` lines before its READY)."""
+    found = [("gateway", "http", endpoints["gateway"]),
+             ("gateway", "grpc", endpoints["gateway-grpc"])]
+    if redis is not None:
+        found.append(("redis", "redis", f"{ports.HOST}:{redis.port}"))
+    for name, child in launcher.children.items():
+        if name == "gateway":
+            continue
+        found.append((name, "grpc", endpoints[name]))
+        for line in child.lines:
+            kind, _, rest = line.partition(" ")
+            if kind in ("METRICS", "KV"):
+                address = rest.split()[-1].removeprefix("http://").removesuffix("/metrics")
+                found.append((name, kind.lower(), address))
+    return found
+
+
 def stop_grace_s(limits: Timeouts) -> float:
     """SIGTERM to SIGKILL for the children: their own stop (shutdown_grace_s) and a second to exit,
     within the budget less what SIGKILL, reaping and stopping Redis take."""
@@ -163,12 +240,14 @@ def _up(args: argparse.Namespace) -> int:
     limits = timeouts.from_args(args)       # SystemExit naming every contradiction
     check_routers(args)
     check_keys(args)
+    plan = check_ports(args)
     launcher = Launcher()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: launcher.stopping.set())
-    redis = None if args.redis_url else EmbeddedRedis().start()
+    redis_port = next((x.port for x in plan if x.service == "redis"), 0)
+    redis = None if args.redis_url else EmbeddedRedis(port=redis_port).start()
     try:
-        endpoints = start_fleet(args, launcher, args.redis_url or redis.url, limits)
+        endpoints = start_fleet(args, launcher, args.redis_url or redis.url, limits, plan)
         print(f"kvfleet up ({args.mode}); logs in {launcher.log_dir}")
         print(f"  OpenAI REST  http://{endpoints['gateway']}/v1")
         print(f"  gRPC         {endpoints['gateway-grpc']}")
@@ -178,16 +257,19 @@ def _up(args: argparse.Namespace) -> int:
         for name, addr in endpoints.items():
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")
+        for service, kind, address in listeners(endpoints, launcher, redis):
+            print(f"  {LISTEN_PREFIX:<12} {service:<12} {kind:<8} {address}")
         print(f"  started in   {time.monotonic() - started:.1f} s")
         print(READY_PREFIX + endpoints["gateway"], flush=True)
         supervisor = Supervisor(launcher, pinned=pinned_ports(endpoints))
         while not launcher.stopping.wait(SUPERVISE_EVERY_S):
             supervisor.poll()
         return 0
-    except LaunchError:
+    except LaunchError as e:
         if launcher.stopping.is_set():
             return 0                        # stopped while starting
-        raise
+        print(f"kvfleet up: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         stopping_at = time.monotonic()
         launcher.stop_all(stop_grace_s(limits))
@@ -199,6 +281,7 @@ def _up(args: argparse.Namespace) -> int:
 # --- reading `kvfleet up`'s banner (tests, the soak and startup benches start it as a program) --
 
 READY_PREFIX = "READY up "
+LISTEN_PREFIX = "listen"     # `  listen  <service> <kind> <host:port>`, one line per listener
 WORKER_ROLES = ("prefill", "decode", "mixed")
 
 
@@ -212,6 +295,13 @@ class Banner:
         """Each worker's name -> gRPC address (its `  decode-0   127.0.0.1:PORT` line)."""
         return {parts[0]: parts[1] for parts in (line.split() for line in self.lines)
                 if len(parts) == 2 and parts[0].split("-")[0] in WORKER_ROLES}
+
+    @property
+    def listeners(self) -> list[tuple[str, str, str]]:
+        """(service, kind, address) of every listener: gateway http/grpc, redis (embedded),
+        router-k grpc/metrics, worker grpc/metrics/kv."""
+        return [(parts[1], parts[2], parts[3]) for parts in (line.split() for line in self.lines)
+                if len(parts) == 4 and parts[0] == LISTEN_PREFIX]
 
     @property
     def redis_url(self) -> str | None:

@@ -29,14 +29,15 @@ __all__ = ["BACKENDS", "KVLayout", "KVTransferError", "KVTransport", "TransferHa
            "wait_done"]
 
 
-def make_transport(backend: str, worker_id: str) -> KVTransport:
-    """A transport for this worker; nixl is imported only when asked for (it loads UCX)."""
+def make_transport(backend: str, worker_id: str, port: int = 0) -> KVTransport:
+    """A transport for this worker; nixl is imported only when asked for (it loads UCX). `port`:
+    the tcp backend's receiver port (0: a free one); the others have none of their own."""
     if backend == "local":
         from services.kv_transfer.local import LocalTransport
         return LocalTransport(worker_id)
     if backend == "tcp":
         from services.kv_transfer.tcp import TcpTransport
-        return TcpTransport(worker_id)
+        return TcpTransport(worker_id, port=port)
     if backend == "nixl":
         from services.kv_transfer.nixl import NixlTransport
         return NixlTransport(worker_id)

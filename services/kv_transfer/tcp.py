@@ -59,9 +59,11 @@ class TcpTransport(PoolTransport):
     name = "tcp"
     receiver_stops_writes = True
 
-    def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None):
-        """`auth`: the fleet token writers present and this target asks for (else this process's)."""
+    def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None, port: int = 0):
+        """`auth`: the fleet token writers present and this target asks for (else this process's);
+        `port`: where the receiver listens (0: a free port)."""
         super().__init__(worker_id)
+        self._port = port
         self._auth = auth if auth is not None else fleet_token.active()
         self._flat: memoryview | None = None  # the whole CPU pool as bytes; None for a device pool
         self._listener: socket.socket | None = None
@@ -76,7 +78,7 @@ class TcpTransport(PoolTransport):
         self._kv, self._layout = kv_cache, KVLayout.of(kv_cache)
         if kv_cache.data.device.type == "cpu":
             self._flat = byte_view(kv_cache.data)
-        self._listener = socket.create_server((HOST, 0))
+        self._listener = socket.create_server((HOST, self._port))
         self._spawn(self._accept_loop, "kv-tcp-accept")
 
     @property

@@ -8,9 +8,10 @@ takes (without Redis, on the heartbeat's period all the same); OTLP traces when 
 environment names an endpoint (services/telemetry/tracing.py).
 
 Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
-for it). SIGTERM / SIGINT: stop accepting, drop the Redis record, stop the engine core, exit 0.
-The engine core dies: its requests fail, the worker reports NOT_SERVING and exits
-ENGINE_FAILED_EXIT (the supervisor restarts it).
+for it), after `METRICS <worker_id> <url>` and `KV <worker_id> <host:port>` (the tcp backend's
+receiver) for the listeners it has. SIGTERM / SIGINT: stop accepting, drop the Redis record,
+stop the engine core, exit 0. The engine core dies: its requests fail, the worker reports
+NOT_SERVING and exits ENGINE_FAILED_EXIT (the supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--config", help="engine config YAML (classes, tenants, budgets)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--kv-port", type=int, default=0,
+                   help="the tcp KV backend's receiver on 127.0.0.1 (0 picks a free port)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
@@ -211,7 +214,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     transport = None
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
-        transport = make_transport(args.kv_backend, config.worker_id)
+        transport = make_transport(args.kv_backend, config.worker_id, port=args.kv_port)
         telemetry.expect_kv(args.kv_backend)
         transport.register(engine.kv_cache)
     servicer = WorkerServicer(config, engine, transport, telemetry)
@@ -226,6 +229,10 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
             if state is not None or telemetry.metrics_url else None)
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
+    if telemetry.metrics_url:
+        print(f"METRICS {config.worker_id} {telemetry.metrics_url}", flush=True)
+    if getattr(transport, "address", None):            # the tcp backend's KV receiver
+        print(f"KV {config.worker_id} {transport.address}", flush=True)
     print(f"READY {config.worker_id} {address}", flush=True)
     await stopping
     failed = engine.failure is not None
