@@ -1,0 +1,109 @@
+"""Chunked-prefill attention over the paged KV cache, the whole ragged batch in one launch.
+
+    q             [T, heads, d]         rows query_start_loc[seq] .. query_start_loc[seq + 1] (strided ok)
+    k_cache       [num_blocks, block_size, kv_heads, d]   already holds this chunk's K/V (store first)
+    seqs          [S_p] int32           which sequences of the batch to run (those with q_len > 1)
+    query_start_loc [S + 1] int32, seq_lens [S] int32, block_tables [S, max_blocks] int32
+    out           [T, heads, d]         only the selected sequences' rows are written
+
+A chunk of q_len queries ends the context: local query row r sits at position
+ctx + r, ctx = seq_len - q_len, and sees keys 0 .. ctx + r (causal with the chunk's offset).
+Grid (S_p, ceil(max_q_len / BLOCK_M), heads): one program per BLOCK_M query rows of one head,
+flash-attention style online softmax over key blocks read through the block table; a program past
+its sequence's q_len runs no iterations and stores nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, dot_dtype, next_pow2
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqs_ptr, query_start_loc_ptr, seq_lens_ptr,
+                    block_tables_ptr, qk_scale, k_scale, v_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    i, mb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(seqs_ptr + i).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+    kvh = h // GROUP
+    r, d = mb * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    r_mask, d_mask = r < q_len, d < HEAD_DIM
+    q_rows = (q_start + r).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # keys past the block's last query position are hidden from all its rows; none if the block is empty
+    hi = tl.where(mb * BLOCK_M < q_len, tl.minimum(seq_len, ctx + (mb + 1) * BLOCK_M), 0)
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < seq_len
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
+        off = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * k_scale
+        scores = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        visible = p_mask[None, :] & (pos[None, :] <= (ctx + r)[:, None])
+        scores = tl.where(visible, scores, float("-inf"))               # [BLOCK_M, BLOCK_N], log2 units
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)             # rows with nothing visible yet
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(scores - m_use[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * v_scale
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                              seqs: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                              block_tables: torch.Tensor, max_q_len: int, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> torch.Tensor:
+    """max_q_len: a host-side bound on the selected sequences' query lengths (sizes the grid)."""
+    _check(q, k_cache, v_cache, out, seqs, query_start_loc, seq_lens, block_tables)
+    (_, heads, d), (_, block_size, kv_heads, _) = q.shape, k_cache.shape
+    if seqs.numel() == 0 or max_q_len == 0:
+        return out
+    grid = (seqs.numel(), triton.cdiv(max_q_len, BLOCK_M), heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, seqs, query_start_loc, seq_lens, block_tables,
+        LOG2E / math.sqrt(d), float(k_scale), float(v_scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_DTYPE=dot_dtype(q.dtype),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    return out
+
+
+def _check(q, k_cache, v_cache, out, seqs, query_start_loc, seq_lens, block_tables) -> None:
+    _, heads, d = q.shape
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d, k_cache.shape
+    assert heads % k_cache.shape[2] == 0, f"{heads} query heads over {k_cache.shape[2]} kv heads"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+    assert q.dtype in COMPUTE_DTYPES and out.dtype == q.dtype and out.shape == q.shape, (q.dtype, out.dtype)
+    assert k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype, k_cache.dtype
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("out", out)
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
+    for name, t in (("seqs", seqs), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        assert t.dtype == torch.int32 and t.is_contiguous(), f"{name}: {t.dtype}, contiguous {t.is_contiguous()}"

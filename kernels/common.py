@@ -1,0 +1,38 @@
+"""Helpers every launcher shares: interpreter detection, dtype mapping, the dot operand dtype.
+
+Triton decides at `@triton.jit` time whether a kernel is interpreted (TRITON_INTERPRET=1, read
+when the kernel module is imported), so set the variable before importing any kernels.* module.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# torch dtype -> Triton dtype, for casts written as constexprs (store / dot dtypes)
+TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+            torch.float8_e4m3fn: tl.float8e4nv}
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (*COMPUTE_DTYPES, torch.float8_e4m3fn)
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_dtype(dtype: torch.dtype):
+    """tl.dot operand dtype for a model dtype: fp16/bf16 on a GPU (tensor cores); fp32 under the
+    interpreter (its bf16 arithmetic works on raw bits, triton-lang/triton#11584) and for fp32."""
+    if interpreted() or dtype == torch.float32:
+        return tl.float32
+    return TL_DTYPE[dtype]
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    assert t.stride(-1) == 1, f"{name}: last dim must be contiguous, strides {t.stride()}"
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
