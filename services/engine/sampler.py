@@ -1,4 +1,6 @@
-"""Turns one step's logits into tokens (greedy / temperature / top-k / top-p) plus their logprobs.
+"""Turns one step's logits into tokens plus their logprobs, in vLLM V1's order: vLLM's logits
+processors (min_tokens, logit_bias, penalties: logits_process.py), then greedy argmax, or
+temperature, min_p, top-k / top-p and a draw.
 
 Sampling is inverse-CDF with one uniform u in (0, 1] per sampled row, drawn from that row's own
 generator (or, for unseeded rows, the sampler's engine-wide one, in row order). The distribution a
@@ -9,7 +11,7 @@ row is sampled from, and the order its CDF runs in, depend only on that row's lo
                                 top-k keeps w[:k], top-p the shortest prefix with mass >= top_p
 
 so a seeded request draws the same tokens whatever else is in the batch (up to float rounding of
-the batched reductions). The uniforms come from CPU generators, so a seed means the same u on any
+the batched reductions). min_p removes tokens (-inf) before that, so they get no weight. The uniforms come from CPU generators, so a seed means the same u on any
 device. Cumulative sums run in float64: in float32, adding a 1e-8 token to 0.99 adds nothing, and a
 150k-token tail would silently lose its mass.
 """
@@ -17,10 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from services.engine.logits_process import History, LogitsProcessors, apply_min_p, needs_processing
 from services.engine.sampling_params import SamplingParams
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 _NAN = float("nan")
 _GREEDY_BELOW = 1e-5  # temperatures this small are argmax (as in vLLM); logits / 1e-30 would overflow
@@ -30,8 +37,10 @@ _GREEDY_BELOW = 1e-5  # temperatures this small are argmax (as in vLLM); logits 
 class TokenLogprob:
     """One position's token and, when requested, its logprob info.
 
-    `logprob` is of the model's raw distribution (log_softmax of the logits, before temperature,
-    top-k and top-p); NaN when the request did not ask for logprobs. `top` is the top-N
+    `logprob` is of the model's raw distribution (log_softmax of the logits, before any
+    processing), or under logprobs_mode "processed_logprobs" of the distribution the token was
+    drawn from (after penalties, bias, temperature, min_p, top-k / top-p; -inf for a token
+    they removed); NaN when the request did not ask for logprobs. `top` is the top-N
     (token_id, logprob) by descending logprob; () when N == 0 or not requested.
     """
 
@@ -58,23 +67,39 @@ def _filters(p: SamplingParams) -> bool:
 
 
 class Sampler:
-    """Samples one token per row. Called every iteration with the rows that sample this step."""
+    """Samples one token per row. Called every iteration with the rows that sample this step.
 
-    def __init__(self, seed: int = 0):
+    `logprobs_mode` is vLLM's --logprobs-mode: "raw_logprobs" (vLLM's default) or
+    "processed_logprobs". Prompt logprobs are raw either way (as in vLLM)."""
+
+    def __init__(self, seed: int = 0, logprobs_mode: LogprobsMode = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self._generator = make_generator(seed)
+        self.logprobs_mode = logprobs_mode
+        self._processors = LogitsProcessors()
 
     def __call__(
         self,
         logits: torch.Tensor,  # [N, vocab] float32
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> list[TokenLogprob]:
+        histories: Sequence[History | None] | None = None,   # each row's request; None: no
+    ) -> list[TokenLogprob]:                                   # min_tokens / penalties
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
+        histories = histories if histories is not None else [None] * len(params)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not wants_logprobs and all(_greedy(p) for p in params):
+        processed = any(needs_processing(p, h) for p, h in zip(params, histories))
+        if not wants_logprobs and not processed and all(_greedy(p) for p in params):
             return [TokenLogprob(t, _NAN) for t in logits.argmax(dim=-1).tolist()]
+        raw = logits
+        if processed:
+            logits = self._processors(logits.float().clone(), params, histories)
         token_ids = self._choose(logits, params, generators)
-        return _attach_logprobs(logits, token_ids, params, wants_logprobs)
+        if self.logprobs_mode == "processed_logprobs" and wants_logprobs:
+            return _attach_logprobs(_final_logits(logits, params), token_ids, params,
+                                    wants_logprobs)
+        return _attach_logprobs(raw, token_ids, params, wants_logprobs)
 
     def _choose(self, logits, params, generators) -> torch.Tensor:
         """[N] token ids: argmax for greedy rows, a draw for the others."""
@@ -102,8 +127,41 @@ class Sampler:
 
 
 def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits / T, then min_p (vLLM's order) for the rows that set it."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    return logits.float() / temperature.unsqueeze(1)
+    scaled = logits.float() / temperature.unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        scaled = apply_min_p(scaled, min_p)
+    return scaled
+
+
+def _final_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """processed_logprobs: what each row sampled from. Greedy rows: the processed logits
+    (vLLM skips temperature for them); sampled rows: after temperature, min_p, and -inf outside
+    their top-k / top-p."""
+    out = logits.float().clone()
+    rows = [i for i, p in enumerate(params) if not _greedy(p)]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        picked = [params[i] for i in rows]
+        out[index] = _top_k_top_p_mask(_scaled(logits[index], picked), picked)
+    return out
+
+
+def _top_k_top_p_mask(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """-inf outside the candidates _sample_filtered draws from (the whole row without filters)."""
+    if not any(_filters(p) for p in params):
+        return scaled
+    vocab = scaled.shape[-1]
+    values, order = scaled.sort(dim=-1, descending=True)
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=scaled.device)
+    weights = (values - values[:, :1]).exp().double()
+    weights.masked_fill_(torch.arange(vocab, device=scaled.device) >= k.clamp(max=vocab).unsqueeze(1), 0.0)
+    kept = _nucleus_size(weights.cumsum(dim=-1),
+                         torch.tensor([p.top_p for p in params], device=scaled.device))
+    drop = torch.arange(vocab, device=scaled.device) >= kept.unsqueeze(1)   # in sorted order
+    return scaled.scatter(1, order, values.masked_fill(drop, float("-inf")))
 
 
 def _sample_plain(logits, params, u) -> torch.Tensor:
@@ -147,7 +205,8 @@ def _invert(cdf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _attach_logprobs(logits, token_ids: torch.Tensor, params, rows: list[int]) -> list[TokenLogprob]:
-    """Wrap token ids; rows listed in `rows` also get their raw logprob and top-N alternatives."""
+    """Wrap token ids; rows listed in `rows` also get their logprob (log_softmax of `logits`) and
+    top-N alternatives."""
     ids = token_ids.tolist()
     out = [TokenLogprob(t, _NAN) for t in ids]
     if rows:
@@ -183,4 +242,5 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], top_n: 
     return _entries(torch.log_softmax(logits.float(), dim=-1), ids, [top_n] * len(next_token_ids))
 
 
-__all__ = ["Sampler", "TokenLogprob", "make_generator", "prompt_logprobs"]
+__all__ = ["LOGPROBS_MODES", "LogprobsMode", "Sampler", "TokenLogprob", "make_generator",
+           "prompt_logprobs"]
