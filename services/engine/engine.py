@@ -127,6 +127,10 @@ class LLMEngine:
         self._chunk_build_s = 0.0
         self.last_step: StepRecord | None = None   # the latest step(), if it ran the model
         self._ready_since: float | None = None     # since when work waits for a step; None: idle
+        # n > 1: a request's forked samples (internal ids), and per request id how many of its
+        # samples have not sent their last output (the output that brings it to 0 is `finished`)
+        self._samples: dict[str, list[str]] = {}
+        self._left: dict[str, int] = {}
 
     # --------------------------------------------------------------------- API
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -164,12 +168,15 @@ class LLMEngine:
         return outputs
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel now: frees every page the request holds before returning. True if it was live."""
-        req = self.scheduler.cancel(request_id)
-        if req is None or request_id not in self._states:
-            return False
-        self._pending.append(self._delta(req))
-        return True
+        """Cancel now: frees every page the request (every sample of it) holds before returning.
+        True if it was live."""
+        live = False
+        for rid in [request_id, *self._samples.get(request_id, ())]:
+            req = self.scheduler.cancel(rid)
+            if req is not None and rid in self._states:
+                self._pending.append(self._delta(req))
+                live = True
+        return live
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
@@ -182,15 +189,18 @@ class LLMEngine:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  **kwargs) -> list[CompletionOutput]:
-        """Run prompts to completion; results in prompt order."""
+        """Run prompts to completion; results in prompt order, a request's n samples in index
+        order."""
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        results: dict[str, CompletionOutput] = {}
+        results: dict[tuple[str, int], CompletionOutput] = {}
         for prompt, p in zip(prompts, plist):
             rid = self.add_request(prompt, p, **kwargs)
-            results[rid] = CompletionOutput(rid, list(self.scheduler.requests[rid].prompt_token_ids))
+            req = self.scheduler.requests[rid]
+            for index in range(max(1, req.params.n)):
+                results[rid, index] = CompletionOutput(rid, list(req.prompt_token_ids), index=index)
         for out in self.stream():
-            if out.request_id in results:
-                results[out.request_id].add(out)
+            if (out.request_id, out.index) in results:
+                results[out.request_id, out.index].add(out)
         return list(results.values())
 
     def stats(self) -> EngineStats:
@@ -226,25 +236,35 @@ class LLMEngine:
             self._forget(req.request_id)
         return blocks
 
-    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int) -> None:
+    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
+                  more_first_tokens: Sequence[int] = ()) -> None:
         """Decode role: write the prompt's KV ([layers, 2, n, block, kv_heads, head_dim]) into the
-        reserved blocks and start decoding from the prefill worker's first token."""
+        reserved blocks and start decoding from the prefill worker's first token(s)."""
         if request_id not in self._states:
             raise UnknownRequestError(request_id)
         self.kv_cache.write_blocks(self.pool.block_table(request_id)[:kv.shape[2]], kv)
-        self.start_decode(request_id, first_token)
+        self.start_decode(request_id, first_token, more_first_tokens)
 
-    def start_decode(self, request_id: str, first_token: int) -> None:
+    def start_decode(self, request_id: str, first_token: int,
+                     more_first_tokens: Sequence[int] = ()) -> None:
         """Decode role: the prompt's KV already sits in the reserved blocks (a KV transport wrote
-        it); start decoding from the prefill worker's first token."""
-        if request_id not in self._states:
+        it); start decoding from the prefill worker's first token. n > 1: `more_first_tokens`
+        are samples 1..n-1's first tokens; they fork here, sharing the prompt's blocks."""
+        req = self.scheduler.requests.get(request_id)
+        if request_id not in self._states or req is None:
+            del self._left[req.request_id]
             raise UnknownRequestError(request_id)
-        req = self.scheduler.kv_arrived(request_id, first_token)
+        if len(more_first_tokens) != max(1, req.params.n) - 1:
+            raise ValueError(f"{request_id}: n={req.params.n} needs {req.params.n - 1} more first "
+                             f"tokens, got {len(more_first_tokens)}")
+        samples = list(zip(self._new_samples(req), more_first_tokens))
+        self._copy_blocks(self.scheduler.kv_arrived(request_id, first_token, samples))
         if self._ready_since is None:
             self._ready_since = self.clock()
-        self._states[request_id].seed_first_token(first_token)  # the prefill worker streamed it
-        if req.is_finished:
-            self._pending.append(self._delta(req))
+        for r, token in [(req, first_token), *samples]:   # the prefill worker streamed them
+            self._states[r.request_id].seed_first_token(token)
+            if r.is_finished:
+                self._pending.append(self._delta(r))
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """Prefill role: the prompt's KV, every layer, K and V, for the decode worker."""
@@ -286,14 +306,26 @@ class LLMEngine:
         for c in chunks:
             if c.num_prompt_logprob_rows:
                 self._record_prompt_logprobs(c, logits[row:row + c.num_prompt_logprob_rows])
+        self._left[rid] = 1                       # its samples join at the fork
             row += len(c.logit_rows)
             if c.sample:
                 sample_rows.append(row - 1)
         sampling = [c.request for c in chunks if c.sample]
-        sampled = self.sampler(logits[sample_rows], [r.params for r in sampling],
-                               [self._generators[r.request_id] for r in sampling])
-        advanced = self.scheduler.update(plan, [s.token_id for s in sampled])
-        for req, s in zip(sampling, sampled):
+        # n > 1: a request sampling its first token forks; each new sample draws its first token
+        # from the same logits row with its own generator (extra rows after the batch's)
+        forking = {r.request_id: self._new_samples(r) for r in sampling if self._forks_now(r)}
+        samples = [c for r in sampling for c in forking.get(r.request_id, ())]
+        rows = sample_rows + [row for row, r in zip(sample_rows, sampling)
+                              for _ in forking.get(r.request_id, ())]
+        drawers = sampling + samples
+        sampled = self.sampler(logits[rows], [r.params for r in drawers],
+                               [self._generators[r.request_id] for r in drawers], drawers)
+        firsts = dict(zip((c.request_id for c in samples), sampled[len(sampling):]))
+        advanced = self.scheduler.update(
+            plan, [s.token_id for s in sampled[:len(sampling)]],
+            {rid: [(c, firsts[c.request_id].token_id) for c in cs] for rid, cs in forking.items()})
+        self._copy_blocks(plan.block_copies)
+        for req, s in [*zip(sampling, sampled), *((c, firsts[c.request_id]) for c in samples)]:
             stop = self._states[req.request_id].on_token(s.token_id, s)
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req, Status.FINISHED_STOPPED, stop_reason=stop)
@@ -307,11 +339,39 @@ class LLMEngine:
 
     def _delta(self, req: Request) -> RequestOutput:
         out = self._states[req.request_id].delta()
-        if out.finish_reason == "prefilled":    # its blocks stay held until release()
+        if out.finish_reason == "prefilled" and req.index == 0:  # blocks held until release()
             out.block_ids = list(self.pool.block_table(req.request_id))
         if out.finished:
             self._forget(req.request_id)
         return out
+
+    def _forks_now(self, req: Request) -> bool:
+        return req.params.n > 1 and req.num_output_tokens == 0 and req.index == 0
+
+    def _new_samples(self, req: Request) -> list[Request]:
+        """Samples 1..n-1 of `req` (n > 1), each with its own output state and generator: with a
+        seed, sample i draws from seed + i (vLLM's ParentRequest rule; sample 0 is `req`)."""
+        p, samples = req.params, []
+        for i in range(1, max(1, p.n)):
+            params = replace(p, n=1, seed=None if p.seed is None else p.seed + i,
+                             prompt_logprobs=None)     # the prompt's are sample 0's
+            child = Request(f"{req.request_id}#{i}", req.tenant, req.traffic_class, params,
+                            req.prompt_token_ids, req.arrival_time, eos_token_ids=req.eos_token_ids,
+                            index=i, parent_id=req.request_id,
+                            first_scheduled_time=req.first_scheduled_time,
+                            num_cached_tokens=req.num_cached_tokens)
+            self._states[child.request_id] = OutputState(child, self.tokenizer)
+            self._generators[child.request_id] = make_generator(params.seed)
+            samples.append(child)
+        self._samples[req.request_id] = [c.request_id for c in samples]
+        self._left[req.request_id] += len(samples)
+        return samples
+
+    def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """A forked sample's own copy of its prompt's partial last block (copy-on-write)."""
+        if copies:
+            src, dst = zip(*copies)
+            self.kv_cache.write_blocks(list(dst), self.kv_cache.read_blocks(list(src)))
 
     def _forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -320,11 +380,20 @@ class LLMEngine:
     def _count(self, plan: SchedulerOutput, step_s: float, sched_s: float) -> None:
         self._counters["steps"] += 1
         self._counters["prefill_tokens"] += plan.num_prefill_tokens
+        """The request's news under the id callers know (a sample's: its request's, and its
+        index). A sample's last output has its finish_reason; `finished` is set on the last
+        output of the request's last sample only."""
         self._counters["decode_tokens"] += len(plan.decodes)
         self._counters["preemptions"] += len(plan.preempted)
         self._counters["rejections"] += len(plan.rejected)
         prep = self._chunk_build_s + self.runner.last_prepare_s if plan.chunks else 0.0
         self._last = (step_s, sched_s, prep)
+            rid = req.external_id
+            self._left[rid] -= 1
+            out.finished = self._left[rid] == 0
+            if out.finished:
+                del self._left[rid]
+                self._samples.pop(rid, None)
 
     def _record(self, plan: SchedulerOutput, start: float, gap: float, ran: bool) -> None:
         """Set last_step (None for a step that only flushed outputs) and when work next waits
