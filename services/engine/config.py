@@ -106,3 +106,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # ranks the model is sharded over (services/engine/tp_ranks.py): this process is rank 0 and
+    # starts the other N - 1; heads, KV heads and MLP width must divide by it
+    tensor_parallel_size: int = 1

@@ -33,6 +33,7 @@ from services.engine.sampler import Sampler, make_generator, prompt_logprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.tokenizer import Tokenizer
+from services.engine.tp_ranks import TPLeader, drive, start_rank0
 from services.engine.validation import RequestValidator
 
 
@@ -99,15 +100,19 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir) if _has_tokenizer(model_dir) else None
         model = load_model(model_dir, dtype=config.dtype)
+        self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
+        if config.tensor_parallel_size > 1:       # model.config becomes the rank's (its KV heads)
+            model, self.tp_leader = start_rank0(model, config.tensor_parallel_size)
         dtype = next(model.parameters()).dtype
         num_blocks = config.num_blocks or max(1, (config.kv_cache_mib << 20) // (
-            kv_bytes_per_token(self.model_config, dtype) * config.block_size))
-        kv_data = (kv_alloc(kv_cache_shape(self.model_config, num_blocks, config.block_size), dtype)
+            kv_bytes_per_token(model.config, dtype) * config.block_size))
+        kv_data = (kv_alloc(kv_cache_shape(model.config, num_blocks, config.block_size), dtype)
                    if kv_alloc is not None else None)
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, dtype,
-                                data=kv_data)
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)  # all layers, K+V
+        self.kv_cache = KVCache(model.config, num_blocks, config.block_size, dtype, data=kv_data)
+        self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
         self.runner = ModelRunner(model, self.kv_cache)
+        if self.tp_leader is not None:
+            self.runner = drive(self.runner, self.tp_leader, model_dir, config.dtype)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(config.scheduler, self.pool, max_model_len=self.max_model_len,
@@ -177,6 +182,11 @@ class LLMEngine:
                 self._pending.append(self._delta(req))
                 live = True
         return live
+
+    def close(self) -> None:
+        """Stop the tensor-parallel follower ranks, if any (they also exit when this process does)."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
