@@ -34,9 +34,36 @@ def bounded_output(req: Request, config: SchedulerConfig) -> int:
 def blocks_to_reserve(req: Request, config: SchedulerConfig, block_size: int,
                       max_model_len: int) -> int:
     """Blocks covering every token the request holds plus its bounded output (never past the
-    context limit, where the request finishes anyway)."""
+    context limit, where the request finishes anyway), for each sample it will fork into."""
     tokens = min(req.num_tokens + bounded_output(req, config), max_model_len)
-    return cdiv(tokens, block_size)
+    return blocks_for_samples(req.num_prompt_tokens, tokens, samples_to_fork(req, config),
+                              block_size)
+
+
+def samples_to_fork(req: Request, config: SchedulerConfig) -> int:
+    """n while the request has not sampled its first token (it forks then), else 1. A prefill
+    worker never forks: the n first tokens travel with the KV and the decode worker forks."""
+    if config.role == "prefill" or req.num_output_tokens > 0:
+        return 1
+    return max(1, req.params.n)
+
+
+def blocks_for_samples(prompt_tokens: int, tokens_per_sample: int, n: int, block_size: int) -> int:
+    """KV blocks for n samples of one prompt, each holding up to tokens_per_sample tokens: the
+    prompt's full blocks once (shared, ref-counted), and per sample its own blocks (a copy of the
+    partial last prompt block, and its output). n = 1: cdiv(tokens_per_sample, block_size).
+
+        = prompt blocks + n x output blocks + (n - 1) copies of a partial last prompt block"""
+    shared = prompt_tokens // block_size
+    return shared + n * (cdiv(tokens_per_sample, block_size) - shared)
+
+
+def sample_blocks(req: Request, config: SchedulerConfig, block_size: int,
+                  max_model_len: int) -> int:
+    """The blocks one forked sample takes of its request's reservation (before its first token):
+    what blocks_for_samples counts per sample."""
+    tokens = min(req.num_tokens + bounded_output(req, config), max_model_len)
+    return cdiv(tokens, block_size) - req.num_prompt_tokens // block_size
 
 
 def tenant_allows(tenant: Tenant, active_seqs: int, committed_blocks: int, new_blocks: int) -> bool:

@@ -159,6 +159,33 @@ class BlockPool:
         for block_id in reversed(table):
             self._decref(self.blocks[block_id])
 
+    def fork(self, parent: str, child: str, num_tokens: int, reserve: int) -> tuple[int, int] | None:
+        """Start `child` as a copy-on-write sample of the parent's first num_tokens tokens (n > 1).
+
+            parent: [b0][b1][t ]          b0, b1 full: shared, ref count +1 each
+            child:  [b0][b1][t']          t partial: the child gets a fresh t' (copy t -> t')
+
+        `reserve` blocks move from the parent's reservation to the child's (the pool's total
+        reservation is unchanged); t' is taken from them. Returns (t, t') for the caller to copy
+        the KV, or None when num_tokens ends on a block boundary."""
+        table = self._tables.get(parent)
+        full, partial = divmod(num_tokens, self.block_size)
+        if table is None or child in self._tables or len(table) < full + (partial > 0):
+            raise ValueError(f"fork({parent!r} -> {child!r}): parent unknown, child exists, "
+                             f"or the parent holds fewer than {num_tokens} tokens' blocks")
+        if not (1 if partial else 0) <= reserve <= self._reserved[parent]:
+            raise ValueError(f"fork({parent!r} -> {child!r}, reserve={reserve}): the parent's "
+                             f"reservation is {self._reserved[parent]}")
+        self._reserved[parent] -= reserve
+        self._reserved[child] = reserve
+        shared = table[:full]
+        for block_id in shared:
+            self._incref(self.blocks[block_id])
+        self._tables[child] = list(shared)
+        if not partial:
+            return None
+        return table[full], self.allocate(child, 1)[0]
+
     def cache_block(self, block_id: int, block_hash: int) -> None:
         """Register a full, computed block. A hash already mapped elsewhere keeps its mapping."""
         block = self.blocks[block_id]

@@ -28,11 +28,21 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output 
 
 
 class IncrementalDetokenizer:
+    """`skip_special_tokens` and `spaces_between_special_tokens` are vLLM's, as its detokenizer
+    for fast tokenizers applies them: special tokens are left out of the text, or kept; kept, and
+    without spaces between them, an added token right after another added token is its bare
+    content (whatever the tokenizer's decoder would put before it)."""
+
     def __init__(
-        self, tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+        self, tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._bare_added: dict[int, str] | None = None   # id -> content, when used
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self._bare_added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._last_added = False
         # self._ids holds only the window ids[prefix_offset:], so prefix_offset is 0 within it.
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._read_offset = len(self._ids)
@@ -49,7 +59,14 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Append one generated token; return the text that became final (may be "")."""
         self._ids.append(token_id)
-        return self._advance(final=False)
+        delta = self._advance(final=False)
+        if self._bare_added is not None:
+            content = self._bare_added.get(token_id)
+            if content is not None and self._last_added and delta:
+                self._text = self._text[:len(self._text) - len(delta)] + content
+                delta = content
+            self._last_added = content is not None
+        return delta
 
     def flush(self) -> str:
         """At finish: emit whatever is held back (U+FFFD for bytes that never completed)."""

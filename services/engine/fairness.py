@@ -5,9 +5,24 @@ Pure helpers; the scheduler calls them and owns all state changes.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from services.engine.config import TrafficClass
+
+
+T = TypeVar("T")
+
+
+def priority_slot(queue: Sequence[T], priority: int, rank: Callable[[T], int | None]) -> int:
+    """Where a request of vLLM `priority` (lower first) joins a class/tenant queue: behind every
+    waiting request of the same or a lower value (ties FCFS) and behind every request whose
+    rank is None (admitted, mid-prefill: it keeps its place). Scans from the back, so a queue of
+    equal priorities costs O(1)."""
+    i = len(queue)
+    while i > 0 and (r := rank(queue[i - 1])) is not None and r > priority:
+        i -= 1
+    return i
 
 
 def effective_priority(cls: TrafficClass, waited_s: float) -> float:

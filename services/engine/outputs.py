@@ -11,7 +11,10 @@ from services.engine.sampler import TokenLogprob
 
 @dataclass
 class RequestOutput:
-    """One step's news for one request (a stream delta). The last one has finished=True."""
+    """One step's news for one request (a stream delta). The last one has finished=True.
+
+    n > 1: each output is one sample's (`index`); a sample's last output carries its
+    finish_reason, and only the last output of the last sample to end has finished=True."""
 
     request_id: str
     new_token_ids: list[int]
@@ -32,6 +35,8 @@ class RequestOutput:
     # on the engine's clock: arrival -> first scheduled, first scheduled -> first token sampled.
     queue_s: float | None = None
     prefill_s: float | None = None
+    index: int = 0                        # which of the request's n samples
+    num_cached_tokens: int = 0            # prompt tokens this engine found in its prefix cache
 
 
 @dataclass
@@ -47,14 +52,17 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    index: int = 0                        # which of the request's n samples
+    num_cached_tokens: int = 0
 
     def add(self, delta: RequestOutput) -> None:
         self.token_ids += delta.new_token_ids
         self.text += delta.new_text
         self.logprobs += delta.new_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        if delta.finished:
+        if delta.finish_reason is not None:      # this sample ended
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.error = delta.error
 
@@ -110,7 +118,7 @@ class OutputState:
         if not finished and self.stops is not None:
             visible -= self.stops.holdback(self.text)
         out = RequestOutput(
-            request_id=req.request_id,
+            request_id=req.external_id, index=req.index, num_cached_tokens=req.num_cached_tokens,
             new_token_ids=req.output_token_ids[self.emitted_tokens:],
             new_text=self.text[self.emitted_chars:max(visible, self.emitted_chars)],
             new_logprobs=self.pending_logprobs, finished=finished,

@@ -55,10 +55,18 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # hash chain over its leading full blocks
     num_registered_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_tokens: int = 0      # prompt tokens its first admission found in the prefix cache
+    index: int = 0                  # which of the request's n samples (n > 1: forked at the first token)
+    parent_id: str | None = None    # a forked sample's request (sample 0 is the request itself)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def external_id(self) -> str:
+        """The id callers know: a forked sample answers under its request's id (and its index)."""
+        return self.parent_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,11 +23,11 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, late_requests,
-                                       tenant_allows)
+                                       sample_blocks, samples_to_fork, tenant_allows)
 from services.engine.block_pool import BlockPool, hash_full_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.errors import UnknownRequestError
@@ -70,6 +70,8 @@ class SchedulerOutput:
     attention_left: float = math.inf   # (query, key) pairs prefill chunks may still attend over
     prefix_queries: int = 0   # tokens of the requests admitted this iteration looked up in ...
     prefix_hits: int = 0      # ... the prefix cache, and how many of them it held
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks that
+                              # update() forked (a sample's copy of a partial prompt block)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -121,8 +123,9 @@ class Scheduler:
         Returns the block ids to write the prompt's KV into, or None when this worker cannot
         back the reservation (it never over-commits)."""
         need = blocks_to_reserve(req, self.config, self.block_size, self.max_model_len)
-        awaiting = sum(1 for r in self.requests.values() if r.status == Status.WAITING_FOR_KV)
-        if len(self.running) + awaiting >= self.config.max_running:
+        awaiting = sum(samples_to_fork(r, self.config) for r in self.requests.values()
+                       if r.status == Status.WAITING_FOR_KV)
+        if len(self.running) + awaiting + samples_to_fork(req, self.config) > self.config.max_running:
             return None
         if not self._tenant_allows(req, need) or not self.pool.reserve(req.request_id, need):
             return None
@@ -130,16 +133,19 @@ class Scheduler:
         self._hold(req, Status.WAITING_FOR_KV)
         return self.pool.allocate(req.request_id, cdiv(req.num_prompt_tokens, self.block_size))
 
-    def kv_arrived(self, request_id: str, first_token: int) -> Request:
-        """Decode role: the prompt's KV is in the reserved blocks; start decoding."""
+    def kv_arrived(self, request_id: str, first_token: int,
+                   samples: Sequence[tuple[Request, int]] = ()) -> list[tuple[int, int]]:
+        """Decode role: the prompt's KV is in the reserved blocks; start decoding. `samples`: the
+        request's other n - 1 samples with their first tokens (sampled by the prefill worker),
+        forked here. Returns the KV block copies the forks need, (src, dst), for the caller."""
         req = self.requests.get(request_id)
         if req is None or req.status != Status.WAITING_FOR_KV:
             raise UnknownRequestError(f"{request_id} has no reservation awaiting KV")
         req.num_computed_tokens = req.num_prompt_tokens
         req.status = Status.RUNNING
         self.running[request_id] = req
-        self._append_token(req, first_token)
-        return req
+        copies = self._fork(req, first_token, samples)
+        return copies
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -221,7 +227,7 @@ class Scheduler:
         """Reserve prompt + bounded output (minus prefix-cache hits). All or nothing. Only an
         admission counts its prefix lookup in `out` (a request refused for capacity looks up
         again next iteration)."""
-        if len(self.running) >= self.config.max_running:
+        if len(self.running) + samples_to_fork(req, self.config) > self.config.max_running:
             return False
         hits = self._prefix_hits(req)
         need = blocks_to_reserve(req, self.config, self.block_size, self.max_model_len)
@@ -231,6 +237,8 @@ class Scheduler:
             return False
         req.num_computed_tokens = len(hits) * self.block_size
         req.num_registered_blocks = len(hits)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
         if self._looks_up_prefix(req):
             out.prefix_queries += req.num_tokens
             out.prefix_hits += req.num_computed_tokens
@@ -296,10 +304,13 @@ class Scheduler:
             queue.appendleft(req)
 
     # ------------------------------------------------------------------ update
-    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: Sequence[int],
+               forks: Mapping[str, Sequence[tuple[Request, int]]] | None = None) -> list[Request]:
         """Apply one iteration: advance computed tokens, append sampled tokens (one per chunk
-        with `sample`, in `out.chunks` order), finish on EOS / stop token / length. Returns the
-        requests that received a token, in order."""
+        with `sample`, in `out.chunks` order), finish on EOS / stop token / length. `forks`: for
+        a request sampling its first token with n > 1, its other samples and their first tokens
+        (drawn from the same logits): they fork here (`_fork`; KV copies in out.block_copies).
+        Returns the requests that received a token, in order (a request before its samples)."""
         tokens = iter(sampled)
         advanced: list[Request] = []
         for chunk in out.chunks:
@@ -307,9 +318,50 @@ class Scheduler:
             req.num_computed_tokens += chunk.num_tokens
             self._cache_computed_blocks(req)
             if chunk.sample:
-                self._append_token(req, next(tokens))
+                samples = (forks or {}).get(req.request_id, ())
+                out.block_copies += self._fork(req, next(tokens), samples)
                 advanced.append(req)
+                advanced.extend(child for child, _ in samples)
         return advanced
+
+    # -------------------------------------------------------------------- fork
+    def _fork(self, req: Request, token: int,
+              samples: Sequence[tuple[Request, int]]) -> list[tuple[int, int]]:
+        """Append `token` to `req` and start its other samples with theirs (n > 1, at the first
+        token). Each sample shares the prompt's full blocks (ref-counted) and gets a copy of a
+        partial last prompt block, from its request's reservation (blocks_for_samples). A
+        prefill worker forks nothing: the request and its samples are PREFILLED, their first
+        tokens travel with the KV, and the decode worker forks. Returns the (src, dst) copies."""
+        if not samples:
+            self._append_token(req, token)
+            return []
+        if self.config.role == "prefill":
+            req.token_ids.append(token)
+            req.first_token_time = self.clock()
+            for child, first in samples:      # outside the pool: they hold no KV here
+                child.token_ids.append(first)
+                child.first_token_time, child.status = req.first_token_time, Status.PREFILLED
+            self.finish(req, Status.PREFILLED)
+            return []
+        per_sample = sample_blocks(req, self.config, self.block_size, self.max_model_len)
+        copies = [copy for child, _ in samples
+                  if (copy := self._start_sample(req, child, per_sample)) is not None]
+        self._append_token(req, token)
+        for child, first in samples:
+            self._append_token(child, first)
+        return copies
+
+    def _start_sample(self, req: Request, child: Request, reserve: int) -> tuple[int, int] | None:
+        """`child` runs from here as a request of its own whose blocks begin as `req`'s."""
+        child.num_computed_tokens = req.num_computed_tokens
+        child.block_hashes = list(req.block_hashes)
+        child.num_registered_blocks = min(req.num_registered_blocks,
+                                          req.num_computed_tokens // self.block_size)
+        copy = self.pool.fork(req.request_id, child.request_id, req.num_computed_tokens, reserve)
+        self.requests[child.request_id] = child
+        self.running[child.request_id] = child
+        self._hold(child, Status.RUNNING)
+        return copy
 
     def _append_token(self, req: Request, token: int) -> None:
         req.token_ids.append(token)

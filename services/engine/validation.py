@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine import errors
-from services.engine.admission import cdiv
+from services.engine.admission import blocks_for_samples
 from services.engine.config import SchedulerConfig, Tenant, TrafficClass
 from services.engine.sampling_params import SamplingParams, validate_sampling
 
@@ -50,6 +50,12 @@ class RequestValidator:
 
     def _sampling(self, p: SamplingParams) -> None:
         validate_sampling(p, self.vocab_size)
+        if p.n > self.config.max_running:        # validate_sampling bounds it by MAX_N
+            error = errors.InvalidSamplingError(
+                f"n ({p.n}) must be at most this engine's max_running ({self.config.max_running}): "
+                "the samples run at once")
+            error.param = "n"
+            raise error
         if p.stop and self.tokenizer is None:
             raise errors.InvalidSamplingError("stop strings need a model with a tokenizer")
 
@@ -84,9 +90,11 @@ class RequestValidator:
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
                 f"asks for {n + out} ({n} in the prompt, {out} in the output)")
         bound = out if self.config.role != "prefill" else 0
-        need = cdiv(n + bound, self.pool.block_size)
+        samples = p.n if self.config.role != "prefill" else 1
+        need = blocks_for_samples(n, n + bound, samples, self.pool.block_size)
         limit = min(self.pool.num_blocks, tenant.max_reserved_blocks or self.pool.num_blocks)
         if need > limit:
             raise errors.CapacityError(
-                f"prompt ({n}) + bounded output ({bound}) needs {need} KV blocks of "
+                f"prompt ({n}) + bounded output ({bound})" + (f" for {samples} samples" if
+                samples > 1 else "") + f" needs {need} KV blocks of "
                 f"{self.pool.block_size} tokens; at most {limit} can ever be reserved here")
