@@ -45,8 +45,16 @@ def to_json(out: CompletionOutput, top_n: int, echo: bool) -> dict:
 
 def run_generate(args: argparse.Namespace) -> int:
     cfg = load_engine_config(args.config) if args.config else EngineConfig()
-    cfg = replace(cfg, model=args.model or cfg.model, dtype=args.dtype or cfg.dtype)
+    cfg = replace(cfg, model=args.model or cfg.model, dtype=args.dtype or cfg.dtype,
+                  tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size)
     engine = LLMEngine(cfg)
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.close()                 # tensor-parallel followers, if any
+
+
+def _generate(engine: LLMEngine, args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop), logprobs=args.logprobs,

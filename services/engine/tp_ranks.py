@@ -1,0 +1,321 @@
+"""Tensor-parallel ranks as processes. Rank 0 is the engine's own process: it schedules, samples and
+drives; ranks 1..N-1 are followers (`python -m services.engine.tp_ranks`) that run the same forward
+on their shard of the model (services/engine/model/tensor_parallel.py) every step.
+
+    rank 0 (LLMEngine)                                     rank r (follower)
+    TPLeader.start(N): spawn, FileStore rendezvous   ->    join the group (gloo on 127.0.0.1)
+    leader.setup(Setup)                  stdin frame ->    load, shard, its own KV cache
+    DrivingRunner.execute(chunks):
+        leader.send_step(chunks)         stdin frame ->    ModelRunner.execute(chunks)
+        ModelRunner.execute(chunks)  <== all-reduce / all-gather (gloo; NCCL on CUDA) ==>
+    leader.close(): stdin closed                     ->    EOF: exit 0
+
+Frames are a 4-byte little-endian length + msgpack (typed msgspec structs). Followers wait for work
+on their stdin, never inside a collective, so an idle engine hits no collective timeout. The
+rendezvous is a FileStore in a private temp dir and gloo binds 127.0.0.1 only: nothing listens
+outside loopback. Each rank's KV cache holds only its KV heads; the block pool is rank 0's and
+the block ids in each Step are the same for every rank.
+
+Failure: rank 0 gone -> followers read EOF (or their collective fails) and exit. A follower gone ->
+rank 0's next frame or collective raises TPRankFailed naming the rank and its exit status (and the
+worker's engine core also watches the followers' pidfds while idle: services/worker/engine_core.py).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from services.engine.model.batch import SeqChunk
+from services.engine.model.kv_cache import KVCache, kv_cache_shape
+from services.engine.model.loader import load_model
+from services.engine.model.runner import ModelRunner
+from services.engine.model.tensor_parallel import (TensorParallelLlama, TPGroup, check_shardable,
+                                                   shard_model)
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0          # followers import torch and reach the rendezvous
+COLLECTIVE_TIMEOUT_S = 600.0    # one collective: a slow step on a loaded host, not idle time
+EXIT_GRACE_S = 5.0
+STORE_FILE = "store"
+
+
+class TPRankFailed(RuntimeError):
+    """A tensor-parallel follower rank died or failed: the engine cannot step any more."""
+
+
+class Setup(msgspec.Struct, tag=1, array_like=True):
+    model_dir: str
+    dtype: str                     # the model's (load_model's dtype argument)
+    num_blocks: int                # the KV cache's, as rank 0's
+    block_size: int
+    kv_dtype: str                  # torch dtype name, e.g. float32, float8_e4m3fn
+    kv_scales: list[float]         # (k_scale, v_scale): fp8's per-tensor scales, else 1.0
+
+
+class Step(msgspec.Struct, tag=2, array_like=True):
+    # (token_ids, start_pos, block_table, logit_rows) per SeqChunk, in the batch's order
+    chunks: list[tuple[list[int], int, list[int], list[int]]]
+
+
+Frame = Setup | Step
+ENCODER = msgspec.msgpack.Encoder()
+DECODER = msgspec.msgpack.Decoder(Frame)
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def join(rank: int, world_size: int, store_path: str, backend: str = "gloo") -> TPGroup:
+    """Join the default process group over a FileStore; gloo pairs bind to 127.0.0.1."""
+    store = dist.FileStore(store_path, world_size)
+    store.set(f"joined/{rank}", "1")
+    options = None
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            pg_options=options)
+    return TPGroup(rank, world_size)
+
+
+# ---------------------------------------------------------------------------------- rank 0
+class TPLeader:
+    """Rank 0's handle on its followers: spawn, rendezvous, frames, liveness, shutdown."""
+
+    def __init__(self, world_size: int, procs: list[subprocess.Popen], run_dir: str, tp: TPGroup):
+        self.world_size = world_size
+        self.procs = procs             # procs[i] is rank i + 1
+        self.run_dir = run_dir
+        self.tp = tp
+        self.closed = False
+
+    @classmethod
+    def start(cls, world_size: int, threads: int = 0, backend: str = "gloo") -> TPLeader:
+        if world_size < 2:
+            raise ValueError(f"a tensor-parallel leader needs world size >= 2, got {world_size}")
+        if dist.is_initialized():
+            raise RuntimeError("this process is already in a torch.distributed group "
+                               "(one tensor-parallel engine per process)")
+        run_dir = tempfile.mkdtemp(prefix="kvfleet-tp-")
+        store_path = os.path.join(run_dir, STORE_FILE)
+        threads = threads or torch.get_num_threads()
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "services.engine.tp_ranks", str(rank), str(world_size), store_path,
+             "--threads", str(threads), "--backend", backend],
+            stdin=subprocess.PIPE, stdout=2, env=_follower_env())   # stdout: ours is data
+            for rank in range(1, world_size)]
+        leader = cls(world_size, procs, run_dir, TPGroup(0, world_size))
+        try:
+            leader._wait_for_followers(store_path)
+            join(0, world_size, store_path, backend)
+        except BaseException:
+            leader.close()
+            raise
+        return leader
+
+    def _wait_for_followers(self, store_path: str) -> None:
+        """Until every follower has reached the rendezvous; TPRankFailed if one dies first."""
+        store = dist.FileStore(store_path, self.world_size)
+        keys = [f"joined/{rank}" for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TPRankFailed(f"tensor-parallel followers did not join within {JOIN_TIMEOUT_S:g} s")
+            time.sleep(0.05)
+
+    def setup(self, setup: Setup) -> None:
+        self._send(setup)
+
+    def send_step(self, chunks: Sequence[SeqChunk]) -> None:
+        self._send(Step([(list(c.token_ids), int(c.start_pos), list(c.block_table), list(c.logit_rows))
+                         for c in chunks]))
+
+    def _send(self, frame: Frame) -> None:
+        blob = ENCODER.encode(frame)
+        data = struct.pack("<I", len(blob)) + blob
+        for proc in self.procs:
+            try:
+                proc.stdin.write(data)
+                proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                self.check_alive()
+                raise TPRankFailed(f"tensor-parallel rank {self.rank_of(proc)} (pid {proc.pid}) "
+                                   f"closed its input") from None
+
+    def rank_of(self, proc: subprocess.Popen) -> int:
+        return self.procs.index(proc) + 1
+
+    def dead(self) -> str | None:
+        """A description of the first follower that has exited, or None while all run."""
+        for proc in self.procs:
+            code = proc.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                return f"tensor-parallel rank {self.rank_of(proc)} (pid {proc.pid}) {how}"
+        return None
+
+    def check_alive(self) -> None:
+        message = self.dead()
+        if message is not None:
+            raise TPRankFailed(message)
+
+    def close(self) -> None:
+        """Stop the followers (EOF on stdin; SIGKILL past EXIT_GRACE_S) and leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        for proc in self.procs:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel rank %d (pid %d) did not exit; killing it",
+                            self.rank_of(proc), proc.pid)
+                proc.kill()
+                proc.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class DrivingRunner:
+    """Rank 0's ModelRunner: each execute() first sends the step to the followers, then runs the
+    same forward with them. Everything else (kv_cache, model, last_prepare_s) is the runner's."""
+
+    def __init__(self, runner: ModelRunner, leader: TPLeader):
+        self.runner = runner
+        self.leader = leader
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        if chunks:
+            self.leader.send_step(chunks)
+        try:
+            return self.runner.execute(chunks)
+        except RuntimeError as e:               # a collective whose peer is gone
+            message = self.leader.dead()
+            if message is not None:
+                raise TPRankFailed(message) from e
+            raise
+
+
+def start_rank0(model, world_size: int) -> tuple[TensorParallelLlama, TPLeader]:
+    """Rank 0's start (LLMEngine): check the model shards, start the followers, shard it."""
+    check_shardable(model.config, world_size)
+    leader = TPLeader.start(world_size, backend=backend_for(model.device))
+    try:
+        return shard_model(model, leader.tp), leader
+    except BaseException:
+        leader.close()
+        raise
+
+
+def drive(runner: ModelRunner, leader: TPLeader, model_dir: str, dtype: str) -> DrivingRunner:
+    """The followers build the same runner: the model in `dtype`, their own shard, a KV cache like
+    rank 0's (blocks, block size, element type, fp8 scales) over their own KV heads; -> rank 0's
+    runner that drives them."""
+    kv = runner.kv_cache
+    leader.setup(Setup(str(model_dir), dtype, kv.num_blocks, kv.block_size,
+                       str(kv.dtype).removeprefix("torch."),
+                       [getattr(kv, "k_scale", 1.0), getattr(kv, "v_scale", 1.0)]))
+    return DrivingRunner(runner, leader)
+
+
+# -------------------------------------------------------------------------------- followers
+def _follower_env() -> dict[str, str]:
+    """This environment with this checkout importable; NCCL kept on loopback."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else ""),
+            "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def _read_frame(fd: int) -> Frame | None:
+    """The next frame, or None at EOF (rank 0 is gone or closed us)."""
+    head = _read_exactly(fd, 4)
+    if head is None:
+        return None
+    body = _read_exactly(fd, struct.unpack("<I", head)[0])
+    if body is None:
+        return None
+    return DECODER.decode(body)
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def follow(tp: TPGroup, fd: int) -> None:
+    """A follower's life after joining: Setup, then one forward per Step until EOF."""
+    setup = _read_frame(fd)
+    if setup is None:
+        return
+    if not isinstance(setup, Setup):
+        raise RuntimeError(f"tensor-parallel rank {tp.rank}: expected Setup first, got {type(setup).__name__}")
+    model = shard_model(load_model(setup.model_dir, dtype=setup.dtype), tp)
+    data = torch.zeros(kv_cache_shape(model.config, setup.num_blocks, setup.block_size),
+                       dtype=getattr(torch, setup.kv_dtype), device=model.device)
+    scaled = setup.kv_scales != [1.0, 1.0]
+    kv_cache = KVCache.over(data, *setup.kv_scales) if scaled else KVCache.over(data)
+    runner = ModelRunner(model, kv_cache)
+    while (frame := _read_frame(fd)) is not None:
+        runner.execute([SeqChunk(*chunk) for chunk in frame.chunks])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.engine.tp_ranks")
+    p.add_argument("rank", type=int)
+    p.add_argument("world_size", type=int)
+    p.add_argument("store_path")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
+    import signal  # noqa: PLC0415
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C: rank 0 decides and closes us
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        tp = join(args.rank, args.world_size, args.store_path, args.backend)
+        follow(tp, sys.stdin.fileno())
+    except BaseException:  # noqa: BLE001 - a follower failure is reported, never silent
+        log.critical("tensor-parallel rank %d failed", args.rank, exc_info=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)                    # no interpreter teardown (torch's can take a while)
