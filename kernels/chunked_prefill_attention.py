@@ -8,9 +8,11 @@
 
 A chunk of q_len queries ends the context: local query row r sits at position
 ctx + r, ctx = seq_len - q_len, and sees keys 0 .. ctx + r (causal with the chunk's offset).
-Grid (S_p, ceil(max_q_len / BLOCK_M), heads): one program per BLOCK_M query rows of one head,
-flash-attention style online softmax over key blocks read through the block table; a program past
-its sequence's q_len runs no iterations and stores nothing.
+Grid (S_p, ceil(max_q_len * group / BLOCK_M), kv_heads), group = heads // kv_heads: a program's
+BLOCK_M rows are (token, query head) pairs of one GQA group, row i = token i // group, head
+kvh * group + i % group, so each K/V tile is read once for the whole group (packed GQA). Online
+softmax over key tiles read through the block table; a program past its sequence's rows runs no
+iterations and stores nothing.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, dot_dtype, next_pow2
+from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, dot_dtype, next_pow2, to_dtype
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64
@@ -34,23 +36,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqs_ptr, query_st
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    i, mb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, mb, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(seqs_ptr + i).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
-    kvh = h // GROUP
-    r, d = mb * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    i_row, d = mb * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    r, h = i_row // GROUP, kvh * GROUP + i_row % GROUP                 # local token, query head
     r_mask, d_mask = r < q_len, d < HEAD_DIM
     q_rows = (q_start + r).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q_off = q_rows[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # keys past the block's last query position are hidden from all its rows; none if the block is empty
-    hi = tl.where(mb * BLOCK_M < q_len, tl.minimum(seq_len, ctx + (mb + 1) * BLOCK_M), 0)
+    last_r = ((mb + 1) * BLOCK_M - 1) // GROUP
+    hi = tl.where(mb * BLOCK_M < q_len * GROUP, tl.minimum(seq_len, ctx + last_r + 1), 0)
     for n0 in range(0, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         p_mask = pos < seq_len
@@ -70,8 +73,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqs_ptr, query_st
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+             to_dtype(out, out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
 def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -83,13 +86,14 @@ def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (_, heads, d), (_, block_size, kv_heads, _) = q.shape, k_cache.shape
     if seqs.numel() == 0 or max_q_len == 0:
         return out
-    grid = (seqs.numel(), triton.cdiv(max_q_len, BLOCK_M), heads)
+    group = heads // kv_heads
+    grid = (seqs.numel(), triton.cdiv(max_q_len * group, BLOCK_M), kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, seqs, query_start_loc, seq_lens, block_tables,
         LOG2E / math.sqrt(d), float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=block_size,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_DTYPE=dot_dtype(q.dtype),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     return out

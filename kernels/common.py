@@ -36,3 +36,21 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(n)
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr):
+    """float32 -> dtype. bf16 is rounded to nearest-even on the bits first: the interpreter's own
+    float32 -> bf16 cast truncates (1 bf16 ulp off); on a GPU this equals the hardware cast."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+def rows_per_program(num_rows: int) -> int:
+    """Row-wise kernels (norm, RoPE, SiLU-mul, KV store) take this many rows per program: one on a
+    GPU (each row is hidden-sized); up to 64 under the interpreter, whose cost is per program and
+    op, not per element."""
+    return min(next_pow2(max(num_rows, 1)), 64) if interpreted() else 1

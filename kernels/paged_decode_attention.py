@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, dot_dtype, interpreted, next_pow2
+from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, dot_dtype, interpreted, next_pow2, to_dtype
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64               # context tokens per loop iteration
@@ -74,7 +74,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         tl.store(part_lse_ptr + ph, tl.where(l > 0, m + tl.log2(l_safe), float("-inf")), mask=g_mask)
     else:
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+                 to_dtype(out, out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def _reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, rows_ptr, stride_ot, str
     o = tl.load(part_out_ptr + (base + p)[:, None] * HEAD_DIM + d[None, :],
                 mask=p_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, to_dtype(out, out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def num_splits_for(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:

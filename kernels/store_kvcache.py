@@ -3,7 +3,8 @@
     k, v      [T, kv_heads, d]                  may be strided views (slices of the qkv output)
     k_cache   [num_blocks, block_size, kv_heads, d]   contiguous; slot s = block * block_size + offset
     stored    (k / k_scale).to(cache dtype)     scale 1.0 unless the cache is fp8 (e4m3)
-One program per token row copies kv_heads * d elements of K and of V; a slot < 0 is skipped.
+A program copies BLOCK_T token rows (common.rows_per_program) of kv_heads * d elements of K and
+of V; a slot < 0 is skipped.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, interpreted, next_pow2
+from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, interpreted, next_pow2, rows_per_program, to_dtype
 
 
 @triton.jit
@@ -32,13 +33,14 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale,
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale, num_rows,
                           stride_kt, stride_kh, stride_vt, stride_vh,
-                          HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
                           ROUND_E4M3: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=t < num_rows, other=-1).to(tl.int64)[:, None]   # [BLOCK_T, 1]
+    t = t[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
     mask = offs + tl.where(slot >= 0, 0, ROW) < ROW                   # nothing for slot < 0
     head, dim = offs // HEAD_DIM, offs % HEAD_DIM
     k = tl.load(k_ptr + t * stride_kt + head * stride_kh + dim, mask=mask, other=0.0).to(tl.float32)
@@ -46,8 +48,8 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_sc
     k, v = k / k_scale, v / v_scale
     if ROUND_E4M3:
         k, v = _round_e4m3(k), _round_e4m3(v)
-    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, to_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, to_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -64,7 +66,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     if t == 0:
         return
     row = kv_heads * d
-    _store_kvcache_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
+    rows = rows_per_program(t)
+    _store_kvcache_kernel[(triton.cdiv(t, rows),)](
+                                k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale), t,
                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                HEAD_DIM=d, ROW=row, BLOCK=next_pow2(row),
+                                HEAD_DIM=d, ROW=row, BLOCK=next_pow2(row), BLOCK_T=rows,
                                 ROUND_E4M3=interpreted() and k_cache.dtype == torch.float8_e4m3fn)

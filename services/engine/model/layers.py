@@ -1,9 +1,35 @@
-"""Small building blocks of a Llama layer, each the same arithmetic as transformers' Llama modules."""
+"""Small building blocks of a Llama layer, each the same arithmetic as transformers' Llama modules.
+
+Inside `with fused_kernels():` (the ModelRunner enters it when its attention backend says
+`fused_layers`, i.e. the Triton one) RMSNorm, SiLU-mul and rope.apply_rope run Triton kernels
+(kernels/rmsnorm.py, silu_mul.py, rope.py) with the same signatures and rounding.
+"""
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_FUSED = ContextVar("kvfleet_fused_kernels", default=False)
+
+
+@contextmanager
+def fused_kernels(enabled: bool = True) -> Iterator[None]:
+    """Run this block's layers on the Triton kernels (a per-thread switch: two runners in one
+    process keep their own choice)."""
+    token = _FUSED.set(enabled)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+
+
+def fused_enabled() -> bool:
+    return _FUSED.get()
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +40,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, device="meta"), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [T, hidden] -> normed; with a residual: (norm(x + residual), x + residual), fused."""
+        if _FUSED.get():
+            from kernels.rmsnorm import rmsnorm
+            return rmsnorm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -40,5 +73,9 @@ class SwiGLU(nn.Module):
         self.down_proj = linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate_up = self.gate_up_proj(x)                     # [T, 2 * intermediate]
+        if _FUSED.get():
+            from kernels.silu_mul import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)                # [T, intermediate] each
         return self.down_proj(F.silu(gate) * up)

@@ -11,6 +11,7 @@ import math
 import torch
 
 from services.engine.model.config import ModelConfig
+from services.engine.model.layers import fused_enabled
 
 
 def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -63,8 +64,12 @@ class RotaryEmbedding:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] (may be a strided view); cos, sin: [T, head_dim // 2].
 
-    Same arithmetic as transformers' x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
+    Same arithmetic as transformers' x * cat(cos, cos) + rotate_half(x) * cat(sin, sin); under
+    layers.fused_kernels() one Triton kernel (kernels/rope.py) with the same rounding.
     """
+    if fused_enabled():
+        from kernels.rope import apply_rope as rope_kernel
+        return rope_kernel(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
