@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=0, help="top-N alternatives per token")
     g.add_argument("--echo", action="store_true", help="also return prompt logprobs")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="paged attention (and fused layer) kernels; auto (default): triton on CUDA")
     g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="shard the model over N processes on this host (gloo on 127.0.0.1)")
     g.set_defaults(func=_lazy("services.cli.engine_generate", "run_generate"))

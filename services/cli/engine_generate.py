@@ -46,6 +46,7 @@ def to_json(out: CompletionOutput, top_n: int, echo: bool) -> dict:
 def run_generate(args: argparse.Namespace) -> int:
     cfg = load_engine_config(args.config) if args.config else EngineConfig()
     cfg = replace(cfg, model=args.model or cfg.model, dtype=args.dtype or cfg.dtype,
+                  attention_backend=getattr(args, "attention_backend", None) or cfg.attention_backend,
                   tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size)
     engine = LLMEngine(cfg)
     try:

@@ -69,6 +69,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None)
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="the workers' attention kernels (kvfleet serve's flag); default auto: triton on CUDA")
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--config", default=None,
                    help="engine config YAML (classes, tenants, budgets) for workers and gateway")
@@ -126,6 +128,8 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     # split the host's cores between the workers, leaving one for the gateway and the routers
     common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
               "--threads", str(worker_threads(args)), *config, *limit_args]
+    if getattr(args, "attention_backend", None):
+        common += ["--attention-backend", args.attention_backend]
     specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
                              "--kv-backend", args.kv_backend, *common,
                              *ports.child_args(plan, f"{role}-{i}")]

@@ -106,6 +106,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # auto | torch | triton (kernels/): auto picks triton when the model is on CUDA, torch otherwise
+    attention_backend: str = "auto"
     # ranks the model is sharded over (services/engine/tp_ranks.py): this process is rank 0 and
     # starts the other N - 1; heads, KV heads and MLP width must divide by it
     tensor_parallel_size: int = 1

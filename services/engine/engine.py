@@ -110,7 +110,7 @@ class LLMEngine:
                    if kv_alloc is not None else None)
         self.kv_cache = KVCache(model.config, num_blocks, config.block_size, dtype, data=kv_data)
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
         if self.tp_leader is not None:
             self.runner = drive(self.runner, self.tp_leader, model_dir, config.dtype)
         self.pool = BlockPool(num_blocks, config.block_size)

@@ -61,6 +61,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="the engine's attention kernels; auto (default): triton on CUDA, torch otherwise")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default); several workers on one "
                         "host should split the cores between them")
@@ -84,6 +86,8 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     cfg = replace(cfg, model=args.model, scheduler=sched)
     if args.kv_cache_mib:
         cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
+    if getattr(args, "attention_backend", None):
+        cfg = replace(cfg, attention_backend=args.attention_backend)
     return cfg
 
 
