@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.engine.request import Request
+from services.engine.request import Request, Status
 from services.engine.sampler import TokenLogprob
 
 
@@ -75,7 +75,9 @@ class OutputState:
 
     def __init__(self, req: Request, tokenizer) -> None:
         self.req = req
-        self.detok = (IncrementalDetokenizer(tokenizer.raw, req.prompt_token_ids)
+        p = req.params
+        self.detok = (IncrementalDetokenizer(tokenizer.raw, req.prompt_token_ids,
+                                             p.skip_special_tokens, p.spaces_between_special_tokens)
                       if tokenizer is not None else None)
         self.stops = StopChecker(req.params.stop) if req.params.stop else None
         self.text = ""
@@ -90,22 +92,32 @@ class OutputState:
         """Record one sampled token; returns the stop string if one just completed."""
         if self.req.params.logprobs is not None:
             self.pending_logprobs.append(logprob)
-        if self.detok is None:
+        if self.detok is None or self._is_stop_token(token):
             return None
         new = self.detok.push(token)
         self.text += new
-        if self.stops is None or not new:
+        p = self.req.params
+        # vLLM checks stop strings once there are more than min_tokens output tokens
+        if self.stops is None or not new or self.req.num_output_tokens <= p.min_tokens:
             return None
         cut = self.stops.find(self.text, len(new))
         if cut is None:
             return None
-        stop = next(s for s in self.req.params.stop if self.text.startswith(s, cut))
-        self.text = self.text[:cut]
+        stop = next(s for s in p.stop if self.text.startswith(s, cut))
+        self.text = self.text[:cut + len(stop) if p.include_stop_str_in_output else cut]
         return stop
+
+    def _is_stop_token(self, token: int) -> bool:
+        """The EOS / stop token that just ended the request: as in vLLM, its text is left out
+        unless include_stop_str_in_output."""
+        req = self.req
+        return (req.status == Status.FINISHED_STOPPED and req.stop_reason == token
+                and not isinstance(req.stop_reason, str)
+                and not req.params.include_stop_str_in_output)
 
     def seed_first_token(self, token: int) -> None:
         """Decode role: the first token was sampled and streamed by the prefill worker."""
-        if self.detok is not None:
+        if self.detok is not None and not self._is_stop_token(token):
             self.text += self.detok.push(token)
         self.emitted_tokens, self.emitted_chars = 1, len(self.text)
 
@@ -115,7 +127,7 @@ class OutputState:
         if finished and self.detok is not None and req.stop_reason not in req.params.stop:
             self.text += self.detok.flush()
         visible = len(self.text)
-        if not finished and self.stops is not None:
+        if not finished and self.stops is not None and not req.params.include_stop_str_in_output:
             visible -= self.stops.holdback(self.text)
         out = RequestOutput(
             request_id=req.external_id, index=req.index, num_cached_tokens=req.num_cached_tokens,

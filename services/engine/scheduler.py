@@ -31,7 +31,8 @@ from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, l
 from services.engine.block_pool import BlockPool, hash_full_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.errors import UnknownRequestError
-from services.engine.fairness import DeficitRoundRobin, class_budget, effective_priority
+from services.engine.fairness import (DeficitRoundRobin, class_budget, effective_priority,
+                                     priority_slot)
 from services.engine.request import Request, Status
 
 
@@ -115,8 +116,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Request) -> None:
+        """Queue by vLLM's `priority` within the class and tenant (lower first, ties FCFS)."""
         self.requests[req.request_id] = req
-        self._queue(req).append(req)
+        queue = self._queue(req)
+        queue.insert(priority_slot(queue, req.params.priority, _waiting_priority), req)
 
     def add_remote(self, req: Request) -> list[int] | None:
         """Decode role: reserve prompt + bounded output for KV that a prefill worker will write.
@@ -376,7 +379,8 @@ class Scheduler:
 
     def _finish_status(self, req: Request, token: int) -> Status | None:
         p = req.params
-        if (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        stop_token = (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if stop_token and req.num_output_tokens > p.min_tokens:   # barred up to min_tokens
             return Status.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return Status.FINISHED_LENGTH
@@ -528,3 +532,8 @@ class Scheduler:
                 shares.append((tenant, len(ids), blocks))
         shares.sort(key=lambda s: (-s[2], -s[1], s[0]))
         return shares
+
+
+def _waiting_priority(req: Request) -> int | None:
+    """A queued request's rank for priority_slot; None for an admitted one (keeps its place)."""
+    return None if req.status == Status.RUNNING else req.params.priority

@@ -157,11 +157,7 @@ class Validator:
 
 
 def _engine_params(p: pb.SamplingParams) -> SamplingParams:
-    """As services.protocol.convert.params_from_pb reads them (proto3: top_p 0 is 'not set'),
-    without importing that module's torch-side converters."""
-    return SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
-        seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
+    """The wire params as the engine reads them: services.protocol.params.params_from_pb, the
+    one reading (torch-free; proto3's unset fields are vLLM's defaults), every field included."""
+    from services.protocol.params import params_from_pb  # noqa: PLC0415
+    return params_from_pb(p)

@@ -6,31 +6,7 @@ import math
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.outputs import RequestOutput
 from services.engine.sampler import TokenLogprob
-from services.engine.sampling_params import SamplingParams
-
-
-def params_from_pb(p: pb.SamplingParams) -> SamplingParams:
-    """Proto3 has no absent scalars: top_p 0 means 'not set' (1.0); max_tokens 0 stays 0 and is
-    rejected by validation like any other bad value."""
-    return SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
-        top_p=p.top_p or 1.0, seed=p.seed if p.HasField("seed") else None,
-        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
-
-
-def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
-                            top_p=p.top_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                            ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    if p.prompt_logprobs is not None:
-        msg.prompt_logprobs = p.prompt_logprobs
-    return msg
+from services.protocol.params import params_from_pb, params_to_pb  # noqa: F401 (re-exported)
 
 
 def logprob_to_pb(lp: TokenLogprob | None, token_id: int = 0) -> pb.TokenLogprob:
@@ -53,7 +29,7 @@ def chunk_from_output(out: RequestOutput, served_by: str = "") -> pb.TokenChunk:
         finish_reason=out.finish_reason or "", error=out.error or "",
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-        served_by=served_by)
+        served_by=served_by, index=out.index, num_cached_tokens=out.num_cached_tokens)
     if out.prompt_logprobs is not None:
         chunk.prompt_logprobs.extend(logprob_to_pb(lp) for lp in out.prompt_logprobs)
     return chunk
