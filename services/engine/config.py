@@ -10,6 +10,8 @@ from typing import Literal
 
 AdmissionPolicy = Literal["reserve", "predict"]
 WorkerRole = Literal["mixed", "prefill", "decode"]
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")   # --kv-cache-dtype
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,12 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None       # None: derived from kv_cache_mib
     kv_cache_mib: int = 512
+    # The KV cache's element type (docs/engine.md, "KV cache dtype"): auto (the model's) | fp8
+    # (e4m3: half of bf16's bytes, so twice the blocks in kv_cache_mib) | bfloat16 | float16 | float32
+    kv_cache_dtype: str = "auto"
+    # fp8 only: (k_scale, v_scale), one pair for the whole cache: stored = k / k_scale. Fixed for
+    # the process; both ends of a KV transfer must use the same. 1.0 = vLLM's uncalibrated default.
+    kv_cache_scales: tuple[float, float] = (1.0, 1.0)
     max_model_len: int | None = None    # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -111,3 +119,16 @@ class EngineConfig:
     # ranks the model is sharded over (services/engine/tp_ranks.py): this process is rank 0 and
     # starts the other N - 1; heads, KV heads and MLP width must divide by it
     tensor_parallel_size: int = 1
+    # Generated-token logprobs: "raw_logprobs" (log_softmax of the model's logits; vLLM's
+    # default) or "processed_logprobs" (of the distribution sampled from: after min_tokens,
+    # logit_bias, penalties, temperature, min_p, top-k / top-p), as vLLM's --logprobs-mode.
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} ({'|'.join(KV_CACHE_DTYPES)})")
+        if len(self.kv_cache_scales) != 2 or not all(0 < float(x) < float("inf") for x in self.kv_cache_scales):
+            raise ValueError(f"kv_cache_scales must be two finite numbers > 0, got {self.kv_cache_scales!r}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r} "
+                             "(raw_logprobs|processed_logprobs)")
