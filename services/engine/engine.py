@@ -24,7 +24,7 @@ from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.errors import DuplicateRequestError, UnknownRequestError
 from services.engine.model.batch import SeqChunk
 from services.engine.model.config import ModelConfig
-from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape
+from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape, resolve_kv_dtype
 from services.engine.model.loader import load_model
 from services.engine.model.runner import ModelRunner
 from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
@@ -103,12 +103,16 @@ class LLMEngine:
         self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
         if config.tensor_parallel_size > 1:       # model.config becomes the rank's (its KV heads)
             model, self.tp_leader = start_rank0(model, config.tensor_parallel_size)
-        dtype = next(model.parameters()).dtype
+        # the cache's element type: the model's, or --kv-cache-dtype (fp8: half of bf16's bytes,
+        # so twice the blocks in the same kv_cache_mib; every block count below follows from it)
+        dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
         num_blocks = config.num_blocks or max(1, (config.kv_cache_mib << 20) // (
             kv_bytes_per_token(model.config, dtype) * config.block_size))
         kv_data = (kv_alloc(kv_cache_shape(model.config, num_blocks, config.block_size), dtype)
                    if kv_alloc is not None else None)
-        self.kv_cache = KVCache(model.config, num_blocks, config.block_size, dtype, data=kv_data)
+        k_scale, v_scale = config.kv_cache_scales
+        self.kv_cache = KVCache(model.config, num_blocks, config.block_size, dtype, data=kv_data,
+                                k_scale=k_scale, v_scale=v_scale)
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
         self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
         if self.tp_leader is not None:

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.engine.model.config import ModelConfig, resolve_dtype
-from services.engine.model.kv_cache import KVCache
+from services.engine.model.config import ModelConfig
+from services.engine.model.kv_cache import KVCache, resolve_kv_dtype
 from services.kv_transfer import make_transport
 from services.kv_transfer.base import KVLayout, KVTransferError, blocks_checksum, byte_view
 
@@ -40,7 +40,7 @@ def fill_random(kv: KVCache, seed: int) -> None:
 def pool_from_bytes(raw: bytes, layout: KVLayout, num_blocks: int) -> torch.Tensor:
     """Inverse of the 'pool' command: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
     shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.kv_heads, layout.head_dim)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(resolve_dtype(layout.dtype)).view(shape)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(resolve_kv_dtype(layout.dtype)).view(shape)
 
 
 def serve(conn, backend: str, layout: KVLayout, num_blocks: int, worker_id: str) -> None:

@@ -1,11 +1,18 @@
 """Paged attention backends: the interface, and the torch reference that runs anywhere.
 
 A backend does two things per batch:
-  build_metadata(batch, block_size, dtype)  once per iteration: whatever index/mask tensors it needs
+  build_metadata(batch, block_size, dtype, k_scale=1.0, v_scale=1.0)
+                                            once per iteration: whatever index/mask tensors it needs
   forward(q, k, v, k_cache, v_cache, meta)  once per layer: write this step's K/V into the cache at
                                             slot_mapping, then attend over each sequence's paged context
 Shapes: q [T, heads, d]; k, v [T, kv_heads, d]; k_cache, v_cache [num_blocks, block_size, kv_heads, d];
 output [T, heads, d]. Query head h reads kv head h // (heads // kv_heads), as in transformers.
+
+Cache dtype (kv_cache.py): the cache may be narrower than q (bfloat16, or fp8 = e4m3fn with the
+per-tensor k_scale / v_scale): stored = clamp(k / k_scale, +-448).to(e4m3), read = stored.to(q.dtype) *
+k_scale. Attention always sees K/V as read back from the cache, this step's own rows included (a first
+chunk's K/V go through the same round trip), so a prompt gives the same logits however it is chunked
+or prefix-cached, and the Triton kernels, which read everything from the cache, match.
 
 TorchAttentionBackend splits the batch by query length:
   decodes (q_len == 1)  batched by context length: sequences whose contexts round up to the same
@@ -28,13 +35,15 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.model.batch import BatchInputs
+from services.engine.model.kv_cache import FP8_MAX, byte_copyable, is_fp8
 
 # Bounds heads * query_block * context, i.e. the score matrix if SDPA falls back to its math path.
 MAX_SCORE_ELEMENTS = 1 << 26
 
 
 class AttentionBackend(Protocol):
-    def build_metadata(self, batch: BatchInputs, block_size: int, dtype: torch.dtype) -> Any: ...
+    def build_metadata(self, batch: BatchInputs, block_size: int, dtype: torch.dtype,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> Any: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: Any) -> torch.Tensor: ...
@@ -64,6 +73,8 @@ class TorchAttentionMetadata:
     num_decodes: int                   # S_d
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSlice, ...]
+    k_scale: float = 1.0               # fp8 cache: stored = k / k_scale, read = stored * k_scale
+    v_scale: float = 1.0
 
     @property
     def only_decodes(self) -> bool:
@@ -79,7 +90,8 @@ class TorchAttentionBackend:
         self.max_score_elements = max_score_elements
         self._workspace: dict[str, torch.Tensor] = {}
 
-    def build_metadata(self, batch: BatchInputs, block_size: int, dtype: torch.dtype) -> TorchAttentionMetadata:
+    def build_metadata(self, batch: BatchInputs, block_size: int, dtype: torch.dtype,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> TorchAttentionMetadata:
         host, device = batch.host, batch.token_ids.device
         return TorchAttentionMetadata(
             num_tokens=int(host.query_start_loc[-1]), slot_mapping=batch.slot_mapping,
@@ -87,6 +99,7 @@ class TorchAttentionBackend:
             decode_groups=self._decode_groups(batch, block_size, device),
             prefills=tuple(self._prefill_slice(host, int(i), block_size, dtype, device)
                            for i in host.prefill_seqs),
+            k_scale=float(k_scale), v_scale=float(v_scale),
         )
 
     @staticmethod
@@ -122,33 +135,37 @@ class TorchAttentionBackend:
         return PrefillSlice((start, end), seq_len, block_ids.to(device), mask.to(device), blocks)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ks, vs = meta.k_scale, meta.v_scale
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         if meta.only_decodes and len(meta.decode_groups) == 1:
-            return self._decode(q, k_cache, v_cache, meta.decode_groups[0])
+            return self._decode(q, k_cache, v_cache, meta.decode_groups[0], ks, vs)
         out = torch.empty_like(q)  # [T, heads, d]
         for g in meta.decode_groups:
-            out.index_copy_(0, g.rows, self._decode(q[g.rows], k_cache, v_cache, g))
+            out.index_copy_(0, g.rows, self._decode(q[g.rows], k_cache, v_cache, g, ks, vs))
         for p in meta.prefills:
             rows = slice(*p.rows)
-            if p.mask is None:  # the chunk is the whole context: its own K/V, [kv_heads, q_len, d]
-                k_ctx, v_ctx = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            if p.mask is None:  # the chunk is the whole context: its own K/V as the cache holds them
+                k_ctx = read_back(k[rows], k_cache.dtype, ks).transpose(0, 1)  # [kv_heads, q_len, d]
+                v_ctx = read_back(v[rows], v_cache.dtype, vs).transpose(0, 1)
             else:
-                k_ctx = self._gather("k", k_cache, p.block_ids, q.dtype)[:, :p.seq_len]  # [kv_heads, seq_len, d]
-                v_ctx = self._gather("v", v_cache, p.block_ids, q.dtype)[:, :p.seq_len]
+                k_ctx = self._gather("k", k_cache, p.block_ids, q.dtype, ks)[:, :p.seq_len]  # [kv_heads, seq_len, d]
+                v_ctx = self._gather("v", v_cache, p.block_ids, q.dtype, vs)[:, :p.seq_len]
             out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, p)
         return out
 
-    def _decode(self, q, k_cache, v_cache, g: DecodeGroup) -> torch.Tensor:
-        k_ctx = self._gather("k", k_cache, g.block_tables, q.dtype)  # [S_g, kv_heads, L, d]
-        v_ctx = self._gather("v", v_cache, g.block_tables, q.dtype)
+    def _decode(self, q, k_cache, v_cache, g: DecodeGroup, k_scale: float, v_scale: float) -> torch.Tensor:
+        k_ctx = self._gather("k", k_cache, g.block_tables, q.dtype, k_scale)  # [S_g, kv_heads, L, d]
+        v_ctx = self._gather("v", v_cache, g.block_tables, q.dtype, v_scale)
         return decode_attention(q, k_ctx, v_ctx, g.mask)
 
-    def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """cache [num_blocks, block_size, kv_heads, d], block_ids [..., nb] -> [..., kv_heads, nb * block_size, d]."""
+    def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> torch.Tensor:
+        """cache [num_blocks, block_size, kv_heads, d], block_ids [..., nb] -> [..., kv_heads, nb * block_size, d],
+        dequantized to `dtype`."""
         blocks = self._buffer(name, (block_ids.numel(), *cache.shape[1:]), cache)
         torch.index_select(cache, 0, block_ids.flatten(), out=blocks)  # ~10x faster than cache[block_ids] on CPU
         blocks = blocks.view(*block_ids.shape, *cache.shape[1:])      # [..., nb, block_size, kv_heads, d]
-        return blocks.flatten(-4, -3).transpose(-3, -2).to(dtype)
+        return dequantize(blocks.flatten(-4, -3).transpose(-3, -2), dtype, scale)
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A contiguous [shape] view of a workspace tensor that only ever grows."""
@@ -159,10 +176,35 @@ class TorchAttentionBackend:
         return buf[:numel].view(shape)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k, v: [T, kv_heads, d] -> cache slots slot_mapping [T]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v: [T, kv_heads, d] -> cache slots slot_mapping [T], quantized to the cache's dtype."""
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = byte_copyable(quantize(x, cache.dtype, scale))
+        byte_copyable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+
+
+def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as a cache of `cache_dtype` stores it. fp8: clamped to +-448 first, in float32 (torch's
+    casts of out-of-range values to e4m3fn saturate on this CPU build but are not promised to)."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    x = x.float() if scale == 1.0 else x.float() / scale   # (x itself when float32 and scale 1: no clamp_)
+    return torch.clamp(x, -FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cache values -> `dtype` (fp8: times the scale)."""
+    out = stored.to(dtype)
+    if is_fp8(stored.dtype) and scale != 1.0:
+        out = out.mul_(scale)  # .to() from fp8 always made a new tensor
+    return out
+
+
+def read_back(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as it reads back from a cache of `cache_dtype` (x itself when the cache keeps x's dtype)."""
+    if cache_dtype == x.dtype:
+        return x
+    return dequantize(quantize(x, cache_dtype, scale), x.dtype, scale)
 
 
 def decode_attention(q, k, v, mask) -> torch.Tensor:

@@ -7,6 +7,14 @@ Block b holds positions [j * block_size, (j + 1) * block_size) of any sequence w
 which blocks belong to whom is the block pool's business, not this class's. The cache starts zeroed and
 only ever holds finite values, so attention may read padded or stale slots and mask them out
 (0 * finite == 0; a NaN there would leak through the masked softmax).
+
+Cache dtype (`--kv-cache-dtype`, docs/engine.md "KV cache dtype"): "auto" is the model's dtype; any
+float dtype works (a float32 model may keep a bfloat16 cache); "fp8" is float8_e4m3fn, one byte per
+element, with one pair of per-tensor scales for the whole cache (every layer):
+    stored = clamp(k / k_scale, -448, 448).to(e4m3)      read = stored.to(compute dtype) * k_scale
+(v alike with v_scale). The scales are fixed when the cache is made (default 1.0, vLLM's default when
+uncalibrated) and never change: blocks written under one scale are read under the same one, and a KV
+transfer carries raw bytes, so both ends of a transfer must use the same scales.
 """
 from __future__ import annotations
 
@@ -14,12 +22,42 @@ from typing import Sequence
 
 import torch
 
+from services.engine.config import KV_CACHE_DTYPES
 from services.engine.model.config import ModelConfig, resolve_dtype
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0           # largest finite e4m3fn; torch's casts past it differ by device and version
+
+
+def resolve_kv_dtype(dtype: str | torch.dtype, model_dtype: str | torch.dtype | None = None) -> torch.dtype:
+    """A KV cache dtype: "auto" (the model's, `model_dtype`), "fp8" (e4m3fn), a float dtype name, or a
+    torch dtype."""
+    if dtype == "auto":
+        if model_dtype is None:
+            raise ValueError("kv cache dtype 'auto' needs the model's dtype")
+        return resolve_dtype(model_dtype)
+    if dtype in ("fp8", "float8_e4m3fn", "torch.float8_e4m3fn", FP8):
+        return FP8
+    try:
+        return resolve_dtype(dtype)
+    except ValueError:
+        raise ValueError(f"unsupported dtype {dtype!r} for a KV cache; expected one of {KV_CACHE_DTYPES}") from None
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The name a KV layout carries (kvfleet.v1.KVLayout.dtype): "fp8" for e4m3fn, else the torch name."""
+    return "fp8" if dtype == FP8 else str(dtype).removeprefix("torch.")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8
+
+
 def kv_bytes_per_token(model_config: ModelConfig, dtype: str | torch.dtype) -> int:
+    """All layers, K and V, in a cache of `dtype` ("fp8": one byte per element)."""
     per_layer = 2 * model_config.num_kv_heads * model_config.head_dim
-    return model_config.num_layers * per_layer * resolve_dtype(dtype).itemsize
+    return model_config.num_layers * per_layer * resolve_kv_dtype(dtype).itemsize
 
 
 def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -31,15 +69,18 @@ def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) 
 class KVCache:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: str | torch.dtype, device: torch.device | str = "cpu",
-                 data: torch.Tensor | None = None):
-        """`data`: optional memory to hold the cache (e.g. shared with another process), zeroed,
-        of kv_cache_shape(...) and `dtype`; by default the cache allocates its own."""
+                 data: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
+        """`dtype`: a float dtype or "fp8" (not "auto": the engine resolves that). `data`: optional
+        memory to hold the cache (e.g. shared with another process), zeroed, of kv_cache_shape(...)
+        and `dtype`; by default the cache allocates its own. `k_scale`, `v_scale`: the fp8 per-tensor
+        scales (module docstring); a cache of another dtype must keep 1.0."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1 (got {num_blocks}, {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = model_config.num_layers
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = resolve_kv_dtype(dtype)
+        self.k_scale, self.v_scale = _check_scales(self.dtype, k_scale, v_scale)
         self._bytes_per_token = kv_bytes_per_token(model_config, self.dtype)
         shape = kv_cache_shape(model_config, num_blocks, block_size)
         if data is None:
@@ -49,14 +90,20 @@ class KVCache:
         self.data = data
 
     @classmethod
-    def over(cls, data: torch.Tensor) -> KVCache:
+    def over(cls, data: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> KVCache:
         """A KVCache over existing memory of the layout above (another process's cache, shared):
-        everything it needs is in the tensor's shape and dtype."""
+        everything it needs is in the tensor's shape and dtype, and the fp8 scales."""
         cache = cls.__new__(cls)
         layers, _, cache.num_blocks, cache.block_size, kv_heads, head_dim = data.shape
         cache.num_layers, cache.dtype, cache.data = layers, data.dtype, data
+        cache.k_scale, cache.v_scale = _check_scales(data.dtype, k_scale, v_scale)
         cache._bytes_per_token = layers * 2 * kv_heads * head_dim * data.dtype.itemsize
         return cache
+
+    @property
+    def dtype_name(self) -> str:
+        """"fp8" | "bfloat16" | "float16" | "float32" (the KV transfer layout's dtype string)."""
+        return kv_dtype_name(self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -87,11 +134,26 @@ class KVCache:
             raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
         if data.dtype != self.dtype:
             raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype {self.dtype}")
-        flat = self.data.view(self.num_layers * 2, self.num_blocks, -1)
-        flat.index_copy_(1, index, data.to(self.device).reshape(flat.shape[0], len(block_ids), -1))
+        flat = byte_copyable(self.data).view(self.num_layers * 2, self.num_blocks, -1)
+        rows = byte_copyable(data.to(self.device)).reshape(flat.shape[0], len(block_ids), -1)
+        flat.index_copy_(1, index, rows)
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         index = torch.as_tensor(list(block_ids), dtype=torch.int64)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
             raise ValueError(f"block ids must lie in [0, {self.num_blocks})")
         return index.to(self.device)
+
+
+def byte_copyable(t: torch.Tensor) -> torch.Tensor:
+    """index_copy_ has no float8 kernel on CPU (torch 2.13): an fp8 tensor is copied as its bytes."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def _check_scales(dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    if not all(0.0 < s < float("inf") for s in (k_scale, v_scale)):
+        raise ValueError(f"KV scales must be finite and > 0 (got {k_scale}, {v_scale})")
+    if not is_fp8(dtype) and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError(f"KV scales apply to an fp8 cache only (dtype {dtype}, scales {k_scale}, {v_scale})")
+    return k_scale, v_scale

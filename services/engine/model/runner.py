@@ -65,7 +65,9 @@ class ModelRunner:
             batch = prepare_inputs(chunks, self.kv_cache.block_size)
             self._check_ranges(batch)
             batch = batch.to(self.model.device)
-            meta = self.backend.build_metadata(batch, self.kv_cache.block_size, self.model.dtype)
+            kv = self.kv_cache
+            meta = self.backend.build_metadata(batch, kv.block_size, self.model.dtype,
+                                               k_scale=kv.k_scale, v_scale=kv.v_scale)
             self.last_prepare_s = time.perf_counter() - t0
             with fused_kernels(self.fused_layers):
                 return self.model(batch, self.kv_cache, self.backend, meta)
