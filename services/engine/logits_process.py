@@ -36,8 +36,8 @@ class History(Protocol):
 
 
 def needs_processing(p: SamplingParams, h: History | None) -> bool:
-    """Whether steps 1-3 touch this row now."""
-    return h is not None and (bool(p.logit_bias) or p.has_penalties or _barred(p, h))
+    """Whether steps 1-3 touch this row now (min_tokens and penalties need its history)."""
+    return bool(p.logit_bias) or (h is not None and (p.has_penalties or _barred(p, h)))
 
 
 def _barred(p: SamplingParams, h: History) -> bool:
@@ -56,9 +56,10 @@ class LogitsProcessors:
                  histories: Sequence[History | None]) -> torch.Tensor:
         """logits [n, vocab] float32, changed in place for the rows that need it."""
         rows = [i for i, (p, h) in enumerate(zip(params, histories)) if needs_processing(p, h)]
-        barred = [i for i in rows if _barred(params[i], histories[i])]
+        known = [i for i in rows if histories[i] is not None]
+        barred = [i for i in known if _barred(params[i], histories[i])]
         biased = [i for i in rows if params[i].logit_bias]
-        penalized = [i for i in rows if params[i].has_penalties]
+        penalized = [i for i in known if params[i].has_penalties]
         if barred:
             _mask_stop_tokens(logits, barred, params, histories)
         if biased:

@@ -127,6 +127,11 @@ def test_processed_logprobs_of_a_sampled_row_are_minus_inf_outside_its_top_k():
     assert [v for _, v in out.top] == pytest.approx(kept + [-math.inf])
 
 
+def test_logit_bias_applies_without_a_history_and_penalties_need_one():
+    p = SamplingParams(temperature=0, logit_bias={2: 50.0}, repetition_penalty=100.0)
+    assert Sampler()(torch.zeros(1, 4), [p], [None])[0].token_id == 2
+
+
 def test_a_bad_logprobs_mode_is_refused():
     with pytest.raises(ValueError, match="logprobs_mode"):
         Sampler(logprobs_mode="raw_logits")
