@@ -123,10 +123,14 @@ class LLMEngine:
                                    enable_prefix_caching=config.enable_prefix_caching, clock=clock)
         self.validator = RequestValidator(config.scheduler, self.model_config, self.tokenizer,
                                           self.pool, self.max_model_len)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.clock = clock
         self._states: dict[str, OutputState] = {}
         self._generators: dict[str, torch.Generator | None] = {}
+        # n > 1: a request's forked samples (internal ids), and per request id how many of its
+        # samples have not sent their last output (the output that brings it to 0 is `finished`)
+        self._samples: dict[str, list[str]] = {}
+        self._left: dict[str, int] = {}
         self._pending: list[RequestOutput] = []   # outputs of requests ended between steps
         self._ids = itertools.count()
         self._counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
@@ -136,10 +140,6 @@ class LLMEngine:
         self._chunk_build_s = 0.0
         self.last_step: StepRecord | None = None   # the latest step(), if it ran the model
         self._ready_since: float | None = None     # since when work waits for a step; None: idle
-        # n > 1: a request's forked samples (internal ids), and per request id how many of its
-        # samples have not sent their last output (the output that brings it to 0 is `finished`)
-        self._samples: dict[str, list[str]] = {}
-        self._left: dict[str, int] = {}
 
     # --------------------------------------------------------------------- API
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -248,6 +248,7 @@ class LLMEngine:
         blocks = self.scheduler.add_remote(req)
         if blocks is None:
             self._forget(req.request_id)
+            del self._left[req.request_id]
         return blocks
 
     def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
@@ -266,7 +267,6 @@ class LLMEngine:
         are samples 1..n-1's first tokens; they fork here, sharing the prompt's blocks."""
         req = self.scheduler.requests.get(request_id)
         if request_id not in self._states or req is None:
-            del self._left[req.request_id]
             raise UnknownRequestError(request_id)
         if len(more_first_tokens) != max(1, req.params.n) - 1:
             raise ValueError(f"{request_id}: n={req.params.n} needs {req.params.n - 1} more first "
@@ -306,6 +306,7 @@ class LLMEngine:
         req = Request(rid, tenant_cfg.name, cls, params, ids, self.clock(), eos_token_ids=eos)
         self._states[rid] = OutputState(req, self.tokenizer)
         self._generators[rid] = make_generator(params.seed)
+        self._left[rid] = 1                       # its samples join at the fork
         return req
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
@@ -320,7 +321,6 @@ class LLMEngine:
         for c in chunks:
             if c.num_prompt_logprob_rows:
                 self._record_prompt_logprobs(c, logits[row:row + c.num_prompt_logprob_rows])
-        self._left[rid] = 1                       # its samples join at the fork
             row += len(c.logit_rows)
             if c.sample:
                 sample_rows.append(row - 1)
@@ -344,20 +344,6 @@ class LLMEngine:
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req, Status.FINISHED_STOPPED, stop_reason=stop)
         return [self._delta(r) for r in advanced]
-
-    def _record_prompt_logprobs(self, chunk, logits: torch.Tensor) -> None:
-        req = chunk.request
-        targets = req.token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + len(logits)]
-        lps = prompt_logprobs(logits, targets, req.params.prompt_logprobs)
-        self._states[req.request_id].prompt_logprobs.extend(lps)
-
-    def _delta(self, req: Request) -> RequestOutput:
-        out = self._states[req.request_id].delta()
-        if out.finish_reason == "prefilled" and req.index == 0:  # blocks held until release()
-            out.block_ids = list(self.pool.block_table(req.request_id))
-        if out.finished:
-            self._forget(req.request_id)
-        return out
 
     def _forks_now(self, req: Request) -> bool:
         return req.params.n > 1 and req.num_output_tokens == 0 and req.index == 0
@@ -387,6 +373,29 @@ class LLMEngine:
             src, dst = zip(*copies)
             self.kv_cache.write_blocks(list(dst), self.kv_cache.read_blocks(list(src)))
 
+    def _record_prompt_logprobs(self, chunk, logits: torch.Tensor) -> None:
+        req = chunk.request
+        targets = req.token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + len(logits)]
+        lps = prompt_logprobs(logits, targets, req.params.prompt_logprobs)
+        self._states[req.request_id].prompt_logprobs.extend(lps)
+
+    def _delta(self, req: Request) -> RequestOutput:
+        """The request's news under the id callers know (a sample's: its request's, and its
+        index). A sample's last output has its finish_reason; `finished` is set on the last
+        output of the request's last sample only."""
+        out = self._states[req.request_id].delta()
+        if out.finish_reason == "prefilled" and req.index == 0:  # blocks held until release()
+            out.block_ids = list(self.pool.block_table(req.request_id))
+        if out.finished:
+            self._forget(req.request_id)
+            rid = req.external_id
+            self._left[rid] -= 1
+            out.finished = self._left[rid] == 0
+            if out.finished:
+                del self._left[rid]
+                self._samples.pop(rid, None)
+        return out
+
     def _forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
         self._generators.pop(request_id, None)
@@ -394,20 +403,11 @@ class LLMEngine:
     def _count(self, plan: SchedulerOutput, step_s: float, sched_s: float) -> None:
         self._counters["steps"] += 1
         self._counters["prefill_tokens"] += plan.num_prefill_tokens
-        """The request's news under the id callers know (a sample's: its request's, and its
-        index). A sample's last output has its finish_reason; `finished` is set on the last
-        output of the request's last sample only."""
         self._counters["decode_tokens"] += len(plan.decodes)
         self._counters["preemptions"] += len(plan.preempted)
         self._counters["rejections"] += len(plan.rejected)
         prep = self._chunk_build_s + self.runner.last_prepare_s if plan.chunks else 0.0
         self._last = (step_s, sched_s, prep)
-            rid = req.external_id
-            self._left[rid] -= 1
-            out.finished = self._left[rid] == 0
-            if out.finished:
-                del self._left[rid]
-                self._samples.pop(rid, None)
 
     def _record(self, plan: SchedulerOutput, start: float, gap: float, ran: bool) -> None:
         """Set last_step (None for a step that only flushed outputs) and when work next waits
