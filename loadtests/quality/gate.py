@@ -43,6 +43,7 @@ from pathlib import Path
 
 from loadtests.quality.dataset import Dataset, DatasetError, EvalItem, load_dataset
 from loadtests.quality.scorer import Scorer, ScorerError, TokenScores, open_scorer
+from services.engine.config import KV_CACHE_DTYPES  # torch-free
 
 REPORT_KIND = "kvfleet.quality_report"
 REPORT_SCHEMA = 1
@@ -324,6 +325,11 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    help="DIR: the dtype the engine runs it in (default float32)")
     p.add_argument("--candidate-dtype", default="float32", choices=dtypes,
                    help="DIR: as --reference-dtype")
+    kv_dtypes = list(KV_CACHE_DTYPES)
+    p.add_argument("--reference-kv-cache-dtype", default="auto", choices=kv_dtypes,
+                   help="DIR: the engine's KV cache dtype (default auto: the model's; fp8: e4m3)")
+    p.add_argument("--candidate-kv-cache-dtype", default="auto", choices=kv_dtypes,
+                   help="DIR: as --reference-kv-cache-dtype")
 
 
 def resolve_thresholds(args: argparse.Namespace) -> QualityThresholds:
@@ -348,7 +354,8 @@ def run_quality(args: argparse.Namespace) -> int:
         for role in ("reference", "candidate"):
             scorers.append(open_scorer(getattr(args, role), api_key=getattr(args, "api_key", None),
                                        model=getattr(args, f"{role}_model", None),
-                                       dtype=getattr(args, f"{role}_dtype", "float32")))
+                                       dtype=getattr(args, f"{role}_dtype", "float32"),
+                                       kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", "auto")))
         report = score(scorers[0], scorers[1], dataset.items[:limit], thresholds, dataset)
     except (UsageError, DatasetError, ScorerError) as e:
         print(f"kvfleet eval quality: error: {e}", file=sys.stderr)

@@ -70,6 +70,7 @@ class ModelInfo:
     fingerprint: str                  # DIR: sha256(config.json + weight files)[:16]; URL: the model id
     quality_version: str | None       # DIR: as a kvfleet gateway would report it; URL: the server's
     dtype: str | None = None          # DIR: the dtype the engine ran in
+    kv_cache_dtype: str | None = None  # DIR: its KV cache's (auto: the model's; fp8: e4m3)
     quality_versions_seen: tuple[str, ...] = ()   # URL: every system_fingerprint the server sent
 
     def as_dict(self) -> dict:
@@ -112,11 +113,11 @@ def is_url(spec: str) -> bool:
 
 
 def open_scorer(spec: str, *, api_key: str | None = None, model: str | None = None,
-                dtype: str = "float32") -> Scorer:
+                dtype: str = "float32", kv_cache_dtype: str = "auto") -> Scorer:
     """A scorer for a --reference / --candidate argument: an http(s) URL, `tiny`, or a checkpoint dir."""
     if is_url(spec):
         return HttpScorer(spec, api_key=api_key, model=model)
-    return EngineScorer(spec, dtype=dtype)
+    return EngineScorer(spec, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 # --- in-process ----------------------------------------------------------------------------------
@@ -156,20 +157,23 @@ class EngineScorer:
     the teacher-forced and the answer passes compute every position the same way).
     """
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", kv_cache_mib: int = 128) -> None:
+    def __init__(self, model_dir: str, *, dtype: str = "float32", kv_cache_mib: int = 128,
+                 kv_cache_dtype: str = "auto") -> None:
         from services.engine.engine import LLMEngine, engine_config, resolve_model_dir
 
         path = resolve_model_dir(model_dir)
         check_checkpoint(path)
         try:
             self.engine = LLMEngine(engine_config(path, dtype=dtype, kv_cache_mib=kv_cache_mib,
+                                                  kv_cache_dtype=kv_cache_dtype,
                                                   enable_prefix_caching=False, reject_late=False))
         except Exception as e:  # a broken checkpoint is a usage error for the gate, not a crash
             raise ScorerError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
         self.tokenizer = self.engine.tokenizer
         self.info = ModelInfo(source=model_dir, kind="dir", model_id=str(path),
                               fingerprint=checkpoint_fingerprint(path),
-                              quality_version=_served_quality_version(path), dtype=dtype)
+                              quality_version=_served_quality_version(path), dtype=dtype,
+                              kv_cache_dtype=kv_cache_dtype)
 
     def teacher_forced(self, items: Sequence[EvalItem]) -> list[TokenScores]:
         from services.engine.sampling_params import SamplingParams

@@ -47,7 +47,9 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = load_engine_config(args.config) if args.config else EngineConfig()
     cfg = replace(cfg, model=args.model or cfg.model, dtype=args.dtype or cfg.dtype,
                   attention_backend=getattr(args, "attention_backend", None) or cfg.attention_backend,
-                  tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size,
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or cfg.kv_cache_dtype,
+                  kv_cache_scales=getattr(args, "kv_cache_scales", None) or cfg.kv_cache_scales)
     engine = LLMEngine(cfg)
     try:
         return _generate(engine, args)

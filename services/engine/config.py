@@ -11,6 +11,14 @@ from typing import Literal
 AdmissionPolicy = Literal["reserve", "predict"]
 WorkerRole = Literal["mixed", "prefill", "decode"]
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")   # --kv-cache-dtype
+
+
+def parse_kv_cache_scales(text: str) -> tuple[float, float]:
+    """--kv-cache-scales: "K,V" (k_scale, v_scale) or one number for both."""
+    parts = [float(x) for x in text.split(",")]
+    if len(parts) not in (1, 2):
+        raise ValueError(f"--kv-cache-scales takes K,V or one number, got {text!r}")
+    return (parts[0], parts[-1])
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 

@@ -28,7 +28,7 @@ import grpc
 import torch
 from redis.exceptions import RedisError
 
-from services.engine.config import EngineConfig
+from services.engine.config import KV_CACHE_DTYPES, EngineConfig, parse_kv_cache_scales
 from services.engine.config_file import load_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
@@ -63,6 +63,11 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--kv-cache-mib", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
                    help="the engine's attention kernels; auto (default): triton on CUDA, torch otherwise")
+    p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type: auto (the model's) | fp8 (e4m3: twice bf16's blocks per "
+                        "MiB) | a float dtype; prefill and decode workers must agree")
+    p.add_argument("--kv-cache-scales", default=None, type=parse_kv_cache_scales, metavar="K,V",
+                   help="fp8 KV cache: k_scale,v_scale (default 1.0,1.0); the same on every worker")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default); several workers on one "
                         "host should split the cores between them")
@@ -88,6 +93,10 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
         cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
     if getattr(args, "attention_backend", None):
         cfg = replace(cfg, attention_backend=args.attention_backend)
+    if getattr(args, "kv_cache_dtype", None):
+        cfg = replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
+    if getattr(args, "kv_cache_scales", None):
+        cfg = replace(cfg, kv_cache_scales=args.kv_cache_scales)
     return cfg
 
 

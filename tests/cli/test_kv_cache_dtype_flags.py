@@ -1,0 +1,50 @@
+"""--kv-cache-dtype / --kv-cache-scales reach the engine from `kvfleet generate`, `kvfleet serve`
+and `kvfleet up`, and survive the engine core's wire format."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import msgspec
+import pytest
+
+from services.cli.cli import build_parser
+from services.engine.config import EngineConfig
+
+
+def test_serve_flags_set_the_engine_config():
+    from services.worker.serve import add_worker_args, engine_config_for
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    default = engine_config_for(p.parse_args(["decode"]))
+    assert (default.kv_cache_dtype, default.kv_cache_scales) == ("auto", (1.0, 1.0))
+    cfg = engine_config_for(p.parse_args(["decode", "--kv-cache-dtype", "fp8", "--kv-cache-scales", "0.5,2"]))
+    assert (cfg.kv_cache_dtype, cfg.kv_cache_scales) == ("fp8", (0.5, 2.0))
+    with pytest.raises(SystemExit):
+        p.parse_args(["mixed", "--kv-cache-dtype", "int8"])
+
+
+def test_up_takes_the_flags_for_its_workers():
+    from services.cli.up import add_up_args
+    p = argparse.ArgumentParser()
+    add_up_args(p)
+    assert p.parse_args([]).kv_cache_dtype is None      # workers keep their default (auto)
+    args = p.parse_args(["--kv-cache-dtype", "fp8", "--kv-cache-scales", "0.5,2"])
+    assert (args.kv_cache_dtype, args.kv_cache_scales) == ("fp8", "0.5,2")
+
+
+def test_engine_core_wire_format_keeps_the_choice():
+    cfg = EngineConfig(kv_cache_dtype="fp8", kv_cache_scales=(0.25, 0.5))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=EngineConfig)
+    assert (back.kv_cache_dtype, tuple(back.kv_cache_scales)) == ("fp8", (0.25, 0.5))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="kv_cache_scales"):
+        EngineConfig(kv_cache_scales=(1.0, 0.0))
+
+
+def test_generate_runs_on_an_fp8_cache(tiny_model_dir, capsys):
+    args = build_parser().parse_args(["generate", "--model", str(tiny_model_dir), "--kv-cache-dtype", "fp8",
+                                      "--prompt-ids", "5,6,7,8", "--max-tokens", "4", "--json"])
+    assert args.func(args) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
