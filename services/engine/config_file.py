@@ -5,6 +5,7 @@ known ones. Layout (every key optional; omitted ones keep the dataclass defaults
     dtype: auto
     block_size: 16
     kv_cache_mib: 512
+    logprobs_mode: raw_logprobs   # or processed_logprobs (vLLM's --logprobs-mode)
     scheduler:
       token_budget: 512
       chunk_size: 256

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from services.engine import errors
+from services.engine.config_file import engine_config_from_dict
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.fairness import priority_slot
 from services.engine.request import Status
@@ -66,6 +67,14 @@ def test_any_finite_or_infinite_bias_in_vocab_passes_and_lands_in_range(bias):
     p = SamplingParams(logit_bias=bias)
     validate_sampling(p, VOCAB)
     assert all(-100.0 <= b <= 100.0 for _, b in p.logit_bias)
+
+
+def test_logprobs_mode_is_an_engine_config_key_and_unknown_modes_are_refused():
+    assert engine_config_from_dict({"logprobs_mode": "processed_logprobs"}).logprobs_mode == (
+        "processed_logprobs")
+    assert engine_config_from_dict({}).logprobs_mode == "raw_logprobs"     # vLLM's default
+    with pytest.raises(ValueError, match="raw_logprobs|processed_logprobs"):
+        engine_config_from_dict({"logprobs_mode": "raw_logits"})
 
 
 # -------------------------------------------------------------------------------- priority
