@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.engine.model.config import resolve_dtype
+from services.engine.model.kv_cache import kv_dtype_name, resolve_kv_dtype
 
 EARLY_TTL_S = 60.0  # how long an outcome that came before its expect() is kept
 MAX_ID_BYTES = 1024  # a transfer id, UTF-8
@@ -74,37 +74,46 @@ def checksum_result(checksum: bool, error: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What one pool's blocks look like. num_blocks is not part of it: pools of any size may exchange blocks."""
+    """What one pool's blocks look like. num_blocks is not part of it: pools of any size may exchange blocks.
+
+    tensor_parallel_size: the ranks the model is sharded over; kv_heads is then one rank's. Pools of
+    different tensor-parallel sizes never exchange blocks: kvfleet refuses rather than re-shards
+    (layout_mismatch). A TP > 1 worker serves colocated only (docs/engine.md, Tensor parallelism)."""
     num_layers: int
     block_size: int
     kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "fp8" (e4m3fn; shipped as its bytes)
+    tensor_parallel_size: int = 1
 
     @classmethod
-    def of(cls, kv_cache) -> KVLayout:
+    def of(cls, kv_cache, tensor_parallel_size: int = 1) -> KVLayout:
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.data.shape
-        return cls(layers, block_size, kv_heads, head_dim, str(kv_cache.data.dtype).removeprefix("torch."))
+        return cls(layers, block_size, kv_heads, head_dim, kv_dtype_name(kv_cache.data.dtype),
+                   tensor_parallel_size)
 
     def to_pb(self) -> pb.KVLayout:
         return pb.KVLayout(num_layers=self.num_layers, block_size=self.block_size, kv_heads=self.kv_heads,
-                           head_dim=self.head_dim, dtype=self.dtype)
+                           head_dim=self.head_dim, dtype=self.dtype,
+                           tensor_parallel_size=self.tensor_parallel_size)
 
     @classmethod
     def from_pb(cls, message: pb.KVLayout) -> KVLayout:
-        """-> the layout; ValueError naming what is wrong (a zero size, an unknown dtype)."""
-        layout = cls(message.num_layers, message.block_size, message.kv_heads, message.head_dim, message.dtype)
+        """-> the layout (tensor_parallel_size 0, i.e. unset, reads as 1); ValueError naming what is wrong
+        (a zero size, an unknown dtype)."""
+        layout = cls(message.num_layers, message.block_size, message.kv_heads, message.head_dim, message.dtype,
+                     message.tensor_parallel_size or 1)
         if min(layout.num_layers, layout.block_size, layout.kv_heads, layout.head_dim) < 1:
             raise ValueError(f"bad KV layout {layout}: every size must be at least 1")
         try:
-            resolve_dtype(layout.dtype)
+            resolve_kv_dtype(layout.dtype)
         except ValueError as e:
             raise ValueError(f"bad KV layout {layout}: {e}") from None
         return layout
 
     @property
     def itemsize(self) -> int:
-        return resolve_dtype(self.dtype).itemsize
+        return resolve_kv_dtype(self.dtype).itemsize
 
     @property
     def region_bytes(self) -> int:
@@ -372,6 +381,22 @@ def layout_of(target: pb.KVDescriptor) -> KVLayout:
         raise KVTransferError(str(e)) from None
 
 
+def layout_mismatch(source: KVLayout, target: KVLayout) -> str | None:
+    """Why the source's blocks cannot land in the target's pool, or None when the layouts match."""
+    if source == target:
+        return None
+    s, t = source, target
+    if s.tensor_parallel_size != t.tensor_parallel_size:
+        return (f"layout mismatch: tensor parallel size differs: source (prefill) has tensor_parallel_size "
+                f"{s.tensor_parallel_size} ({s.kv_heads} KV heads per rank), target (decode) has "
+                f"tensor_parallel_size {t.tensor_parallel_size} ({t.kv_heads} KV heads per rank); kvfleet "
+                "refuses KV across tensor-parallel sizes rather than re-sharding it")
+    if s.dtype != t.dtype:
+        return (f"layout mismatch: KV cache dtype differs: source (prefill) {s.dtype}, target (decode) "
+                f"{t.dtype}; start every worker with the same --kv-cache-dtype (fp8: and --kv-cache-scales)")
+    return f"layout mismatch: source {source}, target {target}"
+
+
 def check_write(backend: str, layout: KVLayout, num_blocks: int, transfer_id: str,
                 src_block_ids: Sequence[int], target: pb.KVDescriptor) -> list[int]:
     """Source-side checks before anything moves; -> the source ids as ints."""
@@ -382,9 +407,9 @@ def check_write(backend: str, layout: KVLayout, num_blocks: int, transfer_id: st
         raise KVTransferError("no blocks to transfer")
     if target.backend != backend:
         raise KVTransferError(f"descriptor is for backend {target.backend!r}, this transport is {backend!r}")
-    theirs = layout_of(target)
-    if theirs != layout:
-        raise KVTransferError(f"layout mismatch: source {layout}, target {theirs}")
+    mismatch = layout_mismatch(layout, layout_of(target))
+    if mismatch is not None:
+        raise KVTransferError(mismatch)
     if len(src_block_ids) != len(target.block_ids):
         raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(target.block_ids)} target blocks")
     return check_block_ids(src_block_ids, num_blocks, "source")

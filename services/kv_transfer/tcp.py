@@ -44,7 +44,7 @@ from google.protobuf.message import DecodeError
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
-                                       byte_view, check_write, make_descriptor)
+                                       byte_view, check_write, layout_mismatch, make_descriptor)
 
 HOST = "127.0.0.1"
 HEADER_TIMEOUT_S = 5.0   # a new connection must send its header within this
@@ -206,8 +206,9 @@ class TcpTransport(PoolTransport):
             hand_off = None if raw is None else pb.HandOff.FromString(base64.b64decode(raw, validate=True))
         except (ValueError, TypeError, DecodeError) as e:
             return f"bad header: {e}", None
-        if layout != self._layout:
-            return f"layout mismatch: source {layout}, target {self._layout}", None
+        mismatch = layout_mismatch(layout, self._layout)
+        if mismatch is not None:
+            return mismatch, None
         if header["blocks"] != ids:
             return f"blocks {header['blocks']} are not the ones expected for {header['id']!r}: {ids}", None
         if header["nbytes"] != len(ids) * self._layout.bytes_per_block:
