@@ -470,12 +470,13 @@ class Scheduler:
         return {t: self.config.tenant(t).weight for t, q in self.queues[cls].items() if q}
 
     def _class_order(self, now: float) -> list:
-        """Classes with queued prefill work, by effective priority of their oldest request."""
+        """Classes with queued prefill work, by effective priority of their oldest request
+        (anywhere in a queue: `priority` may put a newer request at its head)."""
         ranked = []
         for cls in self.config.classes:
-            heads = [q[0].arrival_time for q in self.queues[cls.name].values() if q]
-            if heads:
-                ranked.append((-effective_priority(cls, now - min(heads)), cls.priority, cls))
+            oldest = [min(r.arrival_time for r in q) for q in self.queues[cls.name].values() if q]
+            if oldest:
+                ranked.append((-effective_priority(cls, now - min(oldest)), cls.priority, cls))
         return [c for *_, c in sorted(ranked, key=lambda x: (x[0], -x[1]))]
 
     def _decode_order(self) -> Iterator[Request]:

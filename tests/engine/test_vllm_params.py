@@ -100,6 +100,16 @@ def test_lower_priority_values_are_admitted_first_within_a_class_and_tenant():
     assert other in order and other.status != Status.WAITING
 
 
+def test_a_class_ages_from_its_oldest_request_whatever_priority_put_at_its_head():
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16, max_running=16)
+    add(sched, 16, cls="document", prompt=[20] * 16, clock=clock)            # waits from t=0
+    clock.now = 20.0                                                        # 2 aging steps
+    urgent = add(sched, 16, cls="document", prompt=[21] * 16, clock=clock, priority=-5)
+    add(sched, 16, cls="interactive", prompt=[22] * 16, clock=clock)
+    # document: 1 + 20 s / 10 s = 3 beats interactive's 2, though its head arrived just now
+    assert step(sched).prefills[0].request is urgent
+
+
 # ------------------------------------------------------------------------- special tokens
 
 
