@@ -56,7 +56,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     from services.engine.tiny_model import make_tiny_model
     path = make_tiny_model(args.dir, seed=args.seed, layers=args.layers, hidden=args.hidden,
                            heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
-                           max_positions=args.max_positions)
+                           max_positions=args.max_positions, intermediate=args.intermediate)
     print(path)
     return 0
 
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kv-heads", type=int, default=2)
     t.add_argument("--vocab", type=int, default=4096)
     t.add_argument("--max-positions", type=int, default=40960)
+    t.add_argument("--intermediate", type=int, default=512, help="MLP width")
     t.set_defaults(func=_make_tiny_model)
 
     mm = sub.add_parser("make-model", help="write a named real model as an HF checkpoint dir "

@@ -5,6 +5,9 @@ module is imported: this conftest sets TRITON_INTERPRET=1, imports every kernel 
 environment back, so that other test packages (and the processes they start) never see the
 variable. An autouse fixture sets it again around each test here, for the launchers' own checks
 (kernels.common.interpreted) and Triton's runtime.
+
+With KVFLEET_KERNELS_ON_GPU=1 (kernels/gpu_check.sh) the same tests run compiled on CUDA instead:
+no interpreter, and tensors are made on the GPU (torch.set_default_device, helpers.DEVICE).
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ def _import_interpreted() -> None:
             os.environ["TRITON_INTERPRET"] = previous
 
 
-if os.environ.get("KVFLEET_KERNELS_ON_GPU") != "1":  # kernels/gpu_check.sh runs these tests compiled
+if os.environ.get("KVFLEET_KERNELS_ON_GPU") == "1":  # kernels/gpu_check.sh runs these tests compiled
+    import torch
+    torch.set_default_device("cuda")
+else:
     _import_interpreted()
 
 

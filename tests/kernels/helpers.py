@@ -7,6 +7,7 @@ ones), so a kernel that reads a wrong block or an unmasked slot gives a differen
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,12 @@ from services.engine.model.attention import TorchAttentionBackend
 from services.engine.model.batch import BatchInputs, SeqChunk, prepare_inputs
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+ON_GPU = os.environ.get("KVFLEET_KERNELS_ON_GPU") == "1"   # kernels/gpu_check.sh
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 @dataclass
@@ -31,24 +38,24 @@ class Case:
 def make_case(specs: list[tuple[int, int]], heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
               block_size: int = 4, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
               seed: int = 0, strided_q: bool = True) -> Case:
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     blocks_needed = [-(-(start + q_len) // block_size) for start, q_len in specs]
     num_blocks = 2 * sum(blocks_needed) + 2
-    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: padding only
+    pool = (torch.randperm(num_blocks - 1, generator=gen, device=DEVICE) + 1).tolist()  # block 0: padding only
     chunks = []
     for (start, q_len), nb in zip(specs, blocks_needed):
         table, pool = pool[:nb], pool[nb + 1:]                            # skip one id: a hole
         chunks.append(SeqChunk([1] * q_len, start, table, (q_len - 1,)))
-    batch = prepare_inputs(chunks, block_size)
+    batch = prepare_inputs(chunks, block_size).to(DEVICE)
     t = batch.token_ids.numel()
-    qkv = torch.randn(t, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(t, heads + 2 * kv_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
     # q, k, v as the model passes them: strided views of one [T, heads + 2 * kv_heads, d] tensor
     q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
     if not strided_q:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
-    v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
+    k_cache = torch.randn(shape, generator=gen, device=DEVICE).to(cache_dtype or dtype)
+    v_cache = torch.randn(shape, generator=gen, device=DEVICE).to(cache_dtype or dtype)
     return Case(batch, block_size, q, k, v, k_cache, v_cache)
 
 

@@ -12,6 +12,7 @@ from kernels.silu_mul import silu_and_mul
 from services.engine.model.config import ModelConfig
 from services.engine.model.layers import RMSNorm, SwiGLU, fused_kernels
 from services.engine.model.rope import RotaryEmbedding, apply_rope
+from tests.kernels.helpers import generator
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # exact where the kernel rounds as torch does; fp32 sums differ in order (rsqrt, mean)
@@ -20,7 +21,7 @@ ULP = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 def _norm(hidden: int, dtype) -> RMSNorm:
     norm = RMSNorm(hidden, 1e-5)
-    norm.weight = torch.nn.Parameter(torch.randn(hidden, generator=torch.Generator().manual_seed(1)).to(dtype),
+    norm.weight = torch.nn.Parameter(torch.randn(hidden, generator=generator(1)).to(dtype),
                                      requires_grad=False)
     return norm
 
@@ -71,7 +72,7 @@ def test_silu_and_mul(dtype):
 
 def test_swiglu_dispatches_under_fused_kernels():
     mlp = SwiGLU(32, 48)
-    gen = torch.Generator().manual_seed(2)
+    gen = generator(2)
     mlp.gate_up_proj.weight = torch.nn.Parameter(torch.randn(96, 32, generator=gen), requires_grad=False)
     mlp.down_proj.weight = torch.nn.Parameter(torch.randn(32, 48, generator=gen), requires_grad=False)
     x = torch.randn(4, 32, generator=gen)
