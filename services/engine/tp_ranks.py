@@ -80,9 +80,9 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def join(rank: int, world_size: int, store_path: str, backend: str = "gloo") -> TPGroup:
-    """Join the default process group over a FileStore; gloo pairs bind to 127.0.0.1."""
-    store = dist.FileStore(store_path, world_size)
+def join(rank: int, world_size: int, store: dist.Store, backend: str = "gloo") -> TPGroup:
+    """Join the default process group over `store`; gloo pairs bind to 127.0.0.1. One store
+    instance per process: a FileStore removes its file once world_size instances are gone."""
     store.set(f"joined/{rank}", "1")
     options = None
     if backend == "gloo":
@@ -122,16 +122,16 @@ class TPLeader:
             for rank in range(1, world_size)]
         leader = cls(world_size, procs, run_dir, TPGroup(0, world_size))
         try:
-            leader._wait_for_followers(store_path)
-            join(0, world_size, store_path, backend)
+            store = dist.FileStore(store_path, world_size)
+            leader._wait_for_followers(store)
+            join(0, world_size, store, backend)
         except BaseException:
             leader.close()
             raise
         return leader
 
-    def _wait_for_followers(self, store_path: str) -> None:
+    def _wait_for_followers(self, store: dist.Store) -> None:
         """Until every follower has reached the rendezvous; TPRankFailed if one dies first."""
-        store = dist.FileStore(store_path, self.world_size)
         keys = [f"joined/{rank}" for rank in range(1, self.world_size)]
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while not store.check(keys):
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        tp = join(args.rank, args.world_size, args.store_path, args.backend)
+        tp = join(args.rank, args.world_size, dist.FileStore(args.store_path, args.world_size), args.backend)
         follow(tp, sys.stdin.fileno())
     except BaseException:  # noqa: BLE001 - a follower failure is reported, never silent
         log.critical("tensor-parallel rank %d failed", args.rank, exc_info=True)

@@ -14,8 +14,16 @@ class WorkerConfig:
     role: str                          # prefill | decode | mixed
     kv_backend: str = "tcp"            # nixl | tcp | local
     timeouts: Timeouts = field(default_factory=Timeouts)
+    tensor_parallel_size: int = 1      # the engine core is rank 0 and starts the other N - 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role {self.role!r} is not one of {ROLES}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.role != "mixed":
+            raise ValueError(f"a {self.role} worker cannot run tensor parallel size "
+                             f"{self.tensor_parallel_size}: with TP > 1 each rank's KV heads live in "
+                             "its own cache and kvfleet does not ship them between workers; serve TP > 1 "
+                             "as role mixed (colocated), or run prefill/decode workers at TP 1")
         self.timeouts.check()

@@ -19,6 +19,10 @@ Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineCli
   3. Shutdown -> exit 0. The server process gone (stdin, which the server keeps open and never
      writes to again, reaches EOF) -> remove the run directory the server could not, exit 0.
      Any exception out of step() or the loop -> Failure (type + text + traceback), exit 1.
+     Tensor parallelism (EngineConfig.tensor_parallel_size N > 1): the engine is rank 0 and starts
+     N - 1 follower rank processes (services/engine/tp_ranks.py); the loop also watches their
+     pidfds, so a rank that dies, even while idle, is a Failure naming it. The core stops them on
+     its way out (and they exit by themselves when it is gone).
 
 KV memory: the core allocates the cache as a file in the run directory (on /dev/shm where there is
 one) mapped MAP_SHARED; the server maps the same file (`SharedKV.attach`) and unlinks it, so the
@@ -50,6 +54,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, StepRecord
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.tp_ranks import TPRankFailed
 from services.worker import faults
 
 log = logging.getLogger(__name__)
@@ -238,6 +243,12 @@ class EngineCore:
         self.orphaned = False                    # run() ended because the server is gone
         if parent_fd is not None:                # readable (EOF) once the server process is gone
             self.poller.register(parent_fd, zmq.POLLIN)
+        self.ranks: dict[int, object] = {}       # pidfd -> a tensor-parallel follower's Popen
+        if engine.tp_leader is not None:         # readable once that rank has exited
+            for proc in engine.tp_leader.procs:
+                fd = os.pidfd_open(proc.pid)
+                self.ranks[fd] = proc
+                self.poller.register(fd, zmq.POLLIN)
         self.handlers: dict[type, Callable] = {
             AddRequest: self._add, Reserve: self._reserve, StartDecode: self._start_decode,
             Cancel: self._cancel, GetStats: self._stats}
@@ -254,6 +265,8 @@ class EngineCore:
                 log.warning("the server process is gone; the engine core exits")
                 self.orphaned = True
                 return
+            if any(fd in ready for fd in self.ranks):  # a rank died while idle: fail visibly now
+                raise TPRankFailed(self.engine.tp_leader.dead() or "a tensor-parallel rank exited")
             if self.commands in ready and not self._drain():
                 return
             if self.engine.has_unfinished():
@@ -377,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     replies = ctx.socket(zmq.PUSH)
     replies.setsockopt(zmq.SNDHWM, 0)                 # never drop or block on our own output
     replies.connect(ipc_address(args.run_dir, REPLIES_SOCKET))
-    status, core = 0, None
+    status, core, engine = 0, None, None
     try:
         config = read_config(sys.stdin.fileno())
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
@@ -393,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         failure = Failure(type(e).__name__, _message(e), traceback.format_exc())
         replies.send(ENCODER.encode(failure))
         status = FAILED_EXIT
+    if engine is not None:
+        engine.close()                # tensor-parallel followers (they would also see our exit)
     commands.close(linger=0)
     replies.close(linger=2000)        # let a Failure reach the server before we go
     ctx.term()

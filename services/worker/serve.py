@@ -68,6 +68,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
                         "MiB) | a float dtype; prefill and decode workers must agree")
     p.add_argument("--kv-cache-scales", default=None, type=parse_kv_cache_scales, metavar="K,V",
                    help="fp8 KV cache: k_scale,v_scale (default 1.0,1.0); the same on every worker")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (the engine core is rank 0; mixed role only)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default); several workers on one "
                         "host should split the cores between them")
@@ -97,6 +99,8 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
         cfg = replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     if getattr(args, "kv_cache_scales", None):
         cfg = replace(cfg, kv_cache_scales=args.kv_cache_scales)
+    if getattr(args, "tensor_parallel", 1) > 1:
+        cfg = replace(cfg, tensor_parallel_size=args.tensor_parallel)
     return cfg
 
 
@@ -204,11 +208,13 @@ async def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
-    config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args))
+    engine_config = engine_config_for(args)
+    config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args),
+                          tensor_parallel_size=engine_config.tensor_parallel_size)
     tracing.setup(args.role, worker_id)
     telemetry = WorkerTelemetry(args.role, worker_id)
     stop = asyncio.Event()       # SIGTERM / SIGINT, or the engine core died (engine.failure)
-    engine = EngineClient(engine_config_for(args), on_failure=lambda _: stop.set(),
+    engine = EngineClient(engine_config, on_failure=lambda _: stop.set(),
                           on_step=telemetry.on_step, torch_threads=args.threads)
     await engine.start()
     try:
