@@ -69,26 +69,21 @@ class LogitsProcessors:
         return logits
 
     def _penalize(self, logits, rows, params, histories) -> None:
-        vocab = logits.shape[-1]
-        rep_rows, rep_ids, out_rows, out_ids, counts = [], [], [], [], []
+        """Penalties on (row, token) entries: repetition on what the row saw (prompt + output),
+        frequency and presence on its output tokens with their counts."""
+        device, vocab = logits.device, logits.shape[-1]
+        seen, out, counts = [], [], []
         for i in rows:
-            p, h = params[i], histories[i]
-            output = torch.tensor(h.token_ids[h.num_prompt_tokens:], dtype=torch.long)
-            ids, n = output.unique(return_counts=True)   # sorted unique output ids, counts
-            keep = ids < vocab
-            ids, n = ids[keep], n[keep]
-            out_rows.append(torch.full_like(ids, i))
-            out_ids.append(ids)
+            ids, n = _output_counts(histories[i], vocab)
+            out.append(_pairs(i, ids))
             counts.append(n)
-            if p.repetition_penalty != 1.0:
-                seen = torch.cat([self._unique_prompt(h, vocab), ids]).unique()
-                rep_rows.append(torch.full_like(seen, i))
-                rep_ids.append(seen)
-        device = logits.device
-        if rep_rows:
-            index = (torch.cat(rep_rows).to(device), torch.cat(rep_ids).to(device))
+            if params[i].repetition_penalty != 1.0:
+                prompt = self._unique_prompt(histories[i], vocab)
+                seen.append(_pairs(i, torch.cat([prompt, ids]).unique()))
+        if seen:
+            index = tuple(x.to(device) for x in torch.cat(seen, dim=1))
             _repetition(logits, index, _column(params, "repetition_penalty", device)[index[0]])
-        index = (torch.cat(out_rows).to(device), torch.cat(out_ids).to(device))
+        index = tuple(x.to(device) for x in torch.cat(out, dim=1))
         count = torch.cat(counts).to(device=device, dtype=torch.float32)
         # logits -= f * count; logits -= p * [count > 0]: vLLM's two subtractions, in its order
         logits[index] -= _column(params, "frequency_penalty", device)[index[0]] * count
@@ -101,6 +96,19 @@ class LogitsProcessors:
             ids = ids[ids < vocab]
             self._prompt_ids[h] = ids
         return ids
+
+
+def _output_counts(h: History, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's distinct output ids (sorted) and how often each occurs."""
+    output = torch.tensor(h.token_ids[h.num_prompt_tokens:], dtype=torch.long)
+    ids, n = output.unique(return_counts=True)
+    keep = ids < vocab
+    return ids[keep], n[keep]
+
+
+def _pairs(row: int, ids: torch.Tensor) -> torch.Tensor:
+    """[2, len(ids)]: (row, token) index pairs."""
+    return torch.stack([torch.full_like(ids, row), ids])
 
 
 def _mask_stop_tokens(logits, rows, params, histories) -> None:
