@@ -159,6 +159,25 @@ def test_greedy_tokens_with_an_fp8_cache_mostly_match_float32(tiny_model, one_th
     assert worst_gap < 0.25, worst_gap
 
 
+def test_an_fp8_cache_gives_the_same_logits_however_the_prompt_is_chunked(tiny_model, one_thread):
+    """A first chunk attends over its own K/V as read back from the cache, like every later chunk and
+    decode: the same prompt in one chunk or in six (decode-sized ones among them) scores the same."""
+    tokens = random_tokens(80, seed=5)
+
+    def prompt_logprobs(chunks):
+        runner = ModelRunner(tiny_model, KVCache(tiny_model.config, 16, BLOCK, FP8))
+        seq = Seq(list(tokens), ShuffledBlockIds(16, seed=1), BLOCK)
+        return torch.cat([runner.execute([seq.chunk(n, "all")]) for n in chunks]).log_softmax(-1)
+
+    whole, chunked = prompt_logprobs([80]), prompt_logprobs([30, 1, 1, 1, 7, 40])
+    assert (whole - chunked).abs().max() < 1e-4
+
+
+def test_tensor_parallelism_keeps_the_model_dtype_cache():
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
 def test_the_engine_gets_twice_bf16_blocks_from_the_same_mib(tiny_model_dir):
     """The block count follows the cache dtype: the pool, admission and the stats the router reads."""
     blocks = {}
