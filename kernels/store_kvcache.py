@@ -2,7 +2,8 @@
 
     k, v      [T, kv_heads, d]                  may be strided views (slices of the qkv output)
     k_cache   [num_blocks, block_size, kv_heads, d]   contiguous; slot s = block * block_size + offset
-    stored    (k / k_scale).to(cache dtype)     scale 1.0 unless the cache is fp8 (e4m3)
+    stored    (k / k_scale).to(cache dtype)     scale 1.0 unless the cache is fp8 (e4m3): then clamped
+                                                to +-448 first, as attention.quantize does
 A program copies BLOCK_T token rows (common.rows_per_program) of kv_heads * d elements of K and
 of V; a slot < 0 is skipped.
 """
@@ -36,7 +37,7 @@ def _round_e4m3(x):
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale, num_rows,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-                          ROUND_E4M3: tl.constexpr):
+                          IS_FP8: tl.constexpr, ROUND_E4M3: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     slot = tl.load(slot_ptr + t, mask=t < num_rows, other=-1).to(tl.int64)[:, None]   # [BLOCK_T, 1]
     t = t[:, None]
@@ -46,6 +47,9 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_sc
     k = tl.load(k_ptr + t * stride_kt + head * stride_kh + dim, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + t * stride_vt + head * stride_vh + dim, mask=mask, other=0.0).to(tl.float32)
     k, v = k / k_scale, v / v_scale
+    if IS_FP8:
+        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if ROUND_E4M3:
         k, v = _round_e4m3(k), _round_e4m3(v)
     tl.store(k_cache_ptr + slot * ROW + offs, to_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
@@ -71,4 +75,5 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                                 k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale), t,
                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                 HEAD_DIM=d, ROW=row, BLOCK=next_pow2(row), BLOCK_T=rows,
+                                IS_FP8=k_cache.dtype == torch.float8_e4m3fn,
                                 ROUND_E4M3=interpreted() and k_cache.dtype == torch.float8_e4m3fn)

@@ -44,6 +44,18 @@ def test_runner_logits_match_torch_backend(tiny):
     torch.testing.assert_close(triton_runner.kv_cache.data, torch_runner.kv_cache.data, atol=1e-5, rtol=1e-5)
 
 
+def test_fp8_cache_matches_the_torch_backend(tiny):
+    """KVCache(dtype="fp8") with per-tensor scales: both backends store the same bytes and read
+    them back the same way."""
+    caches = [KVCache(tiny.config, 16, BLOCK, "fp8", DEVICE, k_scale=0.5, v_scale=0.25) for _ in range(2)]
+    torch_runner = ModelRunner(tiny, caches[0], backend="torch")
+    triton_runner = ModelRunner(tiny, caches[1], backend="triton")
+    for got, expected in zip(_steps(triton_runner), _steps(torch_runner)):
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    assert caches[1].data.dtype == torch.float8_e4m3fn
+    assert torch.equal(caches[1].data.view(torch.uint8), caches[0].data.view(torch.uint8))
+
+
 def test_backend_choice():
     cpu = torch.device("cpu")
     assert isinstance(make_attention_backend("auto", 8, cpu), TorchAttentionBackend)  # auto: triton on CUDA only

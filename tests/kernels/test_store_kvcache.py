@@ -57,9 +57,11 @@ def test_launcher_rejects_a_mismatched_cache():
 
 def test_fp8_rounding_at_ties_subnormals_and_powers_of_two():
     """Values that round up across a power of two, ties (to even) and e4m3 subnormals (step 2^-9)."""
-    values = torch.tensor([1.99, -3.99, 1.0625, 1.1875, 2.0 ** -10, 3 * 2.0 ** -10, 0.0, -0.3, 440.0, 1e-4])
-    k = values.repeat(2, 1).view(2, 1, -1)                      # [T=2, kv_heads=1, d=10]
-    k_cache = torch.zeros(1, 2, 1, 10, dtype=torch.float8_e4m3fn)
+    values = torch.tensor([1.99, -3.99, 1.0625, 1.1875, 2.0 ** -10, 3 * 2.0 ** -10, 0.0, -0.3, 440.0, 1e-4,
+                           1000.0, -5e4])                            # the last two clamp to +-448
+    k = values.repeat(2, 1).view(2, 1, -1)                      # [T=2, kv_heads=1, d=12]
+    k_cache = torch.zeros(1, 2, 1, 12, dtype=torch.float8_e4m3fn)
     v_cache = torch.zeros_like(k_cache)
     store_kvcache(k, k, k_cache, v_cache, torch.tensor([0, 1]))
-    assert torch.equal(k_cache.flatten().float(), k.flatten().to(torch.float8_e4m3fn).float())
+    assert torch.equal(k_cache.flatten().float(), k.flatten().clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert k_cache.flatten()[-2:].float().tolist() == [448.0, -448.0]
