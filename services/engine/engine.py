@@ -116,7 +116,7 @@ class LLMEngine:
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
         self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
         if self.tp_leader is not None:
-            self.runner = drive(self.runner, self.tp_leader, model_dir, config.dtype)
+            self.runner = drive(self.runner, self.tp_leader, model_dir, config)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(config.scheduler, self.pool, max_model_len=self.max_model_len,
@@ -372,6 +372,8 @@ class LLMEngine:
         if copies:
             src, dst = zip(*copies)
             self.kv_cache.write_blocks(list(dst), self.kv_cache.read_blocks(list(src)))
+        if copies and self.tp_leader is not None:   # each rank's cache holds its heads of the block
+            self.tp_leader.copy_blocks(copies)
 
     def _record_prompt_logprobs(self, chunk, logits: torch.Tensor) -> None:
         req = chunk.request

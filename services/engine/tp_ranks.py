@@ -5,6 +5,7 @@ on their shard of the model (services/engine/model/tensor_parallel.py) every ste
     rank 0 (LLMEngine)                                     rank r (follower)
     TPLeader.start(N): spawn, FileStore rendezvous   ->    join the group (gloo on 127.0.0.1)
     leader.setup(Setup)                  stdin frame ->    load, shard, its own KV cache
+    leader.copy_blocks(copies)           stdin frame ->    the same block copies (n > 1 forks)
     DrivingRunner.execute(chunks):
         leader.send_step(chunks)         stdin frame ->    ModelRunner.execute(chunks)
         ModelRunner.execute(chunks)  <== all-reduce / all-gather (gloo; NCCL on CUDA) ==>
@@ -64,6 +65,7 @@ class Setup(msgspec.Struct, tag=1, array_like=True):
     block_size: int
     kv_dtype: str                  # torch dtype name, e.g. float32, float8_e4m3fn
     kv_scales: list[float]         # (k_scale, v_scale): fp8's per-tensor scales, else 1.0
+    attention_backend: str         # EngineConfig.attention_backend (auto | torch | triton)
 
 
 class Step(msgspec.Struct, tag=2, array_like=True):
@@ -71,7 +73,13 @@ class Step(msgspec.Struct, tag=2, array_like=True):
     chunks: list[tuple[list[int], int, list[int], list[int]]]
 
 
-Frame = Setup | Step
+class CopyBlocks(msgspec.Struct, tag=3, array_like=True):
+    # (src, dst) block pairs, applied in order: rank 0 copied the same blocks in its own cache
+    # (a forked sample's copy-on-write of its prompt's partial last block, n > 1)
+    copies: list[tuple[int, int]]
+
+
+Frame = Setup | Step | CopyBlocks
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(Frame)
 
@@ -146,6 +154,9 @@ class TPLeader:
     def send_step(self, chunks: Sequence[SeqChunk]) -> None:
         self._send(Step([(list(c.token_ids), int(c.start_pos), list(c.block_table), list(c.logit_rows))
                          for c in chunks]))
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        self._send(CopyBlocks([(int(src), int(dst)) for src, dst in copies]))
 
     def _send(self, frame: Frame) -> None:
         blob = ENCODER.encode(frame)
@@ -233,14 +244,15 @@ def start_rank0(model, world_size: int) -> tuple[TensorParallelLlama, TPLeader]:
         raise
 
 
-def drive(runner: ModelRunner, leader: TPLeader, model_dir: str, dtype: str) -> DrivingRunner:
-    """The followers build the same runner: the model in `dtype`, their own shard, a KV cache like
-    rank 0's (blocks, block size, element type, fp8 scales) over their own KV heads; -> rank 0's
-    runner that drives them."""
+def drive(runner: ModelRunner, leader: TPLeader, model_dir: str, config) -> DrivingRunner:
+    """The followers build the same runner: the model in config.dtype, their own shard, the same
+    attention backend, a KV cache like rank 0's (blocks, block size, element type, fp8 scales)
+    over their own KV heads; -> rank 0's runner that drives them. config: the EngineConfig."""
     kv = runner.kv_cache
-    leader.setup(Setup(str(model_dir), dtype, kv.num_blocks, kv.block_size,
+    leader.setup(Setup(str(model_dir), config.dtype, kv.num_blocks, kv.block_size,
                        str(kv.dtype).removeprefix("torch."),
-                       [getattr(kv, "k_scale", 1.0), getattr(kv, "v_scale", 1.0)]))
+                       [getattr(kv, "k_scale", 1.0), getattr(kv, "v_scale", 1.0)],
+                       config.attention_backend))
     return DrivingRunner(runner, leader)
 
 
@@ -286,9 +298,13 @@ def follow(tp: TPGroup, fd: int) -> None:
                        dtype=getattr(torch, setup.kv_dtype), device=model.device)
     scaled = setup.kv_scales != [1.0, 1.0]
     kv_cache = KVCache.over(data, *setup.kv_scales) if scaled else KVCache.over(data)
-    runner = ModelRunner(model, kv_cache)
+    runner = ModelRunner(model, kv_cache, backend=setup.attention_backend)
     while (frame := _read_frame(fd)) is not None:
-        runner.execute([SeqChunk(*chunk) for chunk in frame.chunks])
+        if isinstance(frame, CopyBlocks):
+            for src, dst in frame.copies:
+                kv_cache.write_blocks([dst], kv_cache.read_blocks([src]))
+        else:
+            runner.execute([SeqChunk(*chunk) for chunk in frame.chunks])
 
 
 def main(argv: list[str] | None = None) -> int:
