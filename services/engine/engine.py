@@ -368,10 +368,11 @@ class LLMEngine:
         return samples
 
     def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """A forked sample's own copy of its prompt's partial last block (copy-on-write)."""
-        if copies:
-            src, dst = zip(*copies)
-            self.kv_cache.write_blocks(list(dst), self.kv_cache.read_blocks(list(src)))
+        """A forked sample's own copy of its prompt's partial last block (copy-on-write). In
+        order, one at a time: a sample that ended at its first token gave its block back, and a
+        later fork in the same step may have taken it (the later copy must win)."""
+        for src, dst in copies:
+            self.kv_cache.write_blocks([dst], self.kv_cache.read_blocks([src]))
         if copies and self.tp_leader is not None:   # each rank's cache holds its heads of the block
             self.tp_leader.copy_blocks(copies)
 
