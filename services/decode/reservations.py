@@ -6,7 +6,9 @@ A reservation's life, all of it owned here:
             its blocks, the engine output stream opened (so no token is missed whenever decode
             starts), a watcher task started;
   watcher   awaits the transfer handle. Landed: the first token from the transfer's HandOff seeds
-            the engine (`start_decode`) at once: no one relays it here. Failed or past its
+            the engine (`start_decode`) at once: no one relays it here. n > 1: the HandOff holds
+            every sample's first token, and the engine forks the samples there, sharing the
+            prompt's blocks (the reservation counted the prompt once and each sample's own). Failed or past its
             deadline: the request fails (its Decode stream ends KV_TRANSFER_FAILED) and is freed;
   Decode    attaches to the open stream and relays tokens 2..N (one attach per reservation);
   Cancel    (or the Decode call ending early, or no Decode attached by the deadline) ends it.
@@ -135,7 +137,8 @@ class DecodeRole:
             if hand_off is None:
                 raise KVTransferError(f"the KV for {rid} landed without its first token")
             self._landed(res, hand_off)
-            await self.engine.start_decode(rid, hand_off.first_token)
+            await self.engine.start_decode(rid, hand_off.first_token,
+                                           list(hand_off.more_first_tokens))
             res.started.set_result(None)
             try:                        # landed: a Decode call must come by the deadline
                 await asyncio.wait_for(res.attached.wait(),

@@ -21,25 +21,37 @@ NO_LOGPROB = -9999.0      # OpenAI's stand-in for an impossible token
 
 @dataclass
 class Collected:
-    """A whole generation, merged from its chunks (non-streaming responses)."""
+    """A whole generation, merged from its chunks (non-streaming responses): sample 0's choice
+    here, samples 1..n-1's (n > 1, by TokenChunk.index) in `samples`."""
 
     text: str = ""
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     stop_reason: str = ""
+    cached_tokens: int = 0            # prompt tokens the prefix cache served (usage)
+    samples: dict[int, Collected] = field(default_factory=dict)
 
     def add(self, c: pb.TokenChunk) -> None:
-        self.text += c.text
-        self.logprobs.extend(c.logprobs)
-        self.prompt_logprobs.extend(c.prompt_logprobs)
-        if c.finished:
-            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+        self.cached_tokens = max(self.cached_tokens, c.num_cached_tokens)
+        choice = self if c.index == 0 else self.samples.setdefault(c.index, Collected())
+        choice.text += c.text
+        choice.logprobs.extend(c.logprobs)
+        choice.prompt_logprobs.extend(c.prompt_logprobs)
+        if c.finish_reason:                # this sample ended (the request: c.finished)
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+
+    def choices(self) -> list[tuple[int, Collected]]:
+        return [(0, self), *sorted(self.samples.items())]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; completion tokens summed over the n samples, the prompt counted once.
+    `prompt_tokens_details.cached_tokens`: vLLM's (with --enable-prompt-tokens-details; kvfleet
+    always), the prompt tokens served from the prefix cache of the worker that ran the prefill."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Shaper:
@@ -48,26 +60,36 @@ class Shaper:
         self.model = model
         self.prompt_ids = prompt_ids     # prompt logprobs name their token by position
         self._offset = 0                 # completions' text_offset, across stream events
-        self._echoed = False
+        self._offsets: dict[int, int] = {}   # ... per sample index (n > 1)
+        self._echoed: set[int] = set()   # completions: sample indices whose echo was sent
         self._completion_tokens = 0      # so far, for continuous usage stats
+        self._cached_tokens = 0          # the prefix cache's share of the prompt (usage)
+        self._opened = {0}               # chat: sample indices whose role delta was sent
 
     # ------------------------------------------------------------------ whole
     def body(self, c: Collected, prompt_tokens: int, completion_tokens: int) -> dict:
-        choice = {"index": 0, "finish_reason": _finish(c.finish_reason),
+        """The whole response: one choice per sample (n > 1: indices 0..n-1), usage over all."""
+        choices = [self._choice(index, one, c) for index, one in c.choices()]
+        body = {**self._head(stream=False), "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, c.cached_tokens)}
+        if self.plan.prompt_logprobs and self.plan.kind == "chat":   # vLLM's: top-level for chat
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
+        return body
+
+    def _choice(self, index: int, c: Collected, whole: Collected) -> dict:
+        choice = {"index": index, "finish_reason": _finish(c.finish_reason),
                   "stop_reason": c.stop_reason or None}
         if self.plan.kind == "chat":
             choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = self._chat_logprobs(c.logprobs)
-        else:
-            choice["text"] = (self.plan.echo_text or "") + c.text
-            choice["logprobs"] = self._completion_logprobs(c.prompt_logprobs, c.logprobs,
-                                                           self.plan.echo_text or "")
-        body = {**self._head(stream=False), "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens)}
-        if self.plan.prompt_logprobs:     # vLLM's: per choice for completions, top-level for chat
-            (choice if self.plan.kind == "completion" else body)["prompt_logprobs"] = \
-                self._vllm_prompt_logprobs(c.prompt_logprobs)
-        return body
+            return choice
+        self._offset = 0                  # each choice's text_offset counts from its own start
+        choice["text"] = (self.plan.echo_text or "") + c.text
+        choice["logprobs"] = self._completion_logprobs(whole.prompt_logprobs, c.logprobs,
+                                                       self.plan.echo_text or "")
+        if self.plan.prompt_logprobs:     # vLLM's: per choice for completions
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(whole.prompt_logprobs)
+        return choice
 
     # ----------------------------------------------------------------- stream
     def first_events(self) -> list[dict]:
@@ -78,27 +100,36 @@ class Shaper:
                              "logprobs": None, "finish_reason": None})]
 
     def events(self, c: pb.TokenChunk) -> list[dict]:
-        """OpenAI chunk events for one router chunk (none for a chunk that carries nothing)."""
+        """OpenAI chunk events for one router chunk (none for a chunk that carries nothing). A
+        chunk is one sample's (`index`); its choice ends when it carries a finish_reason."""
         self._completion_tokens += len(c.token_ids)
-        fin = _finish(c.finish_reason) if c.finished else None
+        self._cached_tokens = max(self._cached_tokens, c.num_cached_tokens)
+        fin = _finish(c.finish_reason)
         if self.plan.kind == "chat":
             if not (c.text or fin or (self.plan.logprobs and c.logprobs)):
                 return []
             delta = {"content": c.text} if c.text or not fin else {}
-            return [self._event({"index": 0, "delta": delta, "logprobs": self._chat_logprobs(c.logprobs),
+            if c.index not in self._opened:     # a sample's first delta names the role
+                self._opened.add(c.index)
+                delta = {"role": "assistant", **delta}
+            return [self._event({"index": c.index, "delta": delta,
+                                 "logprobs": self._chat_logprobs(c.logprobs),
                                  "finish_reason": fin, "stop_reason": c.stop_reason or None})]
-        echo = "" if self._echoed or self.plan.echo_text is None else self.plan.echo_text
+        echo = "" if c.index in self._echoed or self.plan.echo_text is None else self.plan.echo_text
         prompt_lps = list(c.prompt_logprobs) if self.plan.echo_text is not None else []
-        self._echoed = True
+        self._echoed.add(c.index)
         if not (echo or c.text or fin or (self.plan.logprobs and (c.logprobs or prompt_lps))):
             return []
-        return [self._event({"index": 0, "text": echo + c.text,
-                             "logprobs": self._completion_logprobs(prompt_lps, c.logprobs, echo),
+        self._offset = self._offsets.get(c.index, 0)     # text_offset runs per choice
+        logprobs = self._completion_logprobs(prompt_lps, c.logprobs, echo)
+        self._offsets[c.index] = self._offset
+        return [self._event({"index": c.index, "text": echo + c.text,
+                             "logprobs": logprobs,
                              "finish_reason": fin, "stop_reason": c.stop_reason or None})]
 
     def usage_event(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {**self._head(stream=True), "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, self._cached_tokens)}
 
     # ---------------------------------------------------------------- helpers
     def _head(self, stream: bool) -> dict:
@@ -111,7 +142,8 @@ class Shaper:
     def _event(self, choice: dict) -> dict:
         event = {**self._head(stream=True), "choices": [choice]}
         if self.plan.continuous_usage:      # vLLM's continuous_usage_stats: the count so far
-            event["usage"] = usage(len(self.prompt_ids), self._completion_tokens)
+            event["usage"] = usage(len(self.prompt_ids), self._completion_tokens,
+                                   self._cached_tokens)
         elif self.plan.include_usage:
             event["usage"] = None
         return event

@@ -349,9 +349,6 @@ def chat(req: ChatCompletionRequest, key: ApiKey, cls: TrafficClass, v: Validato
 def _check_common(req: _Common, v: Validator) -> None:
     if req.model is not None:
         v.check_model(req.model)
-    if req.n not in (None, 1):
-        raise errors.bad_request(f"n={req.n} is not supported: this gateway returns one choice per "
-                                 "request (n must be 1)", "n", "unsupported_value")
     if req.stream_options is not None and not req.stream:
         raise errors.bad_request("stream_options is only allowed with stream=true", "stream_options")
     if req.prompt_logprobs is not None and req.stream:

@@ -6,7 +6,8 @@ the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
   2. co-located plan: Worker.Generate on the mixed worker, streamed as is;
      disaggregated plan: Worker.Prefill on prefill[0], and a subscription on the gateway's one
      long-lived DecodeStream call to the decode worker (a decode step's tokens for all of this
-     gateway's streams come as one message), opened together. The first token comes from the prefill stream (before any KV moves);
+     gateway's streams come as one message), opened together. The first token comes from the prefill stream (before any KV moves;
+     n > 1: each sample's, indexed);
      tokens 2..N from the decode stream, which the decode worker starts on its own when the KV
      (carrying the first token) has landed. A prefill that fails before its first token is
      retried once on prefill[1];
@@ -291,6 +292,11 @@ class PlanRun:
         if first.finished:           # ended at the prefill worker: no KV moves, no decode
             self._end_decode()
             return
+        replies = aiter(prefill)     # n > 1: samples 1..n-1's first tokens follow sample 0's
+        for _ in range(max(1, self.request.params.n) - 1):
+            reply = await anext(replies, None)
+            if reply is not None and reply.HasField("chunk"):
+                yield reply.chunk
         self._prefill_tail = asyncio.get_running_loop().create_task(_drain(prefill))
         _TAILS.add(self._prefill_tail)
         self._prefill_tail.add_done_callback(_tail_done)

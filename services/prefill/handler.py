@@ -70,6 +70,8 @@ class PrefillRole:
             await add_request(self.engine, request, context, ending)
             first: pb.TokenChunk | None = None
             blocks: list[int] = []
+            firsts: dict[int, int] = {}        # sample index -> its first token (n > 1)
+            samples = max(1, request.params.n)
             async for out in stream:
                 prefilled = out.finish_reason == "prefilled"     # the engine's own control state
                 if prefilled:
@@ -89,8 +91,12 @@ class PrefillRole:
                              finish_reason=out.finish_reason if out.finished else None)
                     span_open = False
                 if prefilled:
-                    first, blocks = chunk, out.block_ids
-                    break
+                    firsts[out.index] = out.new_token_ids[0]
+                    if out.index == 0:
+                        first, blocks = chunk, out.block_ids
+                    if len(firsts) == samples:   # every sample's first token is out
+                        break
+                    continue
                 if out.finished:
                     ending.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
                     return                 # ended here: nothing to ship
@@ -98,8 +104,9 @@ class PrefillRole:
                 ending.outcome = "finished"
                 return
             # the write's span is a child of `prefill` (which ended at the first token)
+            more = [firsts[i] for i in range(1, samples)]
             write = asyncio.get_running_loop().create_task(
-                self._ship(request, first, blocks, child_context(span)))
+                self._ship(request, first, more, blocks, child_context(span)))
             self._writes[rid] = write
             try:
                 shipped = await asyncio.shield(write)
@@ -124,7 +131,7 @@ class PrefillRole:
             else:
                 self._written(rid)
 
-    async def _ship(self, request: pb.PrefillRequest, first: pb.TokenChunk,
+    async def _ship(self, request: pb.PrefillRequest, first: pb.TokenChunk, more: list[int],
                     blocks: list[int], parent) -> pb.KVShipped:
         """The KV write, in a `kv_transfer` span (a child of the request's `prefill` span),
         counted as bytes sent and its seconds, or as a failure by reason."""
@@ -136,7 +143,7 @@ class PrefillRole:
                                          SpanKind.CLIENT)
         started, error = time.monotonic(), None
         try:
-            handle = self._write(request, first, blocks, checksum)
+            handle = self._write(request, first, more, blocks, checksum)
             await wait_done(handle)
         except KVTransferError as e:
             error = str(e)
@@ -158,9 +165,10 @@ class PrefillRole:
         self.telemetry.kv_moved(backend, "sent", nbytes, seconds)
         return pb.KVShipped(request_id=rid, blocks=len(blocks), seconds=seconds)
 
-    def _write(self, request: pb.PrefillRequest, first: pb.TokenChunk, blocks: list[int],
-               checksum: bool):
-        """Start the KV write (its HandOff carries the first token and the start's wall time)."""
+    def _write(self, request: pb.PrefillRequest, first: pb.TokenChunk, more: list[int],
+               blocks: list[int], checksum: bool):
+        """Start the KV write (its HandOff carries the first token, n > 1 every sample's, and the
+        start's wall time)."""
         rid, target = request.request_id, request.target
         t = self.config.timeouts
         timeout = t.kv_transfer_s
@@ -170,7 +178,7 @@ class PrefillRole:
             raise KVTransferError(f"the decode reservation for {rid} expires before KV could move")
         hand_off = pb.HandOff(request_id=rid, first_token=first.token_ids[0],
                               num_prompt_tokens=first.num_prompt_tokens,
-                              sent_at_unix_s=time.time())
+                              sent_at_unix_s=time.time(), more_first_tokens=more)
         if first.logprobs:
             hand_off.first_logprob.CopyFrom(first.logprobs[0])
         return self.transport.write(rid, blocks, target, timeout, checksum=checksum,

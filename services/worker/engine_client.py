@@ -86,14 +86,18 @@ class OutputStream:
         self._event.set()
 
     async def next(self) -> RequestOutput:
-        """The deltas that arrived since the last read, merged into one. Raises EngineFailed once
+        """The deltas that arrived since the last read, merged into one (n > 1: the leading run
+        of one sample's deltas; the others stay for the next read). Raises EngineFailed once
         the engine died (deltas that arrived before are still read first)."""
         while not self._pending:
             if self._failure is not None:
                 raise self._failure
             self._event.clear()
             await self._event.wait()
-        outs, self._pending = self._pending, []
+        index = self._pending[0].index
+        run = next((i for i, o in enumerate(self._pending) if o.index != index),
+                   len(self._pending))
+        outs, self._pending = self._pending[:run], self._pending[run:]
         return merge(outs)
 
     def __aiter__(self):
@@ -123,7 +127,8 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
         block_ids=last.block_ids,
         queue_s=next((o.queue_s for o in outs if o.queue_s is not None), None),
-        prefill_s=next((o.prefill_s for o in outs if o.prefill_s is not None), None))
+        prefill_s=next((o.prefill_s for o in outs if o.prefill_s is not None), None),
+        index=first.index, num_cached_tokens=max(o.num_cached_tokens for o in outs))
 
 
 class EngineClient:
@@ -274,8 +279,11 @@ class EngineClient:
                                                           params, tenant, traffic_class), Reserved)
         return reply.blocks
 
-    async def start_decode(self, request_id: str, first_token: int) -> None:
-        await self._call(lambda cid: core.StartDecode(cid, request_id, first_token), Done)
+    async def start_decode(self, request_id: str, first_token: int,
+                           more_first_tokens: list[int] | None = None) -> None:
+        """n > 1: `more_first_tokens` are samples 1..n-1's (the engine forks them)."""
+        await self._call(lambda cid: core.StartDecode(cid, request_id, first_token,
+                                                      list(more_first_tokens or ())), Done)
 
     async def cancel(self, request_id: str) -> bool:
         """Frees every page the request holds; True if it was live."""

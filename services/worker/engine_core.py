@@ -93,6 +93,7 @@ class StartDecode(msgspec.Struct, tag=3, array_like=True):
     call_id: int
     request_id: str
     first_token: int
+    more_first_tokens: list[int] = []   # n > 1: samples 1..n-1's first tokens (they fork here)
 
 
 class Cancel(msgspec.Struct, tag=4, array_like=True):
@@ -329,7 +330,7 @@ class EngineCore:
         return Reserved(cmd.call_id, None if blocks is None else list(blocks))
 
     def _start_decode(self, cmd: StartDecode) -> Done:
-        self.engine.start_decode(cmd.request_id, cmd.first_token)
+        self.engine.start_decode(cmd.request_id, cmd.first_token, cmd.more_first_tokens)
         return Done(cmd.call_id)
 
     def _cancel(self, cmd: Cancel) -> Cancelled:

@@ -355,18 +355,20 @@ class KVDescriptor(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., nixl: _Optional[_Union[NixlTarget, _Mapping]] = ...) -> None: ...
 
 class HandOff(_message.Message):
-    __slots__ = ("request_id", "first_token", "first_logprob", "num_prompt_tokens", "sent_at_unix_s")
+    __slots__ = ("request_id", "first_token", "first_logprob", "num_prompt_tokens", "sent_at_unix_s", "more_first_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     first_logprob: TokenLogprob
     num_prompt_tokens: int
     sent_at_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ...) -> None: ...
+    more_first_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ..., more_first_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVNotice(_message.Message):
     __slots__ = ("transfer_id", "crc32", "hand_off")
