@@ -175,3 +175,27 @@ def test_one_decode_stream_carries_many_requests_batched(tiny_model_dir):
 
 async def _is(value, expected) -> bool:
     return (await value) == expected
+
+
+def test_n_samples_reserve_the_prompt_once_and_fork_when_the_kv_lands(tiny_model_dir):
+    """n = 3 over a 66-token prompt (4 full blocks of 16, then 2 tokens) with 20 output tokens:
+    4 shared prompt blocks + 3 x (the copied partial block and the output: 2 blocks) = 10, not
+    3 x 6 = 18. The HandOff's three first tokens start three samples, one stream, indexed."""
+    async def story():
+        async with Rig(str(tiny_model_dir), "tcp") as rig:
+            params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=3)
+            resp = await rig.role.reserve(pb.ReserveRequest(
+                request_id="n3", prompt_token_ids=PROMPT, params=params_to_pb(params)), None)
+            assert resp.accepted and len(resp.target.block_ids) == 5
+            assert await rig.reserved() == 4 + 3 * 2
+            await wait_done(rig.source.write(
+                "n3", list(range(5)), resp.target, 10.0,
+                hand_off=pb.HandOff(request_id="n3", first_token=42, more_first_tokens=[43, 44])))
+            chunks = [c async for c in rig.role.decode("n3")]
+            per_index = {i: sum(len(c.token_ids) for c in chunks if c.index == i) for i in range(3)}
+            assert per_index == {0: 19, 1: 19, 2: 19}                # tokens 2..20 of each
+            ends = [c for c in chunks if c.finish_reason]
+            assert sorted(c.index for c in ends) == [0, 1, 2]
+            assert [c.finished for c in chunks].count(True) == 1 and chunks[-1].finished
+            assert await eventually(lambda: _is(rig.reserved(), 0))
+    asyncio.run(story())
