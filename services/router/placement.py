@@ -10,11 +10,17 @@ candidate; staleness is Redis's TTL, not a clock compared here.
 
 "Free unreserved" is what a new reservation can still take: blocks free, less those promised to
 reservations and those held back for writes that may still land (`kv_blocks_held`).
+
+KV pages a request needs (`kv_blocks_needed`): the decode worker's own arithmetic
+(services/engine/admission.py, blocks_for_samples): n > 1 samples share the prompt's full
+blocks, so the prompt counts once and each sample adds its own blocks (its copy of a partial last
+prompt block, and its output). A replica whose whole pool is smaller is never asked.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.engine.admission import blocks_for_samples
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 PREFILL_BLOCK_WEIGHT = 16.0   # tokens of queue one uncached prompt block is worth
@@ -31,6 +37,20 @@ def prefill_cost(w: pb.WorkerStats, prompt_tokens: int) -> float:
 
 def free_unreserved_blocks(w: pb.WorkerStats) -> int:
     return max(0, w.kv_blocks_free - w.kv_blocks_reserved - w.kv_blocks_held)
+
+
+def kv_blocks_needed(w: pb.WorkerStats, prompt_tokens: int, params: pb.SamplingParams) -> int:
+    """Blocks a reservation on `w` takes: prompt + max_tokens (the gateway clamped it to the
+    class's output cap) per sample, within the context, the prompt's full blocks once."""
+    block_size = max(1, w.block_size)
+    tokens = prompt_tokens + params.max_tokens
+    if w.max_model_len:
+        tokens = min(tokens, w.max_model_len)
+    return blocks_for_samples(prompt_tokens, tokens, max(1, params.n), block_size)
+
+
+def can_ever_hold(w: pb.WorkerStats, prompt_tokens: int, params: pb.SamplingParams) -> bool:
+    return not w.kv_blocks_total or kv_blocks_needed(w, prompt_tokens, params) <= w.kv_blocks_total
 
 
 def rank_prefill(workers: Sequence[pb.WorkerStats], prompt_tokens: int) -> list[pb.WorkerStats]:

@@ -45,7 +45,7 @@ from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
-from services.router.placement import rank_decode, rank_prefill
+from services.router.placement import can_ever_hold, kv_blocks_needed, rank_decode, rank_prefill
 from services.state.fleet_state import ROLES, FleetState
 from services.state.outage import UNREACHABLE, Outage
 from services.telemetry import tracing
@@ -71,6 +71,7 @@ STAGE_NAME = pb.OverloadStage.Name(STAGE)
 CLASS_LABELS = 16               # distinct traffic-class label values kept (the rest: "other")
 WORKER_ATTR = "kvfleet.worker_id"           # router.reserve: the decode worker asked
 ACCEPTED_ATTR = "kvfleet.reserve.accepted"
+KV_BLOCKS_ATTR = "kvfleet.kv_blocks_needed"  # router.admit: the reservation's KV pages (n-aware)
 
 
 def predicted_ttft_s(w: pb.WorkerStats, prompt_tokens: int) -> float:
@@ -240,7 +241,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         ask = pb.ReserveRequest(request_id=request.request_id, tenant=request.tenant,
                                 traffic_class=request.traffic_class,
                                 prompt_token_ids=request.prompt_token_ids, params=request.params)
-        for w in rank_decode(workers):
+        for w in self._decode_candidates(request, workers):
             try:
                 resp = await self._reserve_on(w, ask)
             except grpc.aio.AioRpcError as e:
@@ -260,6 +261,18 @@ class RouterServicer(pb_grpc.RouterServicer):
                             + ("; ".join(silent) if silent else "none is healthy"))
         raise overloaded(f"no decode replica can reserve KV for this request "
                          f"({'; '.join(reasons)})")
+
+    @staticmethod
+    def _decode_candidates(request: pb.WorkRequest, workers) -> list[pb.WorkerStats]:
+        """Decode replicas to ask, best first, leaving out those whose whole pool is smaller than
+        the request's KV pages (kv_blocks_needed: n samples count the prompt once); if none is
+        large enough the best is still asked, so that its engine refuses with the limits."""
+        ranked = rank_decode(workers)
+        prompt = len(request.prompt_token_ids)
+        span = trace.get_current_span()
+        if ranked and span.is_recording():
+            span.set_attribute(KV_BLOCKS_ATTR, kv_blocks_needed(ranked[0], prompt, request.params))
+        return [w for w in ranked if can_ever_hold(w, prompt, request.params)] or ranked[:1]
 
     async def _reserve_on(self, w: pb.WorkerStats, ask: pb.ReserveRequest) -> pb.ReserveResponse:
         """One Reserve call, in a CLIENT span whose context its metadata carries on."""

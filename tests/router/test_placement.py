@@ -7,8 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.placement import (PREFILL_BLOCK_WEIGHT, free_unreserved_blocks, prefill_cost,
-                                       rank_decode, rank_prefill)
+from services.router.placement import (PREFILL_BLOCK_WEIGHT, can_ever_hold, free_unreserved_blocks,
+                                       kv_blocks_needed, prefill_cost, rank_decode, rank_prefill)
+from services.router.service import RouterServicer
 from tests.state.test_fleet_state import make_stats
 
 ROLES = ("prefill", "decode", "mixed")
@@ -41,6 +42,24 @@ def test_decode_prefers_the_most_blocks_a_reservation_can_still_take():
     assert ids(rank_decode([d0, d1, d2])) == ["d1", "d2", "d0"]          # 200 = 200: by id
     busy = make_stats("d1", kv_blocks_free=300, kv_blocks_reserved=100, num_running=30)
     assert ids(rank_decode([d0, busy, d2])) == ["d2", "d1", "d0"]        # equal room: smaller batch
+
+
+def test_n_samples_count_the_prompt_once_in_the_kv_pages_a_request_needs():
+    """66-token prompt (4 full blocks of 16 + 2 tokens), 20 output tokens: n = 1 takes 6 blocks;
+    n = 3 takes the 4 shared prompt blocks + 3 x 2 own blocks = 10, not 18."""
+    w = make_stats("d0", block_size=16, kv_blocks_total=12)
+    one = pb.SamplingParams(max_tokens=20)
+    three = pb.SamplingParams(max_tokens=20, n=3)
+    assert kv_blocks_needed(w, 66, one) == 6 and kv_blocks_needed(w, 66, three) == 10
+    assert kv_blocks_needed(w, 64, three) == 4 + 3 * 2      # a full last block: nothing copied
+    assert can_ever_hold(w, 66, three) and not can_ever_hold(w, 66, pb.SamplingParams(
+        max_tokens=20, n=5))                                       # 4 + 5 x 2 = 14 > 12
+    small = make_stats("d1", kv_blocks_total=12, kv_blocks_free=900)   # most room, small pool
+    big = make_stats("d2", kv_blocks_total=1000, kv_blocks_free=100, kv_blocks_reserved=0)
+    n5 = pb.WorkRequest(prompt_token_ids=list(range(66)), params=pb.SamplingParams(max_tokens=20, n=5))
+    assert ids(RouterServicer._decode_candidates(n5, [small, big])) == ["d2"]
+    n9 = pb.WorkRequest(prompt_token_ids=list(range(66)), params=pb.SamplingParams(max_tokens=2000, n=9))
+    assert ids(RouterServicer._decode_candidates(n9, [small, big])) == ["d1"]  # none fits: the best
 
 
 def test_a_worker_promised_past_its_free_blocks_has_no_room_not_negative_room():
