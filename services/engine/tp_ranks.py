@@ -13,8 +13,8 @@ on their shard of the model (services/engine/model/tensor_parallel.py) every ste
 
 Frames are a 4-byte little-endian length + msgpack (typed msgspec structs). Followers wait for work
 on their stdin, never inside a collective, so an idle engine hits no collective timeout. The
-rendezvous is a FileStore in a private temp dir and gloo binds 127.0.0.1 only: nothing listens
-outside loopback. Each rank's KV cache holds only its KV heads; the block pool is rank 0's and
+rendezvous is a FileStore in a private temp dir (removed once every rank has joined) and gloo binds
+127.0.0.1 only: nothing listens outside loopback. Each rank's KV cache holds only its KV heads; the block pool is rank 0's and
 the block ids in each Step are the same for every rank.
 
 Failure: rank 0 gone -> followers read EOF (or their collective fails) and exit. A follower gone ->
@@ -99,6 +99,7 @@ def join(rank: int, world_size: int, store: dist.Store, backend: str = "gloo") -
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             pg_options=options)
+    dist.barrier()      # every rank is past its rendezvous: rank 0 may remove the store's file
     return TPGroup(rank, world_size)
 
 
@@ -133,6 +134,7 @@ class TPLeader:
             store = dist.FileStore(store_path, world_size)
             leader._wait_for_followers(store)
             join(0, world_size, store, backend)
+            shutil.rmtree(run_dir, ignore_errors=True)   # no rank reads the store again
         except BaseException:
             leader.close()
             raise
