@@ -175,10 +175,14 @@ class TPLeader:
     def rank_of(self, proc: subprocess.Popen) -> int:
         return self.procs.index(proc) + 1
 
-    def dead(self) -> str | None:
-        """A description of the first follower that has exited, or None while all run."""
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """A description of the first follower that has exited, or None while all run. wait_s:
+        give a dying one that long to be reaped (its sockets close a moment before it exits)."""
         for proc in self.procs:
-            code = proc.poll()
+            try:
+                code = proc.wait(wait_s) if wait_s else proc.poll()
+            except subprocess.TimeoutExpired:
+                code = None
             if code is not None:
                 how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
                 return f"tensor-parallel rank {self.rank_of(proc)} (pid {proc.pid}) {how}"
@@ -229,7 +233,7 @@ class DrivingRunner:
         try:
             return self.runner.execute(chunks)
         except RuntimeError as e:               # a collective whose peer is gone
-            message = self.leader.dead()
+            message = self.leader.dead(wait_s=1.0)
             if message is not None:
                 raise TPRankFailed(message) from e
             raise
