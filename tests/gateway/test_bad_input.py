@@ -48,7 +48,7 @@ def _body(overrides: dict, model: str, drop: str | None = None) -> bytes:
     ({"temperature": -1.0}, None, "temperature", "invalid_value"),
     ({"top_p": 0.0}, None, "top_p", "invalid_value"),
     ({"logprobs": 50}, None, "logprobs", "invalid_value"),
-    ({"n": 2}, None, "n", "unsupported_value"),
+    ({"n": 17}, None, "n", "invalid_value"),                        # n: 1..16
     ({"prompt": ""}, None, "prompt", "empty_prompt"),
     ({"prompt": [5000000]}, None, "prompt", "token_out_of_vocab"),
 ])

@@ -35,8 +35,11 @@ def test_completion_equals_the_engine_and_names_the_model(gateway, engine):
     (choice,) = body["choices"]
     assert choice["text"] == ref.text and choice["finish_reason"] == "length"
     n_prompt = len(engine.tokenizer.encode(PROMPT))
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]   # vLLM's, always here
+    assert 0 <= cached < n_prompt
     assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 12,
-                             "total_tokens": n_prompt + 12}
+                             "total_tokens": n_prompt + 12,
+                             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def test_token_id_prompt_is_served_like_text(gateway, engine):
