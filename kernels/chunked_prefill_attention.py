@@ -47,7 +47,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqs_ptr, query_st
     r_mask, d_mask = r < q_len, d < HEAD_DIM
     q_rows = (q_start + r).to(tl.int64)
     q_off = q_rows[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_off, mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -60,8 +60,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqs_ptr, query_st
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
         off = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * k_scale
-        scores = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        # load -> cast -> dot with nothing in between, so the loads can be pipelined; the fp8
+        # scales act on the scores (q . k * k_scale) and the output (sum p * v * v_scale)
+        k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=tl.trans(kv_mask), other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale   # k_t: [BLOCK_D, BLOCK_N]
         visible = p_mask[None, :] & (pos[None, :] <= (ctx + r)[:, None])
         scores = tl.where(visible, scores, float("-inf"))               # [BLOCK_M, BLOCK_N], log2 units
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -69,10 +71,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqs_ptr, query_st
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(scores - m_use[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * v_scale
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
              to_dtype(out, out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
@@ -90,7 +92,7 @@ def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     grid = (seqs.numel(), triton.cdiv(max_q_len * group, BLOCK_M), kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, seqs, query_start_loc, seq_lens, block_tables,
-        LOG2E / math.sqrt(d), float(k_scale), float(v_scale),
+        LOG2E / math.sqrt(d) * float(k_scale), float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=block_size,

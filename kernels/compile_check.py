@@ -7,7 +7,9 @@ specialisations compiled (dtypes, constexprs, num_warps, num_stages) are exactly
 launcher would launch; each is then compiled ahead of time with `triton.compile(ASTSource,
 GPUTarget("cuda", arch, 32))` through Triton's bundled ptxas down to a cubin. This catches what the
 interpreter lets through (tl.dot shapes, dtype rules, unsupported casts) but says nothing of speed or
-of numerics on the GPU (kernels/gpu_check.sh). Needs TRITON_INTERPRET unset.
+of numerics on the GPU (kernels/gpu_check.sh). Arguments get the divisibility-by-16 attributes
+Triton's JIT would give them at launch, so loads vectorise and pipeline as they would on the GPU;
+`cp_async` in the output counts the pipelined (asynchronous) copies. Needs TRITON_INTERPRET unset.
 """
 from __future__ import annotations
 
@@ -68,8 +70,18 @@ def compile_call(kernel, args, kwargs, arch: int):
     options = {k: v for k, v in kwargs.items() if k not in names}
     constexprs = {p.name: bound[p.name] for p in kernel.params if p.is_constexpr}
     signature = {n: "constexpr" if n in constexprs else _type(bound[n]) for n in names}
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+    # what Triton's JIT specialises on at launch: pointers 16-byte aligned, ints divisible by 16
+    # (without it loads are not vectorised or pipelined, and the code is not what a GPU would run)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in constexprs and _divisible_by_16(bound[n])}
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _divisible_by_16(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def launches(quick: bool):
@@ -166,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 try:
                     compiled = compile_call(rec.kernel, call_args, call_kwargs, args.arch)
+                    # cp_async: asynchronous global->shared copies, i.e. the loop's loads are pipelined
                     row = {"kernel": name, "case": label, "ok": True, "s": round(time.perf_counter() - start, 1),
-                           "shared_bytes": compiled.metadata.shared, "regs": getattr(compiled, "n_regs", None)}
+                           "shared_bytes": compiled.metadata.shared,
+                           "cp_async": compiled.asm["ptx"].count("cp.async.c")}
                 except Exception as e:  # noqa: BLE001 (report every failure, keep going)
                     failed += 1
                     row = {"kernel": name, "case": label, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}

@@ -45,7 +45,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     heads = kvh * GROUP + g
     g_mask, d_mask = g < GROUP, d < HEAD_DIM
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -55,18 +55,20 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
         off = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * k_scale
-        scores = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        # load -> cast -> dot with nothing in between, so the loads can be pipelined; the fp8
+        # scales act on the scores (q . k * k_scale) and the output (sum p * v * v_scale)
+        k_t = tl.load(k_cache_ptr + off[None, :] + d[:, None], mask=tl.trans(kv_mask), other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale   # k_t: [BLOCK_D, BLOCK_N]
         scores = tl.where(p_mask[None, :], scores, float("-inf"))          # [BLOCK_G, BLOCK_N], log2 units
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * v_scale
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc * (v_scale / l_safe)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:  # partials [S_d, heads, max_splits, (d)]
         ph = (s * num_heads + heads) * max_splits + part
@@ -122,7 +124,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty(num_decodes, heads, splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_decodes, kv_heads, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, rows, seqs, seq_lens, block_tables,
-        LOG2E / math.sqrt(d), float(k_scale), float(v_scale), partition,
+        LOG2E / math.sqrt(d) * float(k_scale), float(k_scale), float(v_scale), partition,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), heads, splits,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=next_pow2(d),
