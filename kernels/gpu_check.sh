@@ -28,7 +28,8 @@ cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }   # m
 step() {  # step NAME LIMIT_S CMD...: run with a timeout, log to $OUT/NAME.log, record rc and seconds
   local name=$1 limit t0 rc; limit=$(cap "$2"); shift 2; t0=$(date +%s)
   if [ "$limit" -le 5 ]; then echo "{\"step\": \"$name\", \"rc\": null, \"skipped\": \"out of time\"}" >> "$STEPS"; return 124; fi
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  # SIGINT first: pytest then stops cleanly and still writes junit.xml for the tests it ran
+  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 )), \"limit_s\": $limit}" >> "$STEPS"
   return $rc
 }
