@@ -137,10 +137,6 @@ class EngineConfig:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} ({'|'.join(KV_CACHE_DTYPES)})")
         if len(self.kv_cache_scales) != 2 or not all(0 < float(x) < float("inf") for x in self.kv_cache_scales):
             raise ValueError(f"kv_cache_scales must be two finite numbers > 0, got {self.kv_cache_scales!r}")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} with tensor_parallel_size "
-                             f"{self.tensor_parallel_size}: the follower ranks (tp_ranks.py) still keep "
-                             "their KV in the model's dtype; use kv_cache_dtype auto with tensor parallelism")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r} "
                              "(raw_logprobs|processed_logprobs)")

@@ -1,7 +1,8 @@
 """A worker served with `--tensor-parallel 2`: the engine core is rank 0 and starts one follower
-rank process. It answers a request with the unsharded engine's greedy tokens; when the follower
-dies, the worker fails visibly (ENGINE_FAILED_EXIT, the rank named) for its supervisor to restart,
-and no process of it is left."""
+rank process. It answers a request with the unsharded engine's greedy tokens (with an fp8 KV cache
+and non-default scales: the follower's cache is made like rank 0's); when the follower dies, the
+worker fails visibly (ENGINE_FAILED_EXIT, the rank named) for its supervisor to restart, and no
+process of it is left."""
 from __future__ import annotations
 
 import os
@@ -25,11 +26,12 @@ MAX_TOKENS = 6
 START_DEADLINE_S = 180.0
 
 
-def test_a_tp2_worker_answers_like_tp1_and_fails_visibly_when_a_rank_dies(tiny_model_dir, tmp_path):
+def test_a_tp2_worker_with_an_fp8_cache_answers_like_tp1_and_fails_visibly_when_a_rank_dies(tiny_model_dir, tmp_path):
     stderr = open(tmp_path / "worker.stderr", "w+")
     worker = subprocess.Popen(
         [sys.executable, "-m", "services.cli.cli", "serve", "mixed", "--model", str(tiny_model_dir),
-         "--kv-cache-mib", "16", "--insecure-internal", "--threads", "1", "--tensor-parallel", "2"],
+         "--kv-cache-mib", "16", "--insecure-internal", "--threads", "1", "--tensor-parallel", "2",
+         "--kv-cache-dtype", "fp8", "--kv-cache-scales", "0.5,0.25"],
         stdout=subprocess.PIPE, stderr=stderr)
     pids = [worker.pid]
     try:
@@ -44,7 +46,8 @@ def test_a_tp2_worker_answers_like_tp1_and_fails_visibly_when_a_rank_dies(tiny_m
                 prompt_token_ids=PROMPT, params=pb.SamplingParams(max_tokens=MAX_TOKENS)), timeout=60))
         served = [t for c in chunks for t in c.token_ids]
         assert chunks[-1].finished and not chunks[-1].error
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="fp8",
+                                        kv_cache_scales=(0.5, 0.25)))
         (want,) = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
         assert served == want.token_ids and len(served) == MAX_TOKENS
 

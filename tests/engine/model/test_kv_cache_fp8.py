@@ -173,11 +173,6 @@ def test_an_fp8_cache_gives_the_same_logits_however_the_prompt_is_chunked(tiny_m
     assert (whole - chunked).abs().max() < 1e-4
 
 
-def test_tensor_parallelism_keeps_the_model_dtype_cache():
-    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
-        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
-
-
 def test_the_engine_gets_twice_bf16_blocks_from_the_same_mib(tiny_model_dir):
     """The block count follows the cache dtype: the pool, admission and the stats the router reads."""
     blocks = {}
