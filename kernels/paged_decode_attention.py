@@ -97,11 +97,14 @@ def _reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, rows_ptr, stride_ot, str
 
 
 def num_splits_for(num_seqs: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU ~4 times over, each partition >= MIN_PARTITION tokens."""
+    """About 8 programs per SM, each partition >= MIN_PARTITION tokens. The bf16 kernel compiles to
+    80 registers x 128 threads and ~38 KB of shared memory for sm_90 (kernels/compile_check.py), so
+    ~5 fit on an SM at once: 8 per SM is over a wave and a half, which keeps the last wave's tail
+    short. A guess until gpu_check.sh's bandwidth figures say otherwise."""
     if interpreted() or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = -(-4 * sms // max(1, num_seqs * kv_heads))
+    wanted = -(-8 * sms // max(1, num_seqs * kv_heads))
     return max(1, min(wanted, -(-max_seq_len // MIN_PARTITION)))
 
 
