@@ -146,7 +146,7 @@ def test_prefill_and_decode_roles_fork_after_the_kv_lands(tiny_model_dir, engine
     decode.pool.check_invariants()
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 19), st.integers(1, 9)),
                 min_size=1, max_size=4),
        st.integers(0, 6), st.integers(0, 3))
