@@ -19,3 +19,22 @@ async def eventually(check, timeout_s: float = 10.0, interval_s: float = 0.02) -
             return True
         await asyncio.sleep(interval_s)
     return await holds()
+
+
+def ready_line(proc, timeout_s: float) -> str:
+    """A started service's `READY ...` line from its stdout pipe (announcement lines such as
+    METRICS / KV may come first), or "" if it ended or said nothing within `timeout_s`. Reads the
+    pipe unbuffered: a buffered readline could hold READY while select() waits on an empty pipe."""
+    import os  # noqa: PLC0415
+    import select  # noqa: PLC0415
+    deadline, out = time.monotonic() + timeout_s, b""
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        data = os.read(proc.stdout.fileno(), 4096) if ready else b""
+        if not data:
+            return ""
+        out += data
+        for line in out.decode(errors="replace").split("\n")[:-1]:      # whole lines only
+            if line.startswith("READY "):
+                return line + "\n"
+    return ""

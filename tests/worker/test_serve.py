@@ -4,7 +4,6 @@ ENGINE_FAILED_EXIT (70) so that the supervisor restarts it ([H2])."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 import pytest
 
 from services.worker.serve import ENGINE_FAILED_EXIT
+from tests.waiting import ready_line
 
 START_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 3.0
@@ -27,7 +27,7 @@ def worker(tiny_model_dir, tmp_path):
          "--kv-cache-mib", "16", "--kv-backend", "tcp", "--insecure-internal", "--threads", "1"],
         stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        line = _read_line(proc, START_DEADLINE_S)
+        line = ready_line(proc, START_DEADLINE_S)
         assert line.startswith("READY "), (line, _tail(stderr))
         proc.core_pid = _engine_core_of(proc.pid)
         proc.stderr_file = stderr
@@ -60,11 +60,6 @@ def test_a_worker_killed_outright_takes_its_engine_core_and_run_directory_with_i
     worker.wait(10)
     _wait_gone(worker.core_pid, time.monotonic() + STOP_DEADLINE_S)
     assert not os.path.exists(run_dir)                   # the orphaned core removed it
-
-
-def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    return proc.stdout.readline() if ready else ""
 
 
 def _engine_core_of(pid: int) -> int:

@@ -19,7 +19,6 @@ target, then a DecodeStream subscription. Then:
 from __future__ import annotations
 
 import asyncio
-import select
 import signal
 import socket
 import subprocess
@@ -39,7 +38,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.telemetry import exposition, tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
-from tests.waiting import eventually
+from tests.waiting import eventually, ready_line
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import CHUNK_TOKENS, WorkerTelemetry
 from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
@@ -289,8 +288,7 @@ def test_a_worker_process_without_redis_keeps_its_metrics_fresh(tiny_model_dir, 
          "--kv-cache-mib", "16", "--insecure-internal", "--threads", "1",
          "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
+        line = ready_line(proc, 60)
         assert line.startswith("READY "), line
         url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + 10
