@@ -43,7 +43,7 @@ from pathlib import Path
 
 from loadtests.quality.dataset import Dataset, DatasetError, EvalItem, load_dataset
 from loadtests.quality.scorer import Scorer, ScorerError, TokenScores, open_scorer
-from services.engine.config import KV_CACHE_DTYPES  # torch-free
+from services.engine.config import KV_CACHE_DTYPES, parse_kv_cache_scales  # torch-free
 
 REPORT_KIND = "kvfleet.quality_report"
 REPORT_SCHEMA = 1
@@ -330,6 +330,9 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    help="DIR: the engine's KV cache dtype (default auto: the model's; fp8: e4m3)")
     p.add_argument("--candidate-kv-cache-dtype", default="auto", choices=kv_dtypes,
                    help="DIR: as --reference-kv-cache-dtype")
+    for role in ("reference", "candidate"):
+        p.add_argument(f"--{role}-kv-cache-scales", default=(1.0, 1.0), type=parse_kv_cache_scales,
+                       metavar="K,V", help=f"DIR, fp8 KV cache: the {role}'s k_scale,v_scale (default 1,1)")
 
 
 def resolve_thresholds(args: argparse.Namespace) -> QualityThresholds:
@@ -355,7 +358,8 @@ def run_quality(args: argparse.Namespace) -> int:
             scorers.append(open_scorer(getattr(args, role), api_key=getattr(args, "api_key", None),
                                        model=getattr(args, f"{role}_model", None),
                                        dtype=getattr(args, f"{role}_dtype", "float32"),
-                                       kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", "auto")))
+                                       kv_cache_dtype=getattr(args, f"{role}_kv_cache_dtype", "auto"),
+                                       kv_cache_scales=getattr(args, f"{role}_kv_cache_scales", (1.0, 1.0))))
         report = score(scorers[0], scorers[1], dataset.items[:limit], thresholds, dataset)
     except (UsageError, DatasetError, ScorerError) as e:
         print(f"kvfleet eval quality: error: {e}", file=sys.stderr)

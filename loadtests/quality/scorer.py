@@ -113,11 +113,12 @@ def is_url(spec: str) -> bool:
 
 
 def open_scorer(spec: str, *, api_key: str | None = None, model: str | None = None,
-                dtype: str = "float32", kv_cache_dtype: str = "auto") -> Scorer:
+                dtype: str = "float32", kv_cache_dtype: str = "auto",
+                kv_cache_scales: tuple[float, float] = (1.0, 1.0)) -> Scorer:
     """A scorer for a --reference / --candidate argument: an http(s) URL, `tiny`, or a checkpoint dir."""
     if is_url(spec):
         return HttpScorer(spec, api_key=api_key, model=model)
-    return EngineScorer(spec, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    return EngineScorer(spec, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales)
 
 
 # --- in-process ----------------------------------------------------------------------------------
@@ -158,14 +159,14 @@ class EngineScorer:
     """
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", kv_cache_mib: int = 128,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", kv_cache_scales: tuple[float, float] = (1.0, 1.0)) -> None:
         from services.engine.engine import LLMEngine, engine_config, resolve_model_dir
 
         path = resolve_model_dir(model_dir)
         check_checkpoint(path)
         try:
             self.engine = LLMEngine(engine_config(path, dtype=dtype, kv_cache_mib=kv_cache_mib,
-                                                  kv_cache_dtype=kv_cache_dtype,
+                                                  kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales,
                                                   enable_prefix_caching=False, reject_late=False))
         except Exception as e:  # a broken checkpoint is a usage error for the gate, not a crash
             raise ScorerError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e

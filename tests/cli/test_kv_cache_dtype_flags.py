@@ -48,3 +48,21 @@ def test_generate_runs_on_an_fp8_cache(tiny_model_dir, capsys):
                                       "--prompt-ids", "5,6,7,8", "--max-tokens", "4", "--json"])
     assert args.func(args) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+
+
+def test_the_quality_gate_builds_its_engine_with_the_kv_cache_flags(tiny_model_dir):
+    from loadtests.quality.gate import add_quality_args
+    from loadtests.quality.scorer import open_scorer
+    p = argparse.ArgumentParser()
+    add_quality_args(p)
+    args = p.parse_args(["--reference", "tiny", "--candidate", str(tiny_model_dir),
+                         "--candidate-kv-cache-dtype", "fp8", "--candidate-kv-cache-scales", "0.5,0.25"])
+    assert (args.reference_kv_cache_dtype, args.reference_kv_cache_scales) == ("auto", (1.0, 1.0))
+    scorer = open_scorer(args.candidate, kv_cache_dtype=args.candidate_kv_cache_dtype,
+                         kv_cache_scales=args.candidate_kv_cache_scales)
+    try:
+        cache = scorer.engine.kv_cache
+        assert (str(cache.dtype), cache.k_scale, cache.v_scale) == ("torch.float8_e4m3fn", 0.5, 0.25)
+        assert scorer.info.kv_cache_dtype == "fp8"            # the report names it
+    finally:
+        scorer.close()
