@@ -1,0 +1,38 @@
+"""`kvfleet up --mode disagg --kv-cache-dtype fp8`: both workers keep an fp8 cache (twice a bf16
+cache's blocks, four times the tiny model's fp32 blocks, in the same --kv-cache-mib) and a request's
+KV moves from the prefill worker to the decode worker as fp8 bytes."""
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.cli.launcher import wait_until
+from services.cli.up import Banner
+from tests.up_helpers import kvfleet_up
+
+MIB = 32                                  # tests.up_helpers.kvfleet_up's --kv-cache-mib
+FP8_BLOCKS = (MIB << 20) // (16 * 512)    # tiny model: 4 layers x 2 x 2 kv heads x 32 dims x 1 byte
+
+
+def blocks_total(metrics_address: str) -> float:
+    text = httpx.get(f"http://{metrics_address}/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "kvfleet_kv_blocks" and s.labels["state"] == "total")
+
+
+def test_a_disaggregated_fleet_serves_from_fp8_kv(tiny_model_dir):
+    with kvfleet_up(tiny_model_dir, "--mode", "disagg", "--kv-cache-dtype", "fp8") as (_, http, lines):
+        workers = {service: address for service, kind, address in Banner(lines).listeners
+                   if kind == "metrics" and service.startswith(("prefill", "decode"))}
+        assert len(workers) == 2, lines
+        url = f"http://127.0.0.1:{http}"
+        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        prompt = "a prompt long enough to fill several KV blocks of sixteen tokens " * 3
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 6
+        assert body["timing"]["transfer_s"] > 0          # the KV moved, prefill -> decode
+        for address in workers.values():               # the gauges follow the heartbeat's period
+            assert wait_until(lambda: blocks_total(address) == FP8_BLOCKS, timeout_s=30), blocks_total(address)
