@@ -85,24 +85,30 @@ class KVLayout:
     head_dim: int
     dtype: str  # "float32" | "bfloat16" | "float16" | "fp8" (e4m3fn; shipped as its bytes)
     tensor_parallel_size: int = 1
+    # fp8: stored = k / k_scale. Blocks stored with other scales would be read wrong, silently:
+    # pools whose scales differ never exchange blocks (layout_mismatch). 1.0 for other dtypes.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @classmethod
     def of(cls, kv_cache, tensor_parallel_size: int = 1) -> KVLayout:
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.data.shape
         return cls(layers, block_size, kv_heads, head_dim, kv_dtype_name(kv_cache.data.dtype),
-                   tensor_parallel_size)
+                   tensor_parallel_size, float(getattr(kv_cache, "k_scale", 1.0)),
+                   float(getattr(kv_cache, "v_scale", 1.0)))
 
     def to_pb(self) -> pb.KVLayout:
         return pb.KVLayout(num_layers=self.num_layers, block_size=self.block_size, kv_heads=self.kv_heads,
                            head_dim=self.head_dim, dtype=self.dtype,
-                           tensor_parallel_size=self.tensor_parallel_size)
+                           tensor_parallel_size=self.tensor_parallel_size, k_scale=self.k_scale,
+                           v_scale=self.v_scale)
 
     @classmethod
     def from_pb(cls, message: pb.KVLayout) -> KVLayout:
         """-> the layout (tensor_parallel_size 0, i.e. unset, reads as 1); ValueError naming what is wrong
         (a zero size, an unknown dtype)."""
         layout = cls(message.num_layers, message.block_size, message.kv_heads, message.head_dim, message.dtype,
-                     message.tensor_parallel_size or 1)
+                     message.tensor_parallel_size or 1, message.k_scale or 1.0, message.v_scale or 1.0)
         if min(layout.num_layers, layout.block_size, layout.kv_heads, layout.head_dim) < 1:
             raise ValueError(f"bad KV layout {layout}: every size must be at least 1")
         try:
@@ -394,6 +400,10 @@ def layout_mismatch(source: KVLayout, target: KVLayout) -> str | None:
     if s.dtype != t.dtype:
         return (f"layout mismatch: KV cache dtype differs: source (prefill) {s.dtype}, target (decode) "
                 f"{t.dtype}; start every worker with the same --kv-cache-dtype (fp8: and --kv-cache-scales)")
+    if (s.k_scale, s.v_scale) != (t.k_scale, t.v_scale):
+        return (f"layout mismatch: fp8 KV scales differ: source (prefill) k_scale {s.k_scale:g}, v_scale "
+                f"{s.v_scale:g}, target (decode) k_scale {t.k_scale:g}, v_scale {t.v_scale:g}; start every "
+                "worker with the same --kv-cache-scales")
     return f"layout mismatch: source {source}, target {target}"
 
 

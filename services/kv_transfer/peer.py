@@ -29,7 +29,8 @@ def make_cache(layout: KVLayout, num_blocks: int) -> KVCache:
         "model_type": "llama", "vocab_size": 1, "hidden_size": layout.kv_heads * layout.head_dim,
         "intermediate_size": 1, "num_hidden_layers": layout.num_layers, "num_attention_heads": layout.kv_heads,
         "num_key_value_heads": layout.kv_heads, "head_dim": layout.head_dim, "max_position_embeddings": 1})
-    return KVCache(config, num_blocks, layout.block_size, layout.dtype)
+    return KVCache(config, num_blocks, layout.block_size, layout.dtype, k_scale=layout.k_scale,
+                   v_scale=layout.v_scale)
 
 
 def fill_random(kv: KVCache, seed: int) -> None:

@@ -44,7 +44,7 @@ import zmq.asyncio
 from services.engine import errors
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats
-from services.engine.model.kv_cache import KVCache
+from services.engine.model.kv_cache import KVCache, is_fp8
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.worker import engine_core as core
@@ -186,7 +186,10 @@ class EngineClient:
         try:
             self._ready = await asyncio.wait_for(asyncio.shield(self._ready_fut),
                                                  self._start_timeout_s)
-            self._kv_cache = KVCache.over(core.SharedKV.attach(self._ready))
+            shared = core.SharedKV.attach(self._ready)
+            # the layout the transports name (KVLayout.of) carries the fp8 scales the core uses
+            scales = self.config.kv_cache_scales if is_fp8(shared.dtype) else (1.0, 1.0)
+            self._kv_cache = KVCache.over(shared, *scales)
         except BaseException as e:
             await self.close()
             if isinstance(e, asyncio.TimeoutError):

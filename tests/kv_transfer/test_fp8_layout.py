@@ -68,3 +68,30 @@ def test_a_decode_pool_of_another_dtype_is_refused_saying_so():
     finally:
         src.close()
         dst.close()
+
+
+def test_fp8_pools_stored_with_other_scales_are_refused_saying_so():
+    """Blocks stored as k / 0.5 read back with scale 1.0 would be half what they were, silently."""
+    halved = dataclasses.replace(FP8, k_scale=0.5, v_scale=0.25)
+    assert KVLayout.of(make_cache(halved, 2)) == halved
+    assert KVLayout.from_pb(pb.KVLayout.FromString(halved.to_pb().SerializeToString())) == halved
+    why = layout_mismatch(halved, FP8)
+    assert "fp8 KV scales differ" in why and "k_scale 0.5" in why and "--kv-cache-scales" in why
+    source, target = make_cache(halved, 8), make_cache(FP8, 8)
+    src, dst = make_transport("tcp", new_id("prefill")), make_transport("tcp", new_id("decode"))
+    try:
+        src.register(source)
+        dst.register(target)
+        with pytest.raises(KVTransferError, match="fp8 KV scales differ"):
+            src.write(new_id(), [1, 2], dst.descriptor([3, 4]), timeout_s=5.0)
+        tid, lying = new_id(), dst.descriptor([3, 4])      # past the source: the receiver refuses
+        lying.layout.CopyFrom(halved.to_pb())
+        expected = dst.expect(tid, [3, 4], timeout_s=5.0)
+        with pytest.raises(KVTransferError, match="fp8 KV scales differ"):
+            src.write(tid, [1, 2], lying, timeout_s=5.0).wait(5.0)
+        with pytest.raises(KVTransferError, match="fp8 KV scales differ"):
+            expected.wait(5.0)
+        assert not target.data.view(torch.uint8).any()
+    finally:
+        src.close()
+        dst.close()

@@ -18,7 +18,7 @@ def test_layout_is_read_off_the_pool_and_round_trips_through_its_message():
     layout = KVLayout.of(make_cache(LAYOUT, 5))
     assert layout == LAYOUT  # num_blocks is not part of it
     assert layout.to_pb() == pb.KVLayout(num_layers=3, block_size=4, kv_heads=2, head_dim=8, dtype="float32",
-                                         tensor_parallel_size=1)
+                                         tensor_parallel_size=1, k_scale=1.0, v_scale=1.0)
     assert KVLayout.from_pb(pb.KVLayout.FromString(layout.to_pb().SerializeToString())) == layout
     assert layout.region_bytes == 4 * 2 * 8 * 4
     assert layout.bytes_per_block == 3 * 2 * layout.region_bytes == make_cache(LAYOUT, 5).bytes_per_block
