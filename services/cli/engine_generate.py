@@ -50,7 +50,11 @@ def run_generate(args: argparse.Namespace) -> int:
                   tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size,
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or cfg.kv_cache_dtype,
                   kv_cache_scales=getattr(args, "kv_cache_scales", None) or cfg.kv_cache_scales)
-    engine = LLMEngine(cfg)
+    try:
+        engine = LLMEngine(cfg)
+    except ValueError as e:            # a config the model cannot take (e.g. an indivisible TP size)
+        print(f"kvfleet generate: {e}", file=sys.stderr)
+        return 2
     try:
         return _generate(engine, args)
     finally:

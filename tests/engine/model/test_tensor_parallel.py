@@ -71,6 +71,15 @@ def test_heads_that_do_not_divide_are_refused_naming_them_before_any_process_sta
     assert not dist.is_initialized() and not _follower_children()
 
 
+def test_kvfleet_generate_refuses_an_indivisible_size_in_one_line(config_b_dir, capsys):
+    args = build_parser().parse_args(["generate", "--model", str(config_b_dir), "--prompt", "hi",
+                                      "--tensor-parallel", "2"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvfleet generate: ") and "num_kv_heads 3 not divisible by 2" in err
+    assert "Traceback" not in err and not _follower_children()
+
+
 def test_generate_with_tensor_parallel_2_matches_tp_1_tokens_and_logprobs(tiny_model_dir, capsys):
     ids = [",".join(map(str, p)) for p in PROMPTS]
     args = build_parser().parse_args(
