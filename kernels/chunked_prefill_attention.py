@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, dot_dtype, next_pow2, to_dtype
+from kernels.common import check_paged_attention, dot_dtype, next_pow2, to_dtype
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64
@@ -102,14 +102,6 @@ def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _check(q, k_cache, v_cache, out, seqs, query_start_loc, seq_lens, block_tables) -> None:
-    _, heads, d = q.shape
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d, k_cache.shape
-    assert heads % k_cache.shape[2] == 0, f"{heads} query heads over {k_cache.shape[2]} kv heads"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
-    assert q.dtype in COMPUTE_DTYPES and out.dtype == q.dtype and out.shape == q.shape, (q.dtype, out.dtype)
-    assert k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype, k_cache.dtype
-    check_last_dim_contiguous("q", q)
-    check_last_dim_contiguous("out", out)
-    assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
+    check_paged_attention(q, k_cache, v_cache, out, block_tables)
     for name, t in (("seqs", seqs), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         assert t.dtype == torch.int32 and t.is_contiguous(), f"{name}: {t.dtype}, contiguous {t.is_contiguous()}"

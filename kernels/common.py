@@ -34,6 +34,21 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     assert t.stride(-1) == 1, f"{name}: last dim must be contiguous, strides {t.stride()}"
 
 
+def check_paged_attention(q, k_cache, v_cache, out, block_tables) -> None:
+    """What both attention launchers need of their tensors: q, out [T, heads, d] of one compute
+    dtype; k_cache, v_cache [num_blocks, block_size, kv_heads, d], contiguous, of one cache dtype;
+    heads a multiple of kv_heads; block_tables [S, max_blocks] int32, rows contiguous."""
+    _, heads, d = q.shape
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d, k_cache.shape
+    assert heads % k_cache.shape[2] == 0, f"{heads} query heads over {k_cache.shape[2]} kv heads"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+    assert q.dtype in COMPUTE_DTYPES and out.dtype == q.dtype and out.shape == q.shape, (q.dtype, out.dtype)
+    assert k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype, k_cache.dtype
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("out", out)
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import CACHE_DTYPES, COMPUTE_DTYPES, check_last_dim_contiguous, dot_dtype, interpreted, next_pow2, to_dtype
+from kernels.common import check_paged_attention, dot_dtype, interpreted, next_pow2, to_dtype
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64               # context tokens per loop iteration
@@ -141,14 +141,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _check(q, k_cache, v_cache, out, rows, seqs, seq_lens, block_tables) -> None:
-    _, heads, d = q.shape
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d, k_cache.shape
-    assert heads % k_cache.shape[2] == 0, f"{heads} query heads over {k_cache.shape[2]} kv heads"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
-    assert q.dtype in COMPUTE_DTYPES and out.dtype == q.dtype and out.shape == q.shape, (q.dtype, out.dtype)
-    assert k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype, k_cache.dtype
-    check_last_dim_contiguous("q", q)
-    check_last_dim_contiguous("out", out)
-    assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
+    check_paged_attention(q, k_cache, v_cache, out, block_tables)
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     assert rows.shape == seqs.shape and rows.is_contiguous() and seqs.is_contiguous()

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.config import KV_CACHE_DTYPES, parse_kv_cache_scales  # torch-free
+from services.engine.config import add_kernel_args  # torch-free
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -131,15 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=0, help="top-N alternatives per token")
     g.add_argument("--echo", action="store_true", help="also return prompt logprobs")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
-                   help="paged attention (and fused layer) kernels; auto (default): triton on CUDA")
+    add_kernel_args(g)
     g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="shard the model over N processes on this host (gloo on 127.0.0.1)")
-    g.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
-                   help="KV cache element type: auto (the model's, default) | fp8 (e4m3, per-tensor "
-                        "scales: half of bf16's bytes) | a float dtype")
-    g.add_argument("--kv-cache-scales", default=None, type=parse_kv_cache_scales, metavar="K,V",
-                   help="fp8 KV cache: k_scale,v_scale (stored = k / k_scale; default 1.0,1.0)")
     g.set_defaults(func=_lazy("services.cli.engine_generate", "run_generate"))
 
     d = sub.add_parser("demo", help="mixed chats + documents through the engine (--fleet: through "

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.supervisor import Supervisor
-from services.engine.config import KV_CACHE_DTYPES
+from services.engine.config import add_kernel_args
 from services.protocol import fleet_token, timeouts
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
 from services.state.redis_server import EmbeddedRedis
@@ -70,12 +70,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None)
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=256)
-    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
-                   help="the workers' attention kernels (kvfleet serve's flag); default auto: triton on CUDA")
-    p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
-                   help="the workers' KV cache element type (kvfleet serve's flag): auto | fp8 | a float dtype")
-    p.add_argument("--kv-cache-scales", default=None, metavar="K,V",
-                   help="fp8 KV cache: k_scale,v_scale, the same on every worker (kvfleet serve's flag)")
+    add_kernel_args(p, "the workers'")
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--config", default=None,
                    help="engine config YAML (classes, tenants, budgets) for workers and gateway")
@@ -133,11 +128,11 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     # split the host's cores between the workers, leaving one for the gateway and the routers
     common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
               "--threads", str(worker_threads(args)), *config, *limit_args]
-    if getattr(args, "attention_backend", None):
-        common += ["--attention-backend", args.attention_backend]
-    for flag in ("kv_cache_dtype", "kv_cache_scales"):   # pass-through: checked by kvfleet serve
+    for flag in ("attention_backend", "kv_cache_dtype"):   # the workers' flags, passed on
         if getattr(args, flag, None):
             common += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if getattr(args, "kv_cache_scales", None):
+        common += ["--kv-cache-scales", ",".join(map(repr, args.kv_cache_scales))]
     specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
                              "--kv-backend", args.kv_backend, *common,
                              *ports.child_args(plan, f"{role}-{i}")]

@@ -5,6 +5,7 @@ everything is overridable. Derived values are properties, never written back.
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +20,24 @@ def parse_kv_cache_scales(text: str) -> tuple[float, float]:
     if len(parts) not in (1, 2):
         raise ValueError(f"--kv-cache-scales takes K,V or one number, got {text!r}")
     return (parts[0], parts[-1])
+
+
+def add_kernel_args(p: argparse.ArgumentParser, whose: str = "the engine's") -> None:
+    """--attention-backend, --kv-cache-dtype, --kv-cache-scales: one definition for `kvfleet
+    generate`, `kvfleet serve` and `kvfleet up` (which passes them to its workers). Unset: the
+    engine config's value."""
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help=f"{whose} paged attention (and fused layer) kernels; auto (default): "
+                        "triton on CUDA, torch otherwise")
+    p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                   help=f"{whose} KV cache element type: auto (the model's, default) | fp8 (e4m3, "
+                        "per-tensor scales: half of bf16's bytes) | a float dtype; prefill and "
+                        "decode workers must agree")
+    p.add_argument("--kv-cache-scales", default=None, type=parse_kv_cache_scales, metavar="K,V",
+                   help="fp8 KV cache: k_scale,v_scale (stored = k / k_scale; default 1.0,1.0), "
+                        "the same on every worker")
+
+
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 

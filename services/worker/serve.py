@@ -28,7 +28,7 @@ import grpc
 import torch
 from redis.exceptions import RedisError
 
-from services.engine.config import KV_CACHE_DTYPES, EngineConfig, parse_kv_cache_scales
+from services.engine.config import EngineConfig, add_kernel_args
 from services.engine.config_file import load_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
@@ -61,13 +61,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
-                   help="the engine's attention kernels; auto (default): triton on CUDA, torch otherwise")
-    p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
-                   help="KV cache element type: auto (the model's) | fp8 (e4m3: twice bf16's blocks per "
-                        "MiB) | a float dtype; prefill and decode workers must agree")
-    p.add_argument("--kv-cache-scales", default=None, type=parse_kv_cache_scales, metavar="K,V",
-                   help="fp8 KV cache: k_scale,v_scale (default 1.0,1.0); the same on every worker")
+    add_kernel_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (the engine core is rank 0; mixed role only)")
     p.add_argument("--threads", type=int, default=0,

@@ -30,7 +30,9 @@ def test_up_takes_the_flags_for_its_workers():
     add_up_args(p)
     assert p.parse_args([]).kv_cache_dtype is None      # workers keep their default (auto)
     args = p.parse_args(["--kv-cache-dtype", "fp8", "--kv-cache-scales", "0.5,2"])
-    assert (args.kv_cache_dtype, args.kv_cache_scales) == ("fp8", "0.5,2")
+    assert (args.kv_cache_dtype, args.kv_cache_scales) == ("fp8", (0.5, 2.0))   # checked by up itself
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-cache-scales", "half"])
 
 
 def test_engine_core_wire_format_keeps_the_choice():

@@ -48,26 +48,8 @@ def test_fp8_blocks_arrive_bit_exact(backend):
 def test_a_decode_pool_of_another_dtype_is_refused_saying_so():
     why = layout_mismatch(FP8, BF16)
     assert "KV cache dtype differs" in why and "fp8" in why and "bfloat16" in why and "--kv-cache-dtype" in why
-    source, target = make_cache(FP8, 8), make_cache(BF16, 8)
-    src, dst = make_transport("tcp", new_id("prefill")), make_transport("tcp", new_id("decode"))
-    try:
-        src.register(source)
-        dst.register(target)
-        with pytest.raises(KVTransferError, match="layout mismatch: KV cache dtype differs: source .prefill. fp8, "
-                                                  "target .decode. bfloat16"):
-            src.write(new_id(), [1, 2], dst.descriptor([3, 4]), timeout_s=5.0)
-        # a descriptor that claims fp8 gets past the source's check: the decode side's receiver refuses
-        tid, lying = new_id(), dst.descriptor([3, 4])
-        lying.layout.CopyFrom(FP8.to_pb())
-        expected = dst.expect(tid, [3, 4], timeout_s=5.0)
-        with pytest.raises(KVTransferError, match="KV cache dtype differs"):
-            src.write(tid, [1, 2], lying, timeout_s=5.0).wait(5.0)
-        with pytest.raises(KVTransferError, match="KV cache dtype differs"):
-            expected.wait(5.0)
-        assert not target.data.view(torch.uint8).any()   # nothing landed
-    finally:
-        src.close()
-        dst.close()
+    _refused_by_the_source_and_by_the_receiver(
+        FP8, BF16, "layout mismatch: KV cache dtype differs: source .prefill. fp8, target .decode. bfloat16")
 
 
 def test_fp8_pools_stored_with_other_scales_are_refused_saying_so():
@@ -77,21 +59,28 @@ def test_fp8_pools_stored_with_other_scales_are_refused_saying_so():
     assert KVLayout.from_pb(pb.KVLayout.FromString(halved.to_pb().SerializeToString())) == halved
     why = layout_mismatch(halved, FP8)
     assert "fp8 KV scales differ" in why and "k_scale 0.5" in why and "--kv-cache-scales" in why
-    source, target = make_cache(halved, 8), make_cache(FP8, 8)
+    _refused_by_the_source_and_by_the_receiver(halved, FP8, "fp8 KV scales differ")
+
+
+def _refused_by_the_source_and_by_the_receiver(source_layout: KVLayout, target_layout: KVLayout,
+                                               match: str) -> None:
+    """A tcp write from a `source_layout` pool to a `target_layout` one is refused by the source;
+    a descriptor that lies about the target's layout gets past it, and the receiver refuses."""
+    source, target = make_cache(source_layout, 8), make_cache(target_layout, 8)
     src, dst = make_transport("tcp", new_id("prefill")), make_transport("tcp", new_id("decode"))
     try:
         src.register(source)
         dst.register(target)
-        with pytest.raises(KVTransferError, match="fp8 KV scales differ"):
+        with pytest.raises(KVTransferError, match=match):
             src.write(new_id(), [1, 2], dst.descriptor([3, 4]), timeout_s=5.0)
-        tid, lying = new_id(), dst.descriptor([3, 4])      # past the source: the receiver refuses
-        lying.layout.CopyFrom(halved.to_pb())
+        tid, lying = new_id(), dst.descriptor([3, 4])
+        lying.layout.CopyFrom(source_layout.to_pb())
         expected = dst.expect(tid, [3, 4], timeout_s=5.0)
-        with pytest.raises(KVTransferError, match="fp8 KV scales differ"):
+        with pytest.raises(KVTransferError, match=match):
             src.write(tid, [1, 2], lying, timeout_s=5.0).wait(5.0)
-        with pytest.raises(KVTransferError, match="fp8 KV scales differ"):
+        with pytest.raises(KVTransferError, match=match):
             expected.wait(5.0)
-        assert not target.data.view(torch.uint8).any()
+        assert not target.data.view(torch.uint8).any()   # nothing landed
     finally:
         src.close()
         dst.close()
