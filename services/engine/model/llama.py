@@ -2,6 +2,7 @@
 
     token_ids [T] -> embed -> L x [ RMSNorm -> qkv -> RoPE -> paged attention -> o_proj -> +residual
                                     RMSNorm -> SwiGLU MLP -> +residual ]
+    (each "+residual" is taken inside the next RMSNorm: one fused kernel on the Triton path)
                   -> select logits_indices rows [R] -> final RMSNorm -> lm_head -> float32 [R, vocab]
 
 Parameter layout differs from transformers in two fused projections (the loader builds them):
@@ -63,9 +64,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [T, hidden] each -> the same for the next layer: the hidden state is
+        x + residual, the sum taken inside the next RMSNorm (one fused kernel on the Triton path).
+        The first layer gets residual None (x is the embedding)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForward(nn.Module):
@@ -94,9 +104,10 @@ class LlamaForward(nn.Module):
         """-> float32 logits [R, vocab] for batch.logits_indices, in that order."""
         cos, sin = self.rotary(batch.positions, batch.host.max_seq_len, self.dtype)
         ctx = ForwardContext(cos, sin, kv_cache, backend, attn_meta)
-        x = self.embed_tokens(batch.token_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(batch.token_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, ctx)
-        x = self.norm(x[batch.logits_indices])  # [R, hidden]
+            x, residual = layer(x, residual, ctx)
+        rows = batch.logits_indices
+        x, _ = self.norm(x[rows], residual[rows])  # [R, hidden]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
