@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.config import add_kernel_args  # torch-free
+from services.engine.config import add_engine_args  # torch-free
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=0, help="top-N alternatives per token")
     g.add_argument("--echo", action="store_true", help="also return prompt logprobs")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_kernel_args(g)
+    add_engine_args(g)
     g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="shard the model over N processes on this host (gloo on 127.0.0.1)")
     g.set_defaults(func=_lazy("services.cli.engine_generate", "run_generate"))

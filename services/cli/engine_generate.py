@@ -49,7 +49,8 @@ def run_generate(args: argparse.Namespace) -> int:
                   attention_backend=getattr(args, "attention_backend", None) or cfg.attention_backend,
                   tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size,
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or cfg.kv_cache_dtype,
-                  kv_cache_scales=getattr(args, "kv_cache_scales", None) or cfg.kv_cache_scales)
+                  kv_cache_scales=getattr(args, "kv_cache_scales", None) or cfg.kv_cache_scales,
+                  logprobs_mode=getattr(args, "logprobs_mode", None) or cfg.logprobs_mode)
     try:
         engine = LLMEngine(cfg)
     except ValueError as e:            # a config the model cannot take (e.g. an indivisible TP size)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.supervisor import Supervisor
-from services.engine.config import add_kernel_args
+from services.engine.config import add_engine_args
 from services.protocol import fleet_token, timeouts
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
 from services.state.redis_server import EmbeddedRedis
@@ -70,7 +70,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None)
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=256)
-    add_kernel_args(p, "the workers'")
+    add_engine_args(p, "the workers'")
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--config", default=None,
                    help="engine config YAML (classes, tenants, budgets) for workers and gateway")
@@ -128,7 +128,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     # split the host's cores between the workers, leaving one for the gateway and the routers
     common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
               "--threads", str(worker_threads(args)), *config, *limit_args]
-    for flag in ("attention_backend", "kv_cache_dtype"):   # the workers' flags, passed on
+    for flag in ("attention_backend", "kv_cache_dtype", "logprobs_mode"):   # the workers' flags
         if getattr(args, flag, None):
             common += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if getattr(args, "kv_cache_scales", None):

@@ -22,10 +22,10 @@ def parse_kv_cache_scales(text: str) -> tuple[float, float]:
     return (parts[0], parts[-1])
 
 
-def add_kernel_args(p: argparse.ArgumentParser, whose: str = "the engine's") -> None:
-    """--attention-backend, --kv-cache-dtype, --kv-cache-scales: one definition for `kvfleet
-    generate`, `kvfleet serve` and `kvfleet up` (which passes them to its workers). Unset: the
-    engine config's value."""
+def add_engine_args(p: argparse.ArgumentParser, whose: str = "the engine's") -> None:
+    """--attention-backend, --kv-cache-dtype, --kv-cache-scales, --logprobs-mode: one definition
+    for `kvfleet generate`, `kvfleet serve` and `kvfleet up` (which passes them to its workers).
+    Unset: the engine config's value."""
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
                    help=f"{whose} paged attention (and fused layer) kernels; auto (default): "
                         "triton on CUDA, torch otherwise")
@@ -36,6 +36,9 @@ def add_kernel_args(p: argparse.ArgumentParser, whose: str = "the engine's") -> 
     p.add_argument("--kv-cache-scales", default=None, type=parse_kv_cache_scales, metavar="K,V",
                    help="fp8 KV cache: k_scale,v_scale (stored = k / k_scale; default 1.0,1.0), "
                         "the same on every worker")
+    p.add_argument("--logprobs-mode", default=None, choices=["raw_logprobs", "processed_logprobs"],
+                   help="vLLM's flag: logprobs of the model's distribution (raw_logprobs, default) "
+                        "or of the one sampled from (after penalties, temperature, top-k/p)")
 
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]

@@ -28,7 +28,7 @@ import grpc
 import torch
 from redis.exceptions import RedisError
 
-from services.engine.config import EngineConfig, add_kernel_args
+from services.engine.config import EngineConfig, add_engine_args
 from services.engine.config_file import load_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
@@ -61,7 +61,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
-    add_kernel_args(p)
+    add_engine_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (the engine core is rank 0; mixed role only)")
     p.add_argument("--threads", type=int, default=0,
@@ -93,6 +93,8 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
         cfg = replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     if getattr(args, "kv_cache_scales", None):
         cfg = replace(cfg, kv_cache_scales=args.kv_cache_scales)
+    if getattr(args, "logprobs_mode", None):
+        cfg = replace(cfg, logprobs_mode=args.logprobs_mode)
     if getattr(args, "tensor_parallel", 1) > 1:
         cfg = replace(cfg, tensor_parallel_size=args.tensor_parallel)
     return cfg

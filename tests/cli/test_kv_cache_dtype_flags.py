@@ -68,3 +68,32 @@ def test_the_quality_gate_builds_its_engine_with_the_kv_cache_flags(tiny_model_d
         assert scorer.info.kv_cache_dtype == "fp8"            # the report names it
     finally:
         scorer.close()
+
+
+def test_logprobs_mode_is_vllms_flag_on_generate_serve_and_up(tiny_model_dir, capsys):
+    """--logprobs-mode processed_logprobs reports the distribution sampled from (here: at
+    temperature 0.5), raw_logprobs the model's: the same draws, other logprobs. (What each mode
+    gives, against vLLM: tests/engine/test_sampling_params_vllm.py.)"""
+    from services.cli.up import add_up_args
+    from services.worker.serve import add_worker_args, engine_config_for
+    serve, up = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_worker_args(serve)
+    add_up_args(up)
+    assert engine_config_for(serve.parse_args(["mixed"])).logprobs_mode == "raw_logprobs"
+    assert engine_config_for(serve.parse_args(
+        ["mixed", "--logprobs-mode", "processed_logprobs"])).logprobs_mode == "processed_logprobs"
+    assert up.parse_args(["--logprobs-mode", "processed_logprobs"]).logprobs_mode == "processed_logprobs"
+    with pytest.raises(SystemExit):
+        serve.parse_args(["mixed", "--logprobs-mode", "raw_logits"])
+    chosen = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        args = build_parser().parse_args(["generate", "--model", str(tiny_model_dir), "--prompt-ids",
+                                          "5,6,7,8", "--max-tokens", "4", "--temperature", "0.5",
+                                          "--seed", "1", "--logprobs", "0", "--json",
+                                          "--logprobs-mode", mode])
+        assert args.func(args) == 0
+        chosen[mode] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    raw, processed = chosen["raw_logprobs"], chosen["processed_logprobs"]
+    assert raw["token_ids"] == processed["token_ids"]          # same seed, same draws
+    assert all(lp <= 0 for lp in raw["logprobs"] + processed["logprobs"])
+    assert all(abs(p - r) > 1e-3 for p, r in zip(processed["logprobs"], raw["logprobs"]))

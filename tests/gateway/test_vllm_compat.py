@@ -182,3 +182,16 @@ def test_the_openapi_document_states_the_new_ranges(gateway):
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     ranges = json.dumps({k: props[k] for k in ("presence_penalty", "min_p", "priority")})
     assert '"maximum": 2.0' in ranges and '"maximum": 1.0' in ranges and "2147483647" in ranges
+
+
+def test_grpc_streams_n_samples_each_chunk_naming_its_index(gateway):
+    with grpc.insecure_channel(gateway.grpc) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        metadata = tuple((k.lower(), v) for k, v in bearer("acme").items())
+        params = pb.SamplingParams(max_tokens=3, temperature=0.8, seed=11, ignore_eos=True, n=2)
+        chunks = list(stub.Generate(pb.GenerateRequest(model=gateway.model, text="hello",
+                                                       params=params), metadata=metadata))
+    tokens = {i: [t for c in chunks if c.index == i for t in c.token_ids] for i in (0, 1)}
+    assert {c.index for c in chunks} == {0, 1}
+    assert [len(tokens[0]), len(tokens[1])] == [3, 3]
+    assert [c.finished for c in chunks].count(True) == 1 and chunks[-1].finished   # the request's end
