@@ -1,4 +1,5 @@
 """planner: capacity model, simulator and the prefill:decode rebalance CLI (DESIGN.md section 8).
 
-Not built yet: no issue has been filed for it.
+`step_time.py`: the StepTimer interface (how long one iteration of a batch takes) shared by the
+cost model, a measured profile and the simulated engine core.
 """
