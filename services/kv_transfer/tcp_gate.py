@@ -15,6 +15,7 @@ So memory and threads are bounded by the config, whatever connects to the port.
 from __future__ import annotations
 
 import json
+import logging
 import selectors
 import socket
 import struct
@@ -25,6 +26,7 @@ from typing import Callable
 
 from services.protocol import fleet_token
 
+log = logging.getLogger(__name__)
 LENGTH = struct.Struct(">I")
 
 
@@ -84,7 +86,7 @@ class HeaderGate:
                     if key.fileobj is self._listener:
                         self._accept()
                     else:
-                        self._read(key.fileobj)
+                        self._read_or_drop(key.fileobj)
                 self._expire(time.monotonic())
         finally:
             for conn in list(self._pending):
@@ -113,6 +115,17 @@ class HeaderGate:
             conn.setblocking(False)
             self._pending[conn] = _Pending(time.monotonic() + self.config.header_timeout_s)
             self._selector.register(conn, selectors.EVENT_READ)
+
+    def _read_or_drop(self, conn: socket.socket) -> None:
+        """One connection's bug must not stop the door for the others."""
+        try:
+            self._read(conn)
+        except Exception:  # noqa: BLE001 - logged; that connection is dropped
+            log.exception("kv tcp receiver: dropping a connection")
+            if conn in self._pending:
+                self._drop(conn)
+            else:
+                conn.close()
 
     def _read(self, conn: socket.socket) -> None:
         p = self._pending[conn]
