@@ -3,7 +3,8 @@
 One agent per process (the name is worker_id plus a random suffix, so a restarted worker is a new peer), its
 progress thread OFF (it busy-spins a core) and its listener OFF (it binds 0.0.0.0): metadata travels in the
 descriptor instead, over the workers' own gRPC. UCX still listens: its tcp transport opens one socket on lo
-(UCX_NET_DEVICES) when the agent starts; `listeners` names it (the worker prints it, `kvfleet up` lists it). The pool is registered once and prepared as a list of
+(UCX_NET_DEVICES) when the agent starts; `listeners` names it (the worker prints it, `kvfleet up` lists it).
+The pool is registered once and prepared as a list of
 regions, indexed like KVCache.data itself:
 
     region r = (layer * 2 + kv) * num_blocks + block     at  base + r * region_bytes,  region_bytes long

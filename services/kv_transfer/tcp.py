@@ -14,7 +14,8 @@ The source sends from its own thread, so write() returns at once.
                       target finishes its expect() handle: landed, with the hand-off
 
 Frames are a 4-byte big-endian length + UTF-8 JSON, at most MAX_FRAME bytes (a header: the config's
-max_header_bytes); the payload's size is checked against the expect()'s blocks before a byte of it is read. In the header, `layout` is a serialized kvfleet.v1.KVLayout
+max_header_bytes); the payload's size is checked against the expect()'s blocks before a byte of it is read.
+In the header, `layout` is a serialized kvfleet.v1.KVLayout
 and `hand_off` a serialized kvfleet.v1.HandOff (or null), both base64; `checksum` is a crc32 or null. A CPU
 pool is sent and received in place: each run of consecutive block ids is one contiguous region per (layer, K/V),
 gathered by sendmsg, scattered by recvmsg_into; a device pool is staged through one CPU copy. Every socket op

@@ -9,7 +9,8 @@ environment names an endpoint (services/telemetry/tracing.py).
 
 Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
 for it), after `METRICS <worker_id> <url>` and `KV <worker_id> <host:port>` (the tcp backend's
-receiver) or `UCX <worker_id> <host:port>` (nixl: UCX's tcp listener) for the listeners it has. SIGTERM / SIGINT: stop accepting, drop the Redis record,
+receiver) or `UCX <worker_id> <host:port>` (nixl: UCX's tcp listener) for the listeners it has.
+SIGTERM / SIGINT: stop accepting, drop the Redis record,
 stop the engine core, exit 0. The engine core dies: its requests fail, the worker reports
 NOT_SERVING and exits ENGINE_FAILED_EXIT (the supervisor restarts it).
 """
