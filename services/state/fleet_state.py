@@ -13,7 +13,9 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 | `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s     | admit, charge_request (Lua)     |
 
 `minute` is `int(now // 60)`: a fixed 60-s window. A worker's key holds its `pb.WorkerStats`, serialized
-(the message its Stats RPC answers: one shape for a worker's capacity everywhere); a worker whose
+(the message its Stats RPC answers: one shape for a worker's capacity everywhere) and signed with a
+key derived from the fleet token (services/state/records.py: a record the fleet did not write, or
+naming an address outside its networks, is ignored, logged and counted); a worker whose
 heartbeat is older than its TTL has no key, so it is not live. A record that does not parse, or names
 an unknown role or KV backend, a non-finite rate, or another worker's id, is skipped (logged), never
 fatal: one bad worker must not hide the rest of the fleet.
@@ -29,6 +31,11 @@ past counts for nothing and is pruned by the next admit. So the slots of a gatew
 come back at most `ttl_s` after its last renewal, and a tenant nobody serves leaves no key behind.
 Invariants: the tenant's open streams = the members with expiry > now (never negative, never a
 drifting counter); only the admit script adds a member, and only while fewer than the limit are live.
+
+Quota state written around kvfleet is bounded (it cannot be signed: Lua scripts update it): a
+lease expiring more than `LeaseTerms.max_ahead_s` ahead is dropped by the next admission, and a
+window that is not an integer >= 0 expiring within MAX_WINDOW_TTL_MS is deleted and counts 0. Both
+are logged.
 
 Clocks: expiries are the gateways' unix time (an input, `now`, so tests drive it): the gateways'
 clocks must agree to well within `ttl_s - 2 * renew_every_s`.
