@@ -239,11 +239,14 @@ def redis_credentials(args: argparse.Namespace, log_dir: str) -> tuple[str | Non
     children the credentials; a banner line saying where they are, never what). The embedded
     password is $KVFLEET_REDIS_PASSWORD's if set, else a new one, written (mode 0600) to
     `<log_dir>/redis-password` for `kvfleet status`."""
-    if args.redis_url:
-        _, env = redis_auth.child_env(args.redis_url)
-        return None, env, ("from --redis-url or $" + redis_auth.ENV_PASSWORD if env
-                           else "none (the server asks for none)")
-    password = redis_auth.RedisCredentials.from_env().password
+    try:
+        if args.redis_url:
+            _, env = redis_auth.child_env(args.redis_url)
+            return None, env, ("from --redis-url or $" + redis_auth.ENV_PASSWORD if env
+                               else "none given (the server must ask for none)")
+        password = redis_auth.RedisCredentials.from_env().password
+    except redis_auth.RedisCredentialsError as e:
+        raise SystemExit(f"kvfleet up: {e}") from None
     if password:
         return password, {redis_auth.ENV_PASSWORD: password}, f"from ${redis_auth.ENV_PASSWORD}"
     password = redis_auth.generate()
