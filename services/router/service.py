@@ -98,6 +98,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.state = state
         self.metrics = metrics or RouterMetrics()
         self.metrics.stage.set(STAGE)
+        # a worker record the fleet did not sign (or pointing elsewhere) is ignored and counted
+        state.seal.on_rejected = lambda kind, reason: self.metrics.records_rejected.labels(
+            kind, reason).inc()
         self._classes = TenantLabels(CLASS_LABELS)
         self.auth = auth              # what calls to workers present (None: this process's token)
         self.mode = mode
