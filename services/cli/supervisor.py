@@ -38,7 +38,7 @@ class RestartPolicy:
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
     stable_after_s: float = 60.0      # a child up this long counts as healthy: backoff resets
-    unresponsive_s: float = 20.0      # no healthy answer this long: SIGKILL, then restart
+    unresponsive_s: float = 30.0      # no healthy answer this long: SIGKILL, then restart
 
 
 @dataclass
