@@ -21,14 +21,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.cli.lifeline import SPAWNER, die_with_parent
+from services.cli import lifeline
+from services.cli.lifeline import SPAWNER
 from services.protocol import fleet_token
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S
 
@@ -91,10 +91,10 @@ class Launcher:
         """Start `python -m <module_args...>` without waiting for it; a child of the same name that
         ran before (and died) is replaced. Its stderr is appended to the child's log."""
         with open(self.log_path(name), "ab") as stderr:
-            proc = SPAWNER.popen([sys.executable, "-m", *module_args], stdout=subprocess.PIPE,
-                                 stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
-                                 start_new_session=True, text=True,
-                                 preexec_fn=die_with_parent(signal.SIGTERM))
+            proc = SPAWNER.popen(lifeline.command(module_args), stdout=subprocess.PIPE,
+                                 stderr=stderr, stdin=subprocess.DEVNULL,
+                                 env={**self.env, **lifeline.env()}, start_new_session=True,
+                                 text=True)
         child = self.children[name] = Child(name, proc, list(module_args))
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         return child

@@ -1,44 +1,58 @@
-"""Children that die with their launcher: a parent-death signal set in the child before it runs.
+"""Children that die with their launcher: a parent-death signal each child arms as it starts.
 
 `kvfleet up` starts every child in its own session (so that its stop can signal a child's group),
 which also takes the children out of the reach of a terminal's hangup: without more, `kill -9` of
 `kvfleet up` would leave the whole fleet serving, ports held, with no one to stop it.
 
-`die_with_parent(sig)` is a `preexec_fn` for subprocess.Popen: in the forked child, before exec,
-it asks the kernel (prctl PR_SET_PDEATHSIG) to send `sig` to the child when its parent goes. The
-kernel ties that signal to the parent *thread* that forked, not its process: a child forked by a
-thread that ends is signalled then. `Spawner` runs every Popen on one thread that lives as long as
-the process, so a launcher may start children from any thread (the supervisor's, a test's).
+A launcher runs a child as `python -m services.cli.lifeline <module> <args...>` (`command`), with
+its own pid in the child's environment (`env`). This module, run so, asks the kernel
+(prctl PR_SET_PDEATHSIG) to send the child SIGTERM when its parent goes, then runs `<module>` as
+`python -m <module> <args...>` would, in the same process (runpy; no second exec). If the parent
+is already gone when the child arms it (the launcher died while the child started), the child
+sends the signal to itself. The arming is done in the child's own fresh interpreter, not in a
+preexec_fn: code run between fork and exec of a process holding threads (grpc's, torch's) can
+deadlock or crash.
 
-If the parent is already gone by the time the child asks (it died between fork and prctl), the
-child sends the signal to itself.
+The kernel ties the signal to the parent *thread* that forked, not its process: a child forked by
+a thread that ends would be signalled then. `Spawner` runs every Popen on one thread that lives as
+long as the process, so a launcher may start children from any thread (the supervisor's, a test's).
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import queue
+import runpy
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
+PR_SET_PDEATHSIG = 1                     # <linux/prctl.h>
+PARENT_ENV = "KVFLEET_LAUNCHER_PID"      # the pid the child must outlive by no more than a signal
+DEATH_SIGNAL = signal.SIGTERM            # a child stops on it as on any stop (within 3 s)
 
-_libc = ctypes.CDLL(None, use_errno=True)   # loaded here, in the parent: nothing to load after fork
+
+def command(module_args: list[str]) -> list[str]:
+    """The command line of a child that runs `python -m <module_args...>` and dies with us."""
+    return [sys.executable, "-m", "services.cli.lifeline", *module_args]
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A preexec_fn: the child gets `sig` when the thread that forked it ends."""
-    parent = os.getpid()
+def env() -> dict[str, str]:
+    """What the child's environment needs for `command` (this process is its parent)."""
+    return {PARENT_ENV: str(os.getpid())}
 
-    def arm() -> None:
-        if _libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:          # the parent died before the signal was armed
-            os.kill(os.getpid(), sig)
-    return arm
+
+def arm(parent: int, sig: int = DEATH_SIGNAL) -> None:
+    """This process gets `sig` when the thread that forked it ends; at once if `parent` is no
+    longer its parent (it ended already)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 class Spawner:
@@ -74,3 +88,19 @@ class Spawner:
 
 
 SPAWNER = Spawner()           # one per process: its thread is never ended
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m services.cli.lifeline MODULE [ARGS...]")
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent.isdigit():
+        raise SystemExit(f"services.cli.lifeline: {PARENT_ENV} must name the launcher's pid")
+    arm(int(parent))
+    module = sys.argv[1]
+    sys.argv = [module, *sys.argv[2:]]      # run_module sets argv[0] to the module's file
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
