@@ -20,8 +20,10 @@ metrics URL in Redis, so `kvfleet status --redis-url URL` (printed below) lists 
 Prometheus file_sd. A restarted router or worker gets a new metrics port and registers it. The
 OTEL_* environment of `kvfleet up` reaches every child (launcher.py passes the environment on).
 
-Prints the endpoints, then supervises: a child that exits is restarted with backoff, on the same
-port (services/cli/supervisor.py), while the rest keep serving. Only Ctrl-C or SIGTERM stops
+Prints the endpoints, then supervises: a child that exits, or answers no health probe for
+--timeout-unresponsive-s (it is SIGKILLed), is restarted with backoff, on the same port
+(services/cli/supervisor.py), while the rest keep serving. Children get SIGTERM from the kernel
+when `kvfleet up` dies, even by kill -9 (services/cli/lifeline.py). Only Ctrl-C or SIGTERM stops
 the fleet, within SHUTDOWN_BUDGET_S (3 s) even with streams in flight: SIGTERM to every child
 at once, SIGKILL to whatever of them and their own children is left at the grace
 (services/cli/launcher.py), then the embedded Redis; no orphan process and no port left open.
@@ -37,9 +39,11 @@ from dataclasses import dataclass
 
 from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
-from services.cli.supervisor import Supervisor
+from services.cli.health_watch import FleetProbe, HealthWatch
+from services.cli.supervisor import RestartPolicy, Supervisor
 from services.engine.config import add_engine_args
 from services.protocol import fleet_token, timeouts
+from services.protocol.fleet_token import FleetAuth
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
 from services.state import records, redis_auth
 from services.state.redis_server import EmbeddedRedis
@@ -315,7 +319,9 @@ def _up(args: argparse.Namespace) -> int:
             print(f"  {LISTEN_PREFIX:<12} {service:<12} {kind:<8} {address}")
         print(f"  started in   {time.monotonic() - started:.1f} s")
         print(READY_PREFIX + endpoints["gateway"], flush=True)
-        supervisor = Supervisor(launcher, pinned=pinned_ports(endpoints))
+        supervisor = Supervisor(launcher, RestartPolicy(unresponsive_s=limits.unresponsive_s),
+                                pinned=pinned_ports(endpoints), health=HealthWatch(FleetProbe(
+                                    FleetAuth.from_env(launcher.env), limits.health_s)))
         while not launcher.stopping.wait(SUPERVISE_EVERY_S):
             supervisor.poll()
         return 0

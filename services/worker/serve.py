@@ -145,8 +145,9 @@ async def heartbeat_forever(state: FleetState | None, servicer: WorkerServicer,
     Liveness is not step length: one stats call to the engine core is in flight at a time, and a
     beat whose answer has not come (a step still running) publishes the last answer again: the
     worker is alive and its engine busy. Only once the core has been silent for `engine_stall_s`
-    does the worker stop beating (one warning): its record expires and it leaves the fleet until
-    the core answers again (one info line; the next beat re-registers it). A dead engine core
+    does the worker stop beating (one warning) and its Health answer NOT_SERVING: its record
+    expires and it leaves the fleet until the core answers again (one info line; the next beat
+    re-registers it). A core frozen for good is the supervisor's to restart (it probes Health). A dead engine core
     ends the loop: the worker is going down.
 
     A failed beat (Redis down, or anything else) never ends the loop: it is retried with capped,
@@ -165,6 +166,7 @@ async def heartbeat_forever(state: FleetState | None, servicer: WorkerServicer,
                 silent_s = engine.silent_s()
                 fresh = await engine.take(every_s)
                 stalled = _stall_changed(config, stalled, fresh, silent_s, engine.silent_s())
+                servicer.engine_stalled = stalled      # Health answers NOT_SERVING meanwhile
                 if state is not None and engine.stats is not None and not stalled:
                     engine.stats.updated_at_unix_s = time.time()      # this beat's time
                     await redis.call(state.heartbeat, engine.stats, ttl_s)
