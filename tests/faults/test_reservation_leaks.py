@@ -7,7 +7,9 @@
     first token (their prompt is longer than the prefill worker's context, while the decode
     worker reserved for it) and some are cancelled at their first token: the decode worker's
     reserved blocks are back to 0 long before the reservation's 30-s TTL, and its log has no
-    InvalidStateError.
+    InvalidStateError;
+  - requests that end at their first token (max_tokens 1, finished at the prefill worker) free
+    their reservations as soon.
 
 A real disaggregated fleet on 127.0.0.1 (redis-server, a router, one prefill worker whose engine
 config allows a 128-token context, one decode worker with the gateway's 4096, a gateway), all
@@ -108,13 +110,13 @@ def test_a_reserve_the_core_answers_after_the_router_gave_up_holds_no_blocks(fle
     assert sum(len(c.token_ids) for c in chunks) == 8
 
 
-def rest(fleet: Fleet, prompt: list[int], first_only: bool) -> int:
+def rest(fleet: Fleet, prompt: list[int], first_only: bool, max_tokens: int = 16) -> int:
     """One streamed completion through the gateway's REST API: its status; `first_only` drops
     the connection at the first event."""
     g = fleet.gateway
     with httpx.Client(base_url=f"http://{g.http}", timeout=60, headers=bearer("acme")) as c:
         with c.stream("POST", "/v1/completions", json={
-                "model": g.model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
+                "model": g.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True}) as r:
             if r.status_code == 200:
                 for line in r.iter_lines():
@@ -154,3 +156,13 @@ def test_a_burst_with_refusals_and_early_cancels_frees_every_reservation_at_once
     assert all(r in (200, "OK") for r in served), results
     assert wait_until(lambda: all_free(fleet), FREED_WITHIN_S), decode_blocks(fleet)
     assert "InvalidStateError" not in decode_log(fleet)
+
+
+def test_requests_finished_at_their_first_token_free_their_reservations_at_once(fleet):
+    """max_tokens 1: the prefill worker ends the request, no KV moves, and the client reads no
+    further than that last chunk."""
+    assert wait_until(lambda: all_free(fleet), FREED_WITHIN_S)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: rest(fleet, SHORT, False, max_tokens=1), range(8)))
+    assert results == [200] * 8
+    assert wait_until(lambda: all_free(fleet), FREED_WITHIN_S), decode_blocks(fleet)
