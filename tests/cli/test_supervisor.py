@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from services.cli.launcher import Launcher, descendants, running, wait_until
+from services.cli.launcher import Launcher, descendants, running
+from tests.waiting import wait_until
 from services.cli.supervisor import RestartPolicy, Supervisor
 
 DIES_AT_ONCE = ["json.tool", "/nonexistent/kvfleet-supervisor-test"]   # exits 2 straight away
