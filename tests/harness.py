@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import ipaddress
 import itertools
@@ -342,6 +343,42 @@ def start_gateway(fleet: Fleet, model_dir: str, name: str = "gateway", *extra: s
     model = model_dir.rstrip("/").rsplit("/", 1)[-1]
     return Gateway(http=http, grpc=grpc_line.split()[-1], model=model)
 
+
+
+@contextmanager
+def worker_process(model_dir, role: str, *args: str, stderr, ready_s: float = 60.0,
+                   engine: str | None = None):
+    """`kvfleet serve ROLE` alone (no Redis, no fleet token, one torch thread): yields (its
+    Popen, its gRPC address) once READY; `stderr` (an open file) gets its log. On exit whatever
+    is left of it and of what it started (its engine core, tensor-parallel ranks) is SIGKILLed."""
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from services.cli.launcher import descendants, running  # noqa: PLC0415
+    from tests.waiting import ready_line  # noqa: PLC0415
+    engine = engine or ENGINE
+    if engine != "real":
+        args = ("--engine", engine, *args)
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.cli", "serve", role, "--model",
+                             str(model_dir), "--insecure-internal", "--threads", "1", *args],
+                            stdout=subprocess.PIPE, stderr=stderr)
+    tree: list[int] = []
+    try:
+        line = ready_line(proc, ready_s)
+        stderr.flush()
+        stderr.seek(0)
+        assert line.startswith("READY "), f"the worker ended or never said READY:\n" \
+                                          f"{stderr.read()[-3000:]}"
+        tree = descendants(proc.pid)
+        yield proc, line.split()[2]
+    finally:
+        tree += [pid for pid in descendants(proc.pid) if pid not in tree]
+        for pid in [proc.pid, *tree]:
+            if running(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 # ------------------------------------------------------------------ in the test process

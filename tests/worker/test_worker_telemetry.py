@@ -19,10 +19,7 @@ target, then a DecodeStream subscription. Then:
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import grpc
@@ -33,8 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.telemetry import tracing
-from tests.harness import Worker, in_process_worker
-from tests.waiting import eventually, ready_line
+from tests.harness import Worker, in_process_worker, worker_process
+from tests.waiting import eventually
 from services.worker.telemetry import CHUNK_TOKENS, WorkerTelemetry
 from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
 
@@ -232,28 +229,18 @@ def test_a_worker_process_without_redis_keeps_its_metrics_fresh(tiny_model_dir, 
     """No Redis, so no heartbeat: its gauges are refreshed on the heartbeat's period anyway,
     before anyone calls Stats; Stats then names the same /metrics."""
     port = free_port()
-    stderr = open(tmp_path / "worker.stderr", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.prefill", "--model", str(tiny_model_dir),
-         "--kv-cache-mib", "16", "--insecure-internal", "--threads", "1",
-         "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        line = ready_line(proc, 60)
-        assert line.startswith("READY "), line
+    with open(tmp_path / "worker.stderr", "w+") as stderr, worker_process(
+            tiny_model_dir, "prefill", "--kv-cache-mib", "16", "--metrics-port", str(port),
+            stderr=stderr) as (_, address):
         url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + 10
         while not (total := blocks_total(httpx.get(url, timeout=10).text)):
             assert time.monotonic() < deadline, "the gauges were never refreshed"
             time.sleep(0.05)
-        with grpc.insecure_channel(line.split()[2]) as channel:
+        with grpc.insecure_channel(address) as channel:
             stats = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
         assert stats.metrics_url == url
         assert total == stats.kv_blocks_total
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-        stderr.close()
 
 
 def free_port() -> int:
