@@ -10,7 +10,8 @@ exit: SIGTERM, SIGKILL past a grace, nothing of it left running. The probes belo
 Services by hand, on the code path `kvfleet up` and `kvfleet serve` use: `running_fleet(redis,
 model, mode, ...)` yields a `Fleet` (redis db of its own, one Launcher, one fleet token) whose
 `worker(...)`, `start_router(...)` and `start_gateway(fleet, ...)` start one process each;
-`Fleet.generate` runs a request as the gateway does. In the test process itself:
+`Fleet.generate` runs a request as the gateway does. `worker_process(model, role, ...)` is one
+`kvfleet serve ROLE` alone, without Redis. In the test process itself:
 `in_process_worker` (a worker's servicer, engine core process and /metrics) and
 `InProcessGateway`, for tests that read their objects or spans.
 
