@@ -236,11 +236,3 @@ def _tail(path: str, lines: int = 15) -> str:
     with open(path, "rb") as f:
         return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
 
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()

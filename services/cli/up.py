@@ -338,7 +338,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"kvfleet up: stopped in {time.monotonic() - stopping_at:.1f} s", flush=True)
 
 
-# --- reading `kvfleet up`'s banner (tests, the soak and startup benches start it as a program) --
+# --- reading `kvfleet up`'s banner (loadtests/local_fleet.py: tests and benches start it as a program)
 
 READY_PREFIX = "READY up "
 LISTEN_PREFIX = "listen"     # `  listen  <service> <kind> <host:port>`, one line per listener
@@ -369,17 +369,6 @@ class Banner:
                      if line.strip().startswith("redis ")), None)
 
 
-def read_banner(stdout) -> Banner:
-    """Read `kvfleet up`'s text output until READY; RuntimeError with what it printed if the
-    output ends first (it failed to start)."""
-    lines = []
-    for line in stdout:
-        lines.append(line.rstrip())
-        if line.startswith(READY_PREFIX):
-            return Banner(lines)
-    raise RuntimeError("kvfleet up ended before READY:\n" + "\n".join(lines))
-
-
 # --- `kvfleet bench startup`: how long `kvfleet up` takes to serve, and to stop ------------------
 
 def add_startup_args(p: argparse.ArgumentParser) -> None:
@@ -391,42 +380,27 @@ def add_startup_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_startup(args: argparse.Namespace) -> int:
-    """Start `kvfleet up` as a user would, time its READY line and its first served completion
-    (over HTTP, retried until it answers 200), then SIGTERM it and time its exit. Prints JSON."""
+    """Start `kvfleet up` as a user would (loadtests/local_fleet.py, the tests' runner too), time
+    its READY line and its first served completion (over HTTP, retried until it answers 200),
+    then SIGTERM it and time its exit. Prints JSON."""
     import json  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
 
-    from services.state.redis_server import free_port  # noqa: PLC0415
-    http = free_port()
+    from loadtests.local_fleet import kvfleet_up  # noqa: PLC0415
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.cli", "up", "--model", args.model, "--mode", args.mode,
-         "--routers", str(args.routers), "--kv-cache-mib", str(args.kv_cache_mib),
-         "--http-port", str(http), "--grpc-port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        ready_s = _ready_after(proc, t0)
-        first_s = _first_completion_after(f"http://127.0.0.1:{http}", t0, args.timeout_s)
-        stop_at = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        result = {"mode": args.mode, "routers": args.routers, "ready_s": round(ready_s, 2),
-                  "first_request_s": round(first_s, 2),
-                  "stopped_s": round(time.monotonic() - stop_at, 2)}
-        print(json.dumps(result))
-        return 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _ready_after(proc, t0: float) -> float:
-    try:
-        read_banner(proc.stdout)
-    except RuntimeError:
-        raise SystemExit(f"kvfleet up exited with status {proc.wait()} before READY") from None
-    return time.monotonic() - t0
+        with kvfleet_up(args.model, mode=args.mode, routers=args.routers,
+                        kv_cache_mib=args.kv_cache_mib, ready_s=args.timeout_s) as up:
+            first_s = _first_completion_after(up.url, t0, args.timeout_s)
+            stop_at = time.monotonic()
+            up.proc.send_signal(signal.SIGTERM)
+            up.proc.wait(timeout=30)
+            stopped_s = time.monotonic() - stop_at
+    except RuntimeError as e:                     # it ended, or was not READY, in time
+        raise SystemExit(str(e)) from None
+    print(json.dumps({"mode": args.mode, "routers": args.routers,
+                      "ready_s": round(up.ready_at - t0, 2), "first_request_s": round(first_s, 2),
+                      "stopped_s": round(stopped_s, 2)}))
+    return 0
 
 
 def _first_completion_after(url: str, t0: float, timeout_s: float) -> float:

@@ -16,13 +16,13 @@ import sys
 import httpx
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.cli.status import top_tenants
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import FleetState
 from services.state.redis_server import free_port
 from services.state.redis_auth import RedisCredentials
-from tests.up_helpers import REDIS_PASSWORD, kvfleet_up, redis_env
+from tests.harness import REDIS_PASSWORD, kvfleet_up, redis_env
 
 ROLES = {"gateway", "router", "prefill", "decode"}
 
@@ -41,11 +41,11 @@ def status_json(redis_url: str) -> dict:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
     """(redis URL, gateway URL) of a running `kvfleet up`, once every process has registered."""
-    with kvfleet_up(tiny_model_dir, "--mode", "disagg") as (_, http, lines):
-        redis_url = next(line.split()[-1] for line in lines if line.split()[:1] == ["redis"])
+    with kvfleet_up(tiny_model_dir, mode="disagg") as up:
+        redis_url = up.redis_url
         assert wait_until(lambda: {p["role"] for p in status_json(redis_url)["processes"]} == ROLES,
                           30, interval_s=0.5), status_json(redis_url)
-        yield redis_url, f"http://127.0.0.1:{http}"
+        yield redis_url, up.url
 
 
 def test_status_lists_every_process_with_a_metrics_url_that_answers(fleet):

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from services.cli.launcher import Launcher, descendants, running, wait_until
+from services.cli.launcher import Launcher, descendants, running
+from tests.waiting import wait_until
 from services.cli.health_watch import FleetProbe, HealthWatch
 from services.cli.supervisor import RestartPolicy, Supervisor
 from services.protocol.fleet_token import FleetAuth

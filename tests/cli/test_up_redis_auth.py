@@ -15,11 +15,10 @@ import redis
 
 from services.cli.launcher import descendants
 from services.state import redis_auth
-from tests.up_helpers import kvfleet_up
+from tests.harness import kvfleet_up
 
 
-def serves(http: int) -> None:
-    url = f"http://127.0.0.1:{http}"
+def serves(url: str) -> None:
     name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     r = httpx.post(f"{url}/v1/completions", timeout=60,
                    json={"model": name, "prompt": "Hello fleet", "max_tokens": 2})
@@ -42,8 +41,8 @@ def banner_value(lines: list[str], name: str) -> str:
 
 def test_the_embedded_redis_gets_a_generated_password_its_children_use(tiny_model_dir):
     # no password in up's environment: it makes one
-    with kvfleet_up(tiny_model_dir, "--mode", "colocated",
-                    env={redis_auth.ENV_PASSWORD: ""}) as (proc, http, lines):
+    with kvfleet_up(tiny_model_dir, mode="colocated", env={redis_auth.ENV_PASSWORD: ""}) as up:
+        proc, lines = up.proc, up.lines
         url = banner_value(lines, "redis")
         origin = banner_value(lines, "redis-auth")
         path = re.search(r"generated, in (\S+) ", origin).group(1)
@@ -52,7 +51,7 @@ def test_the_embedded_redis_gets_a_generated_password_its_children_use(tiny_mode
         assert password not in "\n".join(lines)
         assert not any(password.encode() in c
                        for c in command_lines([proc.pid, *descendants(proc.pid)]))
-        serves(http)
+        serves(up.url)
 
         with pytest.raises(redis.exceptions.NoPermissionError):
             redis.Redis.from_url(url).get("kvfleet:workers")
@@ -69,13 +68,14 @@ def test_redis_url_credentials_reach_the_children_by_environment(tiny_model_dir,
     assert creds.password
     db_url = bare.rsplit("/", 1)[0] + "/9"
     with_credentials = db_url.replace("redis://", f"redis://:{creds.password}@", 1)
-    with kvfleet_up(tiny_model_dir, "--mode", "colocated", "--redis-url", with_credentials,
-                    env={redis_auth.ENV_PASSWORD: ""}) as (proc, http, lines):
+    with kvfleet_up(tiny_model_dir, mode="colocated", redis_url=with_credentials,
+                    env={redis_auth.ENV_PASSWORD: ""}) as up:
+        proc, lines = up.proc, up.lines
         assert banner_value(lines, "redis") == db_url
         # (up's own command line has them: the test gave them there)
         children = [c for c in command_lines(descendants(proc.pid)) if b"--redis-url" in c]
         assert children and all(creds.password.encode() not in c for c in children)
-        serves(http)
+        serves(up.url)
     client = redis.Redis.from_url(with_credentials)
     client.flushdb()
     client.close()

@@ -20,7 +20,7 @@ import time
 from services.engine.model_zoo import resolve
 from services.protocol.timeouts import Timeouts
 from services.state.redis_server import RedisServerProcess
-from tests.fleet.fleet_helpers import route_request, running_fleet
+from tests.harness import route_request, running_fleet
 
 PROMPT = list(range(1, 25))
 KEEP_LISTED = ("--timeout-heartbeat-ttl-s", "20", "--timeout-engine-stall-s", "20")

@@ -18,11 +18,12 @@ import httpx
 import pytest
 import redis
 
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.records import RecordSeal, record_key
-from tests.fleet.fleet_helpers import Fleet
-from tests.gateway.gateway_helpers import Gateway, scrape, start_gateway, start_worker, write_configs
+from tests.harness import Fleet, Gateway, start_gateway
+from tests.gateway.gateway_helpers import scrape, write_configs
 
 NS = "kvfleet:"            # the fleet's namespace (the default)
 
@@ -77,7 +78,8 @@ def world(redis_url, tiny_model_dir, tmp_path_factory):
         fleet = Fleet(launcher, redis_url)
         fleet.start_router("colocated")
         engine_yaml, keys_yaml = write_configs(tmp_path_factory.mktemp("forged-config"))
-        start_worker(fleet, str(tiny_model_dir), engine_yaml)
+        fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
+        assert fleet.serving(10)
         gateway = start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", engine_yaml,
                                 "--api-keys", keys_yaml)
         yield fleet, gateway

@@ -20,12 +20,13 @@ from contextlib import contextmanager
 
 import grpc
 
-from services.cli.launcher import descendants, wait_until
+from services.cli.launcher import descendants
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
 from services.state.fleet_state import FleetState
-from tests.fleet.fleet_helpers import Fleet, route_request, running_fleet
+from tests.harness import Fleet, route_request, running_fleet
 
 PROMPT = list(range(1, 25))
 START_S = 2.0                      # prefill_start_s in these fleets

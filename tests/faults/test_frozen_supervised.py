@@ -23,9 +23,11 @@ import socket
 import httpx
 import pytest
 
-from services.cli.launcher import descendants, running, wait_until
+from services.cli.launcher import descendants, running
 from services.cli.up import Banner
-from tests.faults.up_fleet import kvfleet_up, stream_chat
+from tests.faults.fault_fleet import engine_config, stream_chat, supervised_fleet
+from tests.harness import holds_nothing, serves
+from tests.waiting import wait_until
 
 STALL_S = 2.0
 FAST = ("--prefill", "2", "--decode", "1", "--timeout-engine-stall-s", str(STALL_S),
@@ -34,7 +36,6 @@ FAST = ("--prefill", "2", "--decode", "1", "--timeout-engine-stall-s", str(STALL
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    from tests.faults.up_fleet import engine_config
     return engine_config(tmp_path_factory.mktemp("frozen"))
 
 
@@ -46,7 +47,7 @@ def listening(address: str) -> bool:
 
 
 def test_kill_9_of_kvfleet_up_leaves_no_process_and_no_port(redis_url, tiny_model_dir, config):
-    with kvfleet_up(redis_url, str(tiny_model_dir), config) as fleet:
+    with supervised_fleet(redis_url, str(tiny_model_dir), config) as fleet:
         tree = descendants(fleet.proc.pid)
         addresses = [address for _, _, address in Banner(fleet.lines).listeners]
         assert len(tree) >= 5 and len(addresses) >= 6, (tree, addresses)  # cores and workers ...
@@ -90,12 +91,12 @@ def thaw(pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(redis_url, tiny_model_dir, config):
-    with kvfleet_up(redis_url, str(tiny_model_dir), config, args=FAST) as f:
+    with supervised_fleet(redis_url, str(tiny_model_dir), config, args=FAST) as f:
         yield f
 
 
 def test_a_frozen_prefill_worker_is_routed_around_then_restarted(fleet):
-    assert fleet.serves(60)
+    assert serves(fleet, 60)
     victim = fleet.pid("prefill-0")
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -111,11 +112,11 @@ def test_a_frozen_prefill_worker_is_routed_around_then_restarted(fleet):
         thaw(victim)
     assert any("prefill-0 has not answered its health check" in line for line in fleet.lines)
     assert any("prefill-0 exited with status -9" in line for line in fleet.lines)
-    assert fleet.serves(60) and wait_until(fleet.holds_nothing, 30)
+    assert serves(fleet, 60) and wait_until(lambda: holds_nothing(fleet), 30)
 
 
 def test_a_frozen_decode_engine_core_is_seen_refused_fast_and_restarted(fleet):
-    assert fleet.serves(60) and gateway_health(fleet) == 200
+    assert serves(fleet, 60) and gateway_health(fleet) == 200
     worker = fleet.pid("decode-0")
     core = engine_core(worker)
     os.kill(core, signal.SIGSTOP)
@@ -129,4 +130,4 @@ def test_a_frozen_decode_engine_core_is_seen_refused_fast_and_restarted(fleet):
         thaw(core)
     assert not running(core)                 # went with its worker's process group
     assert any("decode-0 has not answered its health check" in line for line in fleet.lines)
-    assert fleet.serves(60) and wait_until(fleet.holds_nothing, 30)
+    assert serves(fleet, 60) and wait_until(lambda: holds_nothing(fleet), 30)

@@ -29,16 +29,16 @@ import httpx
 import pytest
 
 from services.state.fleet_state import FleetState
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher
+from tests.waiting import wait_until
 from services.state.outage import Backoff, Outage, RedisDown
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol import status
 from services.state import redis_auth
 from services.state.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
 from services.gateway.server import LEASE_TTL_ENV
-from tests.fleet.fleet_helpers import Fleet, route_request
-from tests.gateway.gateway_helpers import (Gateway, events, sse_data, start_gateway, start_worker,
-                                           write_configs)
+from tests.harness import Fleet, Gateway, route_request, start_gateway
+from tests.gateway.gateway_helpers import events, sse_data, write_configs
 
 LEASE_TTL_S = 3.0
 RECOVERY_S = 10.0          # the promise: serving again within this long of Redis coming back
@@ -126,7 +126,8 @@ def world(tiny_model_dir, tmp_path_factory):
         fleet = Fleet(launcher, redis.url)
         fleet.start_router("colocated")
         engine_yaml, keys_yaml = write_configs(tmp_path_factory.mktemp("outage-config"))
-        start_worker(fleet, str(tiny_model_dir), engine_yaml)
+        fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
+        assert fleet.serving()
         gateway = start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", engine_yaml,
                                 "--api-keys", keys_yaml)
         yield OutageFleet(redis, fleet, gateway)

@@ -29,11 +29,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli.launcher import children, wait_until
+from services.cli.launcher import children
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from tests.fleet.fleet_helpers import Fleet, route_request, running_fleet
-from tests.gateway.gateway_helpers import ENGINE_CONFIG, KEYS, bearer, start_gateway
+from tests.harness import Fleet, route_request, running_fleet
+from tests.gateway.gateway_helpers import ENGINE_CONFIG, KEYS, bearer
+from tests.harness import start_gateway
 
 PREFILL_CONTEXT = 128
 SHORT = list(range(10, 42))                  # 32 tokens: served

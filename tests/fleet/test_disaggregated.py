@@ -9,13 +9,13 @@ import time
 import grpc
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from tests.fleet.fleet_helpers import listening_sockets, route_request, running_fleet
+from tests.harness import listening_sockets, route_request, running_fleet
 
 PROMPT = [4080, 39, 72, 311, 464, 68] + list(range(600, 660))   # 66 tokens: 5 blocks of 16
 

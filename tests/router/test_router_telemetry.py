@@ -18,7 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher
+from tests.waiting import wait_until
 from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -28,7 +29,7 @@ from services.state.fleet_state import FleetState
 from services.state.records import RecordSeal
 from services.telemetry import exposition
 from services.telemetry.receiver import OtlpReceiver
-from tests.fleet.fleet_helpers import route_request, running_fleet
+from tests.harness import route_request, running_fleet
 
 PROMPT = list(range(100, 166))          # 66 tokens
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"

@@ -16,7 +16,7 @@ import redis
 from services.state import redis_auth
 from services.state.fleet_state import FleetState
 from services.state.redis_auth import RedisCredentials, RedisCredentialsError
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.state.redis_server import (HOST, EmbeddedRedis, RedisServerProcess,
                                           _die_with_parent_hook, free_port)
 

@@ -13,7 +13,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import FleetState, parse_service
 from services.state.redis_server import EmbeddedRedis
