@@ -43,6 +43,12 @@ class KeyRing:
         self._by_digest = None if keys is None else {_digest(k.key): k for k in keys}
         self._anonymous = anonymous
 
+    def ids(self) -> list[str]:
+        """The `key_id` of every key this gateway has (the anonymous one's when it has none)."""
+        if self._by_digest is None:
+            return [key_id(self._anonymous)]
+        return [d.hex() for d in self._by_digest]
+
     def find(self, kid: str) -> ApiKey | None:
         """The key whose `key_id` is `kid`, if this gateway still has it."""
         if self._by_digest is None:

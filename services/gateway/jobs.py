@@ -55,6 +55,10 @@ KINDS = {"completion": Kind(schema.CompletionRequest, schema.completion, "cmpl",
          "chat": Kind(schema.ChatCompletionRequest, schema.chat, "chatcmpl", "chat")}
 
 
+def _error_json(e: errors.GatewayError) -> str:
+    return json.dumps({**e.body()["error"], "status": e.status})
+
+
 def job_view(job: Job) -> dict:
     """What GET /v1/jobs/{id} answers (and the 202's body)."""
     return {"id": job.id, "object": "kvfleet.job", "status": job.state,
@@ -112,10 +116,7 @@ class JobRunner:
                 return
             left = job.deadline_s - time.time()
             if wait_s >= left:
-                await self._fail(job, errors.GatewayError(
-                    504, f"the job was not admitted before its deadline "
-                    f"({self.core.config.job_deadline_s:g} s after it was accepted)",
-                    code="job_deadline_exceeded"))
+                await self._fail(job, self._deadline_error())
                 return
             await asyncio.sleep(wait_s)
             await self.store.update(job_id, state="running", attempts=job.attempts + 1,
@@ -136,7 +137,13 @@ class JobRunner:
 
     async def _fail(self, job: Job, e: errors.GatewayError) -> None:
         await self.store.finish(job.id, "failed", self.core.config.job_ttl_s,
-                                error=json.dumps({**e.body()["error"], "status": e.status}))
+                                error=_error_json(e))
+
+    def _deadline_error(self) -> errors.GatewayError:
+        return errors.GatewayError(
+            504, f"the job was not completed before its deadline "
+            f"({self.core.config.job_deadline_s:g} s after it was accepted)",
+            code="job_deadline_exceeded")
 
     async def _attempt(self, job: Job) -> dict:
         """One run of the job's request; its OpenAI response body."""
@@ -184,7 +191,10 @@ class JobRunner:
             task = self._tasks.pop(job_id, None)
             if task is not None:
                 task.cancel()
-        for job_id in await self.store.claim(self.holder, self.lease_s):
+        claimed = await self.store.claim(self.holder, self.lease_s, self.core.keys.ids(),
+                                         self.core.config.job_ttl_s,
+                                         _error_json(self._deadline_error()))
+        for job_id in claimed:
             if job_id not in self._tasks:
                 log.info("taking over job %s", job_id)
                 self._start(job_id)

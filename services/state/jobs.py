@@ -14,6 +14,9 @@ leases of the jobs it runs; a gateway that dies stops renewing, and any gateway'
 the jobs whose lease lapsed (it becomes their owner and runs them from the start). A finished job
 leaves the zset and its hash expires `ttl` seconds later.
 
+A gateway claims only jobs made with an API key it has (gateways with different keys files may
+share a Redis); a lapsed job past its deadline is failed by whichever gateway looks.
+
 Invariants: only `claim` changes an open job's owner, and only once its lease has lapsed; `renew`
 extends a lease only for its owner (a gateway that lost a job to a claim learns so and stops it);
 a finished job is never reopened (update and finish need the hash to exist and the job open).
@@ -49,20 +52,28 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS[1] the leases zset; ARGV: now_ms, lease_ms, holder, key prefix, limit. Takes the jobs whose
-# lease lapsed (dropping members whose hash is gone); returns their ids.
+# KEYS[1] the leases zset; ARGV: now_ms, lease_ms, holder, key prefix, limit, ttl_ms, the
+# error of a job past its deadline, then the key ids the holder has. Of the jobs whose lease
+# lapsed: one past its deadline fails; one made with a key the holder has is taken; one whose
+# hash is gone leaves the zset; the rest wait for a gateway with their key. Returns the taken ids.
 _CLAIM_LUA = """
+local known = {}
+for i = 8, #ARGV do known[ARGV[i]] = true end
 local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[5])
 local taken = {}
 for _, id in ipairs(lapsed) do
   local key = ARGV[4] .. id
-  local state = redis.call('HGET', key, 'state')
-  if state == 'queued' or state == 'running' then
+  local job = redis.call('HMGET', key, 'state', 'key_id', 'deadline_s')
+  if job[1] ~= 'queued' and job[1] ~= 'running' then
+    redis.call('ZREM', KEYS[1], id)
+  elseif tonumber(job[3]) * 1000 < tonumber(ARGV[1]) then
+    redis.call('HSET', key, 'state', 'failed', 'error', ARGV[7], 'updated_s', ARGV[1] / 1000)
+    redis.call('PEXPIRE', key, ARGV[6])
+    redis.call('ZREM', KEYS[1], id)
+  elseif known[job[2]] then
     redis.call('ZADD', KEYS[1], ARGV[1] + ARGV[2], id)
     redis.call('HSET', key, 'owner', ARGV[3])
     table.insert(taken, id)
-  else
-    redis.call('ZREM', KEYS[1], id)
   end
 end
 return taken
@@ -184,12 +195,15 @@ class JobStore:
         return bool(await self._finish(keys=[self._key(job_id), self._leases],
                                        args=[job_id, int(ttl_s * 1000), *_pairs(values)]))
 
-    async def claim(self, holder: str, lease_s: float, limit: int = 16,
-                    now: float | None = None) -> list[str]:
-        """Take up to `limit` open jobs whose owner's lease lapsed; their ids."""
+    async def claim(self, holder: str, lease_s: float, key_ids: list[str], ttl_s: float,
+                    deadline_error: str, limit: int = 16, now: float | None = None) -> list[str]:
+        """Take up to `limit` open jobs whose owner's lease lapsed and whose key is one of
+        `key_ids` (a gateway can only run a job under its key); their ids. A lapsed job past its
+        deadline fails with `deadline_error` (JSON text) instead, whoever looks."""
         now = time.time() if now is None else now
         return list(await self._claim(keys=[self._leases], args=[
-            _ms(now), int(lease_s * 1000), holder, f"{self.ns}job:", limit]))
+            _ms(now), int(lease_s * 1000), holder, f"{self.ns}job:", limit, int(ttl_s * 1000),
+            deadline_error, *key_ids]))
 
     async def renew(self, holder: str, job_ids: list[str], lease_s: float,
                     now: float | None = None) -> list[str]:
