@@ -171,7 +171,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if not self._ended:
+        if not self._ended or self.error is not None:
             self.run.close()     # stops its calls; Cancel on every worker it touched
         self.core._ended(self)
 

@@ -265,6 +265,9 @@ class PlanRun:
             return await self._reader.__anext__()
         except StopAsyncIteration:
             return None
+        except grpc.aio.AioRpcError:
+            self.close()     # a failed run frees what it holds now: the decode reservation too
+            raise
 
     async def _read(self):
         plan = self.plan if self.plan is not None else await self.start()
@@ -290,10 +293,11 @@ class PlanRun:
         decode = self._decode = self.channels.decode_link(plan.decode.address).subscribe(
             self.request_id, self.timeouts.stream_s(self.request.params.max_tokens))
         prefill, first = await self._first_token(plan)
-        yield first
         if first.finished:           # ended at the prefill worker: no KV moves, no decode
-            self._end_decode()
+            self._end_decode()       # (before the yield: a caller may stop reading at the end)
+            yield first
             return
+        yield first
         replies = aiter(prefill)     # n > 1: samples 1..n-1's first tokens follow sample 0's
         for _ in range(max(1, self.request.params.n) - 1):
             reply = await anext(replies, None)

@@ -41,7 +41,8 @@ SHUTDOWN_BUDGET_S = 3.0      # every process of a fleet is gone this long after 
 @dataclass(frozen=True)
 class Timeouts:
     admit_s: float = 5.0               # gateway -> router Admit, placement and reservation included
-    reserve_s: float = 3.0             # router -> decode Reserve: a silent worker is skipped
+    reserve_s: float = 3.0             # router -> decode Reserve: a silent worker is skipped (its
+                                       # engine reserves nothing past this deadline)
     reservation_s: float = 30.0        # a decode reservation whose KV has not landed is freed after this
     kv_transfer_s: float = 30.0        # one KV write, at most (also bounded by the reservation)
     kv_deadline_margin_s: float = 1.0  # a KV write ends this long before its reservation expires

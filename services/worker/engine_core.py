@@ -80,13 +80,15 @@ class AddRequest(msgspec.Struct, tag=1, array_like=True):
 
 
 class Reserve(msgspec.Struct, tag=2, array_like=True):
-    """Decode role: engine.reserve_remote."""
+    """Decode role: engine.reserve_remote, unless the core reaches it past `deadline_s` (its
+    caller has given up by then: nothing is reserved, the reply says `expired`)."""
     call_id: int
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     tenant: str | None
     traffic_class: str | None
+    deadline_s: float | None = None   # time.monotonic() (one clock for the whole host); None: none
 
 
 class StartDecode(msgspec.Struct, tag=3, array_like=True):
@@ -160,7 +162,8 @@ class Done(msgspec.Struct, tag=22, array_like=True):
 
 class Reserved(msgspec.Struct, tag=23, array_like=True):
     call_id: int
-    blocks: list[int] | None      # None: this engine cannot back the reservation
+    blocks: list[int] | None      # None: this engine cannot back the reservation, or expired
+    expired: bool = False         # refused unrun: the core reached it past its deadline
 
 
 class Cancelled(msgspec.Struct, tag=24, array_like=True):
@@ -324,6 +327,10 @@ class EngineCore:
         return Done(cmd.call_id)
 
     def _reserve(self, cmd: Reserve) -> Reserved:
+        if cmd.deadline_s is not None and time.monotonic() > cmd.deadline_s:
+            log.warning("%s: Reserve reached the engine %.3f s past its deadline; not reserved",
+                        cmd.request_id, time.monotonic() - cmd.deadline_s)
+            return Reserved(cmd.call_id, None, expired=True)
         blocks = self.engine.reserve_remote(cmd.prompt_token_ids, cmd.params,
                                             request_id=cmd.request_id, tenant=cmd.tenant,
                                             traffic_class=cmd.traffic_class)
