@@ -186,7 +186,7 @@ class GatewayCore:
                  channels: Channels, timeouts: Timeouts | None = None) -> None:
         self.config = config
         self.model = model
-        self.keys = KeyRing(config.api_keys)
+        self.keys = KeyRing(config.api_keys, config.anonymous_key)
         self.validator = Validator(model)
         self.quotas = quotas
         self.channels = channels
