@@ -13,7 +13,7 @@ import grpc
 from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from tests.fleet.fleet_helpers import Fleet
+from tests.harness import Fleet
 
 
 class RouterProxy(pb_grpc.RouterServicer):

@@ -12,7 +12,7 @@ import pytest
 import redis
 import yaml
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.engine.config import SchedulerConfig, Tenant
 from services.gateway.auth import key_id
 from services.gateway.classes import ClassChoice, auto, choose
@@ -20,7 +20,8 @@ from services.gateway.config import ApiKey, GatewayConfig
 from services.gateway.errors import GatewayError
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from tests.gateway.gateway_helpers import KEYS, Gateway, key, openai_error
+from tests.gateway.gateway_helpers import KEYS, key, openai_error
+from tests.harness import Gateway
 from tests.gateway.router_proxy import RouterProxy
 
 THRESHOLD = 64
