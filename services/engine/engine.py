@@ -388,7 +388,7 @@ class LLMEngine:
         self.last_step = StepRecord(
             prefill_tokens=plan.num_prefill_tokens, decode_tokens=len(plan.decodes),
             num_prefill_seqs=len(plan.prefills), num_decode_seqs=len(plan.decodes),
-            duration_s=end - start, gap_s=gap,
+            duration_s=end - start if self.config.sim is None else step_s, gap_s=gap,
             # a decode chunk attends over its whole context: positions [0, start_pos] inclusive
             kv_read_bytes=sum(c.start_pos + 1 for c in plan.decodes) * self.kv_bytes_per_token,
             prefix_queries=plan.prefix_queries, prefix_hits=plan.prefix_hits,
