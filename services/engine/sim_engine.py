@@ -15,7 +15,7 @@ differs from the model's only in where tokens and step times come from:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -70,11 +70,22 @@ def step_timer(sim: SimConfig) -> StepTimer:
 
 def target_kv_bytes_per_token(sim: SimConfig, model_config: ModelConfig) -> int:
     """The real KV bytes one token holds on the target (the cost model's), or, without a cost
-    model, the served model's at its checkpoint dtype: what a KV transfer is paced by."""
+    model, the served model's at its checkpoint dtype."""
     model = cost_model(sim)
     if model is not None:
-        return int(model.kv_bytes_per_token)
+        return int(model.target.kv_bytes_per_token)
     return kv_bytes_per_token(model_config, model_config.torch_dtype or "float32")
+
+
+def transfer_timer(sim: SimConfig, model_config: ModelConfig) -> Callable[[int], float]:
+    """num_tokens -> seconds a KV transfer of that many prompt tokens takes at
+    sim.network_gbps: the cost model's transfer_s (its network efficiency included), else the
+    bytes of target_kv_bytes_per_token at the raw bandwidth."""
+    model = cost_model(sim)
+    if model is not None:
+        return lambda n: model.transfer_s(n, sim.network_gbps)
+    per_token = target_kv_bytes_per_token(sim, model_config)
+    return lambda n: per_token * n * 8 / (sim.network_gbps * 1e9)
 
 
 def sim_num_blocks(config: EngineConfig) -> int:

@@ -2,7 +2,8 @@
 engine"): the real backend (tcp, nixl, local) moves the simulated cache's small blocks, and each
 write starts only once the modelled time for the REAL bytes has passed:
 
-    delay = kv_bytes_per_token (the target's) x prompt tokens x 8 / (gbps x 1e9)
+    delay = transfer_s(prompt tokens)     (the target's KV bytes over --sim-network-gbps:
+                                           services/engine/sim_engine.py transfer_timer)
 
 so both ends see the transfer complete no earlier than its start + the modelled time (the source
 holds its blocks, the target's reservation waits, as they would for the real bytes). Prompt tokens:
@@ -13,22 +14,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.kv_transfer.base import Completion, KVTransport
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 
-def transfer_s(kv_bytes_per_token: int, num_tokens: int, gbps: float) -> float:
-    """Seconds to move num_tokens tokens of KV at gbps Gbit/s."""
-    return kv_bytes_per_token * num_tokens * 8 / (gbps * 1e9)
-
-
 class PacedTransport:
-    def __init__(self, inner: KVTransport, kv_bytes_per_token: int, gbps: float) -> None:
+    def __init__(self, inner: KVTransport, transfer_s: Callable[[int], float]) -> None:
         self.inner = inner
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.gbps = gbps
+        self.transfer_s = transfer_s
         self._timers: set[threading.Timer] = set()
         self._lock = threading.Lock()
         self._block_size = 0
@@ -50,7 +45,7 @@ class PacedTransport:
               timeout_s: float, checksum: bool = False, hand_off: pb.HandOff | None = None):
         tokens = (hand_off.num_prompt_tokens if hand_off is not None and hand_off.num_prompt_tokens
                   else len(src_block_ids) * self._block_size)
-        delay = transfer_s(self.kv_bytes_per_token, tokens, self.gbps)
+        delay = self.transfer_s(tokens)
         outer = Completion(f"KV write {transfer_id}", timeout_s)
         args = (transfer_id, list(src_block_ids), target)
 

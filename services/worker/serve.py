@@ -281,11 +281,10 @@ def paced_transport(transport, config: EngineConfig):
     target's real KV bytes at --sim-network-gbps (services/kv_transfer/paced.py)."""
     from services.engine.engine import resolve_model_dir  # noqa: PLC0415
     from services.engine.model.config import ModelConfig  # noqa: PLC0415
-    from services.engine.sim_engine import target_kv_bytes_per_token  # noqa: PLC0415
+    from services.engine.sim_engine import transfer_timer  # noqa: PLC0415
     from services.kv_transfer.paced import PacedTransport  # noqa: PLC0415
-    per_token = target_kv_bytes_per_token(
-        config.sim, ModelConfig.from_dir(resolve_model_dir(config.model)))
-    return PacedTransport(transport, per_token, config.sim.network_gbps)
+    model_config = ModelConfig.from_dir(resolve_model_dir(config.model))
+    return PacedTransport(transport, transfer_timer(config.sim, model_config))
 
 
 def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:
