@@ -214,3 +214,27 @@ def test_the_sim_decides_exactly_as_the_real_engine_on_the_same_trace(tiny_model
     real = LLMEngine(base)
     sim = LLMEngine(replace(base, sim=SimConfig(step_s=0.01)), step_timer=FixedStepTimer(0.01))
     assert _drive(sim, commands) == _drive(real, commands)
+
+
+def test_a_config_file_may_name_the_simulated_core_and_bad_specs_are_clear_errors():
+    from services.engine.config_file import engine_config_from_dict
+    cfg = engine_config_from_dict({"sim": {"kv_tokens": 4096, "output_len": "geometric:mean=30"}})
+    assert cfg.sim == SimConfig(kv_tokens=4096, output_len="geometric:mean=30")
+    with pytest.raises(ValueError, match="unknown keys"):
+        engine_config_from_dict({"sim": {"gpus": 4}})
+    with pytest.raises(ValueError, match="output length spec"):
+        SimConfig(output_len="normal:mean=3")
+
+
+def test_the_sim_flags_make_one_sim_config_and_kvfleet_up_passes_them_on():
+    import argparse
+
+    from services.engine.config import add_sim_args, sim_args, sim_config_from_args
+    p = argparse.ArgumentParser()
+    add_sim_args(p)
+    args = p.parse_args(["--engine", "sim", "--sim-tp", "8", "--sim-kv-tokens", "100",
+                         "--sim-step-ms", "5", "--sim-output-len", "fixed:3"])
+    assert sim_config_from_args(args) == SimConfig(tp=8, kv_tokens=100, step_s=0.005,
+                                                   output_len="fixed:3")
+    assert sim_config_from_args(p.parse_args(sim_args(args))) == sim_config_from_args(args)
+    assert sim_config_from_args(p.parse_args([])) is None and sim_args(p.parse_args([])) == []
