@@ -50,8 +50,9 @@ def cost_model(sim: SimConfig):
                                 kv_dtype=sim.kv_dtype)
 
 
-def step_timer(sim: SimConfig) -> StepTimer:
-    """sim.step_s (fixed), else the measured profile sim.profile, else the target's cost model."""
+def step_timer(sim: SimConfig, model=None) -> StepTimer:
+    """sim.step_s (fixed), else the measured profile sim.profile, else the target's cost model
+    (`model`, when the caller has built it)."""
     if sim.step_s is not None:
         return FixedStepTimer(sim.step_s)
     if sim.profile is not None:
@@ -61,17 +62,17 @@ def step_timer(sim: SimConfig) -> StepTimer:
             raise ValueError("--sim-profile: this build has no step profiles "
                              "(services/planner/profile.py)") from None
         return StepProfile.load(sim.profile)
-    model = cost_model(sim)
+    model = model if model is not None else cost_model(sim)
     if model is None:
         raise ValueError("the simulated engine needs step times: this build has no cost model "
                          "(services/planner/capacity.py); give --sim-step-ms or --sim-profile")
     return model
 
 
-def target_kv_bytes_per_token(sim: SimConfig, model_config: ModelConfig) -> int:
+def target_kv_bytes_per_token(sim: SimConfig, model_config: ModelConfig, model=None) -> int:
     """The real KV bytes one token holds on the target (the cost model's), or, without a cost
     model, the served model's at its checkpoint dtype."""
-    model = cost_model(sim)
+    model = model if model is not None else cost_model(sim)
     if model is not None:
         return int(model.target.kv_bytes_per_token)
     return kv_bytes_per_token(model_config, model_config.torch_dtype or "float32")
@@ -88,14 +89,14 @@ def transfer_timer(sim: SimConfig, model_config: ModelConfig) -> Callable[[int],
     return lambda n: per_token * n * 8 / (sim.network_gbps * 1e9)
 
 
-def sim_num_blocks(config: EngineConfig) -> int:
+def sim_num_blocks(config: EngineConfig, model=None) -> int:
     """config.num_blocks, else sim.kv_tokens, else the target's KV capacity, in blocks."""
     if config.num_blocks:
         return config.num_blocks
     sim = config.sim
     tokens = sim.kv_tokens
     if tokens is None:
-        model = cost_model(sim)
+        model = model if model is not None else cost_model(sim)
         if model is None:
             raise ValueError("the simulated engine needs a KV capacity: this build has no cost "
                              "model (services/planner/capacity.py); give --sim-kv-tokens")
@@ -115,13 +116,14 @@ class SimExecutor:
             raise ValueError("the simulated engine models tensor parallelism (sim tp); "
                              "tensor_parallel_size must be 1")
         sim = config.sim
-        self.timer = timer if timer is not None else step_timer(sim)
-        self.num_blocks = sim_num_blocks(config)
+        self.cost_model = cost_model(sim)      # None in a build without one
+        self.timer = timer if timer is not None else step_timer(sim, self.cost_model)
+        self.num_blocks = sim_num_blocks(config, self.cost_model)
         layout = sim_kv_layout(model_config)
         shape = kv_cache_shape(layout, self.num_blocks, config.block_size)
         data = kv_alloc(shape, SIM_KV_DTYPE) if kv_alloc is not None else None
         self.kv_cache = KVCache(layout, self.num_blocks, config.block_size, SIM_KV_DTYPE, data=data)
-        self.kv_bytes_per_token = target_kv_bytes_per_token(sim, model_config)
+        self.kv_bytes_per_token = target_kv_bytes_per_token(sim, model_config, self.cost_model)
         excluded = set(model_config.eos_token_ids)
         if tokenizer is not None:
             excluded |= tokenizer.eos_token_ids | tokenizer.special_ids
