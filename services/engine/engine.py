@@ -2,10 +2,11 @@
 
 One `step()` is one model iteration:
   1. scheduler.schedule()  -> plan: decode tokens first, then prefill chunks (KV reserved)
-  2. runner.execute(plan)  -> logits for sampling rows and prompt-logprob rows
-  3. sampler               -> one token per sequence that reached its last known token
-  4. scheduler.update()    -> counters advance, EOS / length finish and free pages
-  5. output states         -> text deltas, stop strings (finish + free in this same step)
+  2. executor.execute     -> one token per sequence that reached its last known token, and
+                              prompt logprobs (executor.py: the model and the sampler, or the
+                              simulated core's deterministic tokens, config.sim)
+  3. scheduler.update()    -> counters advance, EOS / length finish and free pages
+  4. output states         -> text deltas, stop strings (finish + free in this same step)
 The engine is single-threaded: callers (a worker's event loop, the CLI) drive `step()`.
 """
 from __future__ import annotations

@@ -15,7 +15,9 @@ Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineCli
   2. loop: run every queued command (each answered with its typed reply; a command that raises
      is answered with CallFailed and the core goes on), then step() while there is work, sending
      each step's outputs and its StepStats in ONE StepOutputs message (a step that ran the model
-     sends one even without outputs); block on the sockets when idle.
+     sends one even without outputs); block on the sockets when idle. A simulated core
+     (EngineConfig.sim: `build_engine` makes it, no weights are loaded) sleeps until the step's
+     start + its modelled time before sending it (emulation on the wall clock).
   3. Shutdown -> exit 0. The server process gone (stdin, which the server keeps open and never
      writes to again, reaches EOF) -> remove the run directory the server could not, exit 0.
      Any exception out of step() or the loop -> Failure (type + text + traceback), exit 1.
