@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(ssub, "kvfleet sim calibrate", "measure this machine's engine step time by batch "
               "composition and fit a step profile (JSON)", "services.cli.sim_cmd:add_calibrate_args",
               "services.cli.sim_cmd:run_calibrate")
+    _delegate(ssub, "kvfleet sim run", "a workload through a simulated fleet on a virtual clock "
+              "(the real scheduler and router placement, modelled step times): the bench's "
+              "report", "services.cli.sim_cmd:add_run_args", "services.cli.sim_cmd:run_sim")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)

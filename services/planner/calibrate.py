@@ -81,7 +81,7 @@ def calibrate(cfg: CalibrateConfig, progress: Callable[[str], None] | None = Non
     dtype = ""
     for chunk in grid.chunk_sizes:
         engine = _engine(cfg, chunk)
-        dtype = str(next(engine.runner.model.parameters()).dtype).removeprefix("torch.")
+        dtype = str(engine.kv_cache.dtype).removeprefix("torch.")   # auto: the model's
         _run(engine, Scenario(chunk, 4, 64, (chunk * 2,), 2), rng, WARMUP_STEPS)  # discarded
         scenarios = [s for s in grid if s.chunk_size == chunk]
         runs: dict[Scenario, list] = {sc: [] for sc in scenarios}
