@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(sub, "kvfleet status", "every process of a fleet, its load, the overload stage and "
               "the top tenants, from Redis and the services' /metrics",
               "services.cli.status:add_status_args", "services.cli.status:run_status")
+    _delegate(sub, "kvfleet capacity", "memory, KV capacity, prefill / decode / KV transfer time "
+              "of a (model, GPU, TP, dtype) target by roofline; --check against published numbers",
+              "services.cli.capacity_cmd:add_args", "services.cli.capacity_cmd:run")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="target", required=True)
