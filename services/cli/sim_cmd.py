@@ -116,9 +116,9 @@ def run_sim(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
         return 0
     print(f"{spec.name} on {cfg.fleet} (simulated): {len(run.records)} requests, "
-          f"{outcome.simulated_s:.1f} simulated s in {outcome.wall_s:.1f} wall s "
-          f"({outcome.speedup:.1f}x real time, {outcome.steps} engine steps); report in "
-          f"{out}/report.md\n")
+          f"{outcome.simulated_s:.1f} simulated s in {outcome.wall_s - outcome.setup_s:.1f} wall s "
+          f"({outcome.speedup:.1f}x real time; {outcome.steps} engine steps; setup "
+          f"{outcome.setup_s:.1f} s); report in {out}/report.md\n")
     print(class_table(summary))
     overall = summary["overall"]
     print(f"\ngoodput {overall['goodput_rps']:.2f} req/s, {overall['output_tokens_per_s']:.0f} "
