@@ -68,7 +68,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-network-gbps", type=float, default=None, metavar="G",
                    help="KV transfer bandwidth in Gbit/s (default 400)")
     p.add_argument("--sim-kv-tokens", type=int, default=None, metavar="N",
-                   help="KV capacity per worker in tokens (default: the target's)")
+                   help="KV capacity per worker in tokens (default: the target's; with "
+                        "--sim-profile, what --kv-cache-mib holds of the served model's KV)")
+    p.add_argument("--kv-cache-mib", type=int, default=256,
+                   help="with --sim-profile: the real worker's KV cache (kvfleet up's default 256)")
     p.add_argument("--seed", type=int, default=None, help="override the spec's seed")
     p.add_argument("--duration", type=float, default=None, help="override the spec's duration_s")
     p.add_argument("--max-requests", type=int, default=None)
@@ -97,11 +100,13 @@ def run_sim(args: argparse.Namespace) -> int:
     from loadtests.cli import spec_from_args  # noqa: PLC0415
     from loadtests.distributions import SpecError  # noqa: PLC0415
     from loadtests.report import class_table, write_report  # noqa: PLC0415
+    from services.engine.config import EngineConfig  # noqa: PLC0415
     from services.planner.profile import ProfileError  # noqa: PLC0415
     from services.planner.simulator import Fleet, SimRunConfig, simulate  # noqa: PLC0415
     try:
         spec = spec_from_args(args)
-        cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim_config_of(args), model=args.model)
+        cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim_config_of(args), model=args.model,
+                           engine=EngineConfig(kv_cache_mib=args.kv_cache_mib))
         outcome = simulate(spec, cfg)
     except (SpecError, ProfileError, ValueError, KeyError) as e:
         print(f"kvfleet sim run: {e}", file=sys.stderr)

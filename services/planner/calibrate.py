@@ -46,10 +46,9 @@ class Grid:
                 yield Scenario(chunk, decodes, context, prompts, self.decode_steps)
 
 
-FULL = Grid(chunk_sizes=(32, 128, 512), decode_steps=8, repeats=5, scenarios=(
-    (1, 32, (1024,)), (1, 1024, (4096,)), (8, 128, (2048,)), (8, 2048, (512, 512)),
-    (32, 256, (1024,)), (32, 1024, ()), (64, 128, (2048,)), (64, 512, ()), (0, 0, (8192,)),
-    (0, 0, (300, 700, 100)), (16, 4096, (256,)),
+FULL = Grid(chunk_sizes=(64, 256), decode_steps=6, repeats=3, scenarios=(
+    (1, 64, (512,)), (4, 256, (1024,)), (16, 128, (256, 256)), (32, 512, ()),
+    (8, 1024, (2048,)), (0, 0, (4096,)), (0, 0, (200, 90, 40)),
 ))
 QUICK = Grid(chunk_sizes=(64,), decode_steps=3, repeats=2, scenarios=(
     (1, 64, (256,)), (8, 128, (128,)), (0, 0, (256, 40)),
