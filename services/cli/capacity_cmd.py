@@ -139,10 +139,11 @@ def _check(constants, as_json: bool) -> int:
     if as_json:
         print(json.dumps([{**asdict(p), "error": p.error, "ok": p.ok} for p in points], indent=2))
     else:
-        print(f"{'source':<80} {'metric':<25} {'published':>10} {'model':>10} {'off':>7}")
+        width = max(len(p.source) for p in points)
+        print(f"{'source':<{width}} {'metric':<25} {'published':>10} {'model':>10} {'off':>7}")
         for p in points:
-            print(f"{p.source:<80} {p.name:<25} {p.published:>10,.1f} {p.model:>10,.1f} "
+            print(f"{p.source:<{width}} {p.name:<25} {p.published:>10,.1f} {p.model:>10,.1f} "
                   f"{p.error:>+7.1%}{'' if p.ok else '  OVER ' + format(TOLERANCE, '.0%')}")
             if p.assumption:
-                print(f"{'':<80}   assumed: {p.assumption}")
+                print(f"{'':<{width}}   assumed: {p.assumption}")
     return 0 if all(p.ok for p in points) else 1

@@ -52,6 +52,8 @@ def offered_load(model: CostModel, name_or_path: str, unscaled: bool = False) ->
     if not requests:
         raise ValueError(f"workload {spec.name!r} plans no requests in {spec.duration_s:g} s")
     duration = spec.duration_s
+    if spec.max_requests is not None and len(requests) == spec.max_requests:
+        duration = max(requests[-1].at_s, 1e-9)      # cut by max_requests: the span they arrive in
     prompts = [r.prompt_tokens for r in requests]
     outputs = [r.max_tokens for r in requests]
     return _load(model, spec.name, duration, prompts, outputs)
