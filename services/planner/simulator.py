@@ -284,6 +284,8 @@ class Simulation:
                 rec.status, rec.finish_reason = 200, out.finish_reason
                 rec.e2e_s = now - rec.send_s
                 rec.timing = self._timing(track, now)
+                if w.role == "prefill":          # ended at its first token: nothing to decode
+                    self.workers[track.decode_worker].engine.cancel(out.request_id)
 
     def _token(self, track: _Track, now: float) -> None:
         rec = track.record

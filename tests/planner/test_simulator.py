@@ -143,3 +143,22 @@ def test_a_measured_profile_drives_the_steps(tmp_path):
         profile=str(profile))))
     gaps = [g for r in outcome.run.records for g in r.itl_s]
     assert gaps and min(gaps) >= 0.01                    # every step at least the constant
+
+
+def test_after_a_run_every_worker_has_given_every_page_back():
+    # one-token answers end on the prefill worker: their decode reservations are cancelled
+    import yaml
+
+    from loadtests.workload import WORKLOADS_DIR, parse_workload
+    from services.planner.simulator import Simulation, timing_of
+    data = yaml.safe_load((WORKLOADS_DIR / "chat-only.yaml").read_text())
+    for outputs in ({"dist": "fixed", "value": 1}, {"dist": "fixed", "value": 5}):
+        data["classes"]["interactive"]["output_tokens"] = outputs
+        spec = parse_workload(data).with_overrides(duration_s=2.0)
+        cfg = config("disagg:1:2")
+        sim = Simulation(spec, cfg, *timing_of(cfg))
+        run = sim.run()
+        assert all(r.ok and r.output_tokens == outputs["value"] for r in run.records)
+        for w in sim.workers:
+            stats = w.engine.stats()
+            assert stats.kv_blocks_used == stats.kv_blocks_reserved == stats.num_running == 0, w.worker_id
