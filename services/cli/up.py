@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.supervisor import Supervisor
-from services.engine.config import add_engine_args
+from services.engine.config import add_engine_args, add_sim_args, sim_args
 from services.protocol import fleet_token, timeouts
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
 from services.state.redis_server import EmbeddedRedis
@@ -71,6 +71,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=256)
     add_engine_args(p, "the workers'")
+    add_sim_args(p)
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--config", default=None,
                    help="engine config YAML (classes, tenants, budgets) for workers and gateway")
@@ -133,6 +134,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
             common += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if getattr(args, "kv_cache_scales", None):
         common += ["--kv-cache-scales", ",".join(map(repr, args.kv_cache_scales))]
+    common += sim_args(args)
     specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
                              "--kv-backend", args.kv_backend, *common,
                              *ports.child_args(plan, f"{role}-{i}")]

@@ -271,11 +271,20 @@ class EngineCore:
             if self.commands in ready and not self._drain():
                 return
             if self.engine.has_unfinished():
+                started = time.monotonic()
                 outputs = self.engine.step()
                 record = self.engine.last_step
+                self._pace(started)
                 if outputs or record is not None:
                     step = StepStats.of(record) if record is not None else None
                     self.send(StepOutputs(outputs, time.monotonic(), step))
+
+    def _pace(self, started: float) -> None:
+        """A simulated step ends at its start + its modelled time (wall clock): its outputs are
+        sent then. The real engine's steps take what they take (modelled time 0)."""
+        left = started + self.engine.last_step_modelled_s - time.monotonic()
+        if left > 0:
+            time.sleep(left)
 
     def _drain(self) -> bool:
         """Run every queued command; False on Shutdown."""
@@ -373,6 +382,12 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return data
 
 
+def build_engine(config: EngineConfig, kv_alloc) -> LLMEngine:
+    """The engine this core runs: the model's, or (config.sim set) the simulated core's, which
+    loads no weights and whose steps this loop paces to their modelled time."""
+    return LLMEngine(config, kv_alloc=kv_alloc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The core process. Returns 0 after Shutdown (or the server gone), FAILED_EXIT after a
     Failure (sent to the server first)."""
@@ -395,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_config(sys.stdin.fileno())
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
-        engine = LLMEngine(config, kv_alloc=kv.alloc)
+        engine = build_engine(config, kv.alloc)
         faults.install(engine)
         data = engine.kv_cache.data
         core = EngineCore(engine, commands, replies, sys.stdin.fileno())

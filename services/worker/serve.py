@@ -28,7 +28,7 @@ import grpc
 import torch
 from redis.exceptions import RedisError
 
-from services.engine.config import EngineConfig, add_engine_args
+from services.engine.config import EngineConfig, add_engine_args, add_sim_args, sim_config_from_args
 from services.engine.config_file import load_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
@@ -62,6 +62,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
     add_engine_args(p)
+    add_sim_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (the engine core is rank 0; mixed role only)")
     p.add_argument("--threads", type=int, default=0,
@@ -97,6 +98,9 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
         cfg = replace(cfg, logprobs_mode=args.logprobs_mode)
     if getattr(args, "tensor_parallel", 1) > 1:
         cfg = replace(cfg, tensor_parallel_size=args.tensor_parallel)
+    sim = sim_config_from_args(args)
+    if sim is not None:
+        cfg = replace(cfg, sim=sim)
     return cfg
 
 
@@ -230,6 +234,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
         transport = make_transport(args.kv_backend, config.worker_id, port=args.kv_port)
+        if engine.config.sim is not None:   # the simulated core: writes take the target's time
+            transport = paced_transport(transport, engine.config)
         telemetry.expect_kv(args.kv_backend)
         transport.register(engine.kv_cache)
     servicer = WorkerServicer(config, engine, transport, telemetry)
@@ -268,6 +274,17 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if transport is not None:
         transport.close()
     return ENGINE_FAILED_EXIT if failed else 0
+
+
+def paced_transport(transport, config: EngineConfig):
+    """The KV transport of a simulated core's worker: each write takes the modelled time of the
+    target's real KV bytes at --sim-network-gbps (services/kv_transfer/paced.py)."""
+    from services.engine.engine import resolve_model_dir  # noqa: PLC0415
+    from services.engine.model.config import ModelConfig  # noqa: PLC0415
+    from services.engine.sim_engine import transfer_timer  # noqa: PLC0415
+    from services.kv_transfer.paced import PacedTransport  # noqa: PLC0415
+    model_config = ModelConfig.from_dir(resolve_model_dir(config.model))
+    return PacedTransport(transport, transfer_timer(config.sim, model_config))
 
 
 def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:
