@@ -46,12 +46,13 @@ def latencies(run: RunResult) -> dict:
             "itl_s": latency_stats([g for r in ok for g in r.itl_s])}
 
 
-def real_run(spec: WorkloadSpec) -> RunResult:
+def real_runs(specs: list[WorkloadSpec]) -> list[RunResult]:
+    """The specs (one workload's tenants) one after the other through one real fleet."""
     from loadtests.local_fleet import FleetSetup, local_fleet  # noqa: PLC0415
     from loadtests.runner import RunConfig, run_workload  # noqa: PLC0415
-    with local_fleet(list(spec.tenants), FleetSetup(mode="colocated")) as fleet:
-        return asyncio.run(run_workload(spec, RunConfig(fleet.endpoint,
-                                                        tenant_keys=fleet.tenant_keys)))
+    with local_fleet(list(specs[0].tenants), FleetSetup(mode="colocated")) as fleet:
+        cfg = RunConfig(fleet.endpoint, tenant_keys=fleet.tenant_keys)
+        return [asyncio.run(run_workload(spec, cfg)) for spec in specs]
 
 
 def sim_run(spec: WorkloadSpec, profile: str) -> RunResult:
@@ -60,18 +61,24 @@ def sim_run(spec: WorkloadSpec, profile: str) -> RunResult:
                                        sim=SimConfig(profile=profile))).run
 
 
-def compare(workload: str, rate: float, duration_s: float, profile: str,
-            out: Path | None = None) -> Comparison:
-    spec = load_workload(workload).with_overrides(duration_s=duration_s, rate_scale=rate)
+def compare(workload: str, rates: list[float], duration_s: float, profile: str,
+            out: Path | None = None) -> list[Comparison]:
+    """One workload at each rate, through one real fleet and through the simulator."""
+    base = load_workload(workload)
+    specs = [base.with_overrides(duration_s=duration_s, rate_scale=r) for r in rates]
     load = os.getloadavg()[0]
-    real = real_run(spec)
-    sim = sim_run(spec, profile)
-    if out is not None:
-        from loadtests.report import write_report  # noqa: PLC0415
-        write_report(real, out / f"{workload}-{rate:g}" / "real")
-        write_report(sim, out / f"{workload}-{rate:g}" / "sim")
-    return Comparison(workload, rate, len(real.records), latencies(real), latencies(sim),
-                      sum(r.ok for r in real.records), sum(r.ok for r in sim.records), load)
+    reals = real_runs(specs)
+    rows = []
+    for rate, spec, real in zip(rates, specs, reals):
+        sim = sim_run(spec, profile)
+        if out is not None:
+            from loadtests.report import write_report  # noqa: PLC0415
+            write_report(real, out / f"{workload}-{rate:g}" / "real")
+            write_report(sim, out / f"{workload}-{rate:g}" / "sim")
+        rows.append(Comparison(workload, rate, len(real.records), latencies(real), latencies(sim),
+                               sum(r.ok for r in real.records), sum(r.ok for r in sim.records),
+                               load))
+    return rows
 
 
 def table(rows: list[Comparison]) -> str:
@@ -107,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else None
     rows = []
+    rates = [float(r) for r in args.rates.split(",")]
     for workload in args.workloads.split(","):
-        for rate in (float(r) for r in args.rates.split(",")):
-            rows.append(compare(workload, rate, args.duration, args.profile, out))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        got = compare(workload, rates, args.duration, args.profile, out)
+        rows += got
+        print("\n".join(table(got).splitlines()[2:]), flush=True)
     print(table(rows))
     if out is not None:
         (out / "table.md").write_text(table(rows) + "\n")

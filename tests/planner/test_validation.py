@@ -15,8 +15,8 @@ TOLERANCE = 0.20
 def test_simulated_mean_ttft_is_within_twenty_percent_of_the_real_fleet(tmp_path):
     profile = calibrate(CalibrateConfig(model="tiny", quick=True))
     profile.save(tmp_path / "profile.json")
-    result = compare("chat-only", rate=0.5, duration_s=20.0, profile=str(tmp_path / "profile.json"),
-                     out=tmp_path)
+    [result] = compare("chat-only", [0.5], duration_s=20.0, profile=str(tmp_path / "profile.json"),
+                       out=tmp_path)
     assert result.real_ok == result.requests and result.sim_ok == result.requests
     error = result.error("ttft_s", "mean")
     assert error is not None and abs(error) <= TOLERANCE, (
