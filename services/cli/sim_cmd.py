@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -11,7 +12,8 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, a named model, or a checkpoint dir")
     p.add_argument("--out", default="step-profile.json", help="the profile file to write")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's; the fleet's workers use theirs)")
+                   help="torch threads; default: what kvfleet up gives one worker (the cores less "
+                        "one, at least 1). Measure with the threads the fleet's workers use")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds): a smoke test")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stat", choices=["median", "min"], default="median",
@@ -25,8 +27,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         print("kvfleet sim calibrate: --threads must be >= 1", file=sys.stderr)
         return 2
+    threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1)
     try:
-        profile = calibrate(CalibrateConfig(model=args.model, threads=args.threads,
+        profile = calibrate(CalibrateConfig(model=args.model, threads=threads,
                                             quick=args.quick, seed=args.seed, stat=args.stat),
                             progress=None if args.json else lambda m: print(m, file=sys.stderr))
     except (ValueError, FileNotFoundError) as e:

@@ -62,12 +62,21 @@ def sim_run(spec: WorkloadSpec, profile: str) -> RunResult:
 
 
 def compare(workload: str, rates: list[float], duration_s: float, profile: str,
-            out: Path | None = None) -> list[Comparison]:
-    """One workload at each rate, through one real fleet and through the simulator."""
+            out: Path | None = None, reuse_real: bool = False) -> list[Comparison]:
+    """One workload at each rate, through one real fleet and through the simulator.
+    `reuse_real`: the real runs saved under `out` by an earlier call, when all are there (a new
+    profile is then checked against the same real runs)."""
     base = load_workload(workload)
     specs = [base.with_overrides(duration_s=duration_s, rate_scale=r) for r in rates]
-    load = os.getloadavg()[0]
-    reals = real_runs(specs)
+    saved = [out / f"{workload}-{r:g}" / "real" / "run.json" for r in rates] if out else []
+    if reuse_real and saved and all(p.is_file() for p in saved):
+        reals = [RunResult.load(p) for p in saved]
+        load = float(reals[0].meta.get("loadavg_1m", float("nan")))
+    else:
+        load = os.getloadavg()[0]
+        reals = real_runs(specs)
+        for real in reals:
+            real.meta["loadavg_1m"] = load
     rows = []
     for rate, spec, real in zip(rates, specs, reals):
         sim = sim_run(spec, profile)
@@ -111,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="0.5,1", help="scale.rate values")
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--out", default=None, help="folder for each run's reports and table.md")
+    p.add_argument("--reuse-real", action="store_true",
+                   help="take the real runs an earlier call saved under --out (new profile, same runs)")
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else None
     rows = []
     rates = [float(r) for r in args.rates.split(",")]
     for workload in args.workloads.split(","):
-        got = compare(workload, rates, args.duration, args.profile, out)
+        got = compare(workload, rates, args.duration, args.profile, out, args.reuse_real)
         rows += got
         print("\n".join(table(got).splitlines()[2:]), flush=True)
     print(table(rows))
