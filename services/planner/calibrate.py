@@ -50,8 +50,10 @@ FULL = Grid(chunk_sizes=(256,), decode_steps=6, repeats=2, scenarios=(
     (1, 64, (600,)), (8, 256, (1000,)), (16, 128, (300, 200)), (32, 512, ()),
     (4, 1024, (500,)), (0, 0, (2000,)), (0, 0, (200, 90, 40)),
 ))
-QUICK = Grid(chunk_sizes=(64,), decode_steps=3, repeats=2, scenarios=(
-    (1, 64, (256,)), (8, 128, (128,)), (0, 0, (256, 40)),
+QUICK = Grid(chunk_sizes=(256,), decode_steps=3, repeats=2, scenarios=(
+    (1, 64, (512,)), (8, 128, (300,)), (0, 0, (600, 40)),
+))
+ (8, 128, (128,)), (0, 0, (256, 40)),
 ))
 
 
