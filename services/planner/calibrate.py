@@ -53,8 +53,6 @@ FULL = Grid(chunk_sizes=(256,), decode_steps=6, repeats=2, scenarios=(
 QUICK = Grid(chunk_sizes=(256,), decode_steps=3, repeats=2, scenarios=(
     (1, 64, (512,)), (8, 128, (300,)), (0, 0, (600, 40)),
 ))
- (8, 128, (128,)), (0, 0, (256, 40)),
-))
 
 
 @dataclass(frozen=True)
