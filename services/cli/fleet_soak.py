@@ -34,6 +34,7 @@ from services.cli.up import read_banner
 from services.protocol.fleet_token import ENV_TOKEN, METADATA_KEY, generate
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.state import redis_auth
 from services.state.redis_server import free_port
 
 
@@ -192,15 +193,18 @@ async def soak(args: argparse.Namespace, http: str, workers: dict[str, str], up_
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    token, http = generate(), free_port()
+    token, password, http = generate(), redis_auth.generate(), free_port()
     cmd = [sys.executable, "-m", "services.cli.cli", "up", "--model", args.model, "--mode",
            args.mode, "--http-port", str(http), "--grpc-port", str(free_port()),
            "--kv-cache-mib", str(args.kv_cache_mib)]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True, env={**os.environ, ENV_TOKEN: token})
+                          start_new_session=True,
+                          env={**os.environ, ENV_TOKEN: token, redis_auth.ENV_PASSWORD: password})
     try:
         banner = read_banner(up.stdout)
-        workers, redis_url = banner.workers, banner.redis_url
+        workers = banner.workers
+        # the embedded Redis's password is the one given to `kvfleet up` above
+        redis_url = banner.redis_url.replace("redis://", f"redis://:{password}@", 1)
         threading.Thread(target=lambda: [print(l, end="", file=sys.stderr) for l in up.stdout],
                          daemon=True).start()      # the supervisor's lines, and no full pipe
         report = asyncio.run(soak(args, f"127.0.0.1:{http}", workers, up.pid, redis_url, token))

@@ -160,6 +160,10 @@ class RouterMetrics(_Metrics):
         self.placements = Counter(
             "kvfleet_placements", "Requests placed, by role and worker (routing balance)",
             ["role", "worker"], registry=r)
+        self.records_rejected = Counter(
+            "kvfleet_redis_records_rejected", "Registry records in Redis this router ignored: "
+            "kind=worker|service, reason=unsigned|bad_signature|address (written around the "
+            "fleet?)", ["kind", "reason"], registry=r)
 
 
 class WorkerMetrics(_Metrics):

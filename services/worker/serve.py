@@ -9,7 +9,8 @@ environment names an endpoint (services/telemetry/tracing.py).
 
 Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
 for it), after `METRICS <worker_id> <url>` and `KV <worker_id> <host:port>` (the tcp backend's
-receiver) for the listeners it has. SIGTERM / SIGINT: stop accepting, drop the Redis record,
+receiver) or `UCX <worker_id> <host:port>` (nixl: UCX's tcp listener) for the listeners it has.
+SIGTERM / SIGINT: stop accepting, drop the Redis record,
 stop the engine core, exit 0. The engine core dies: its requests fail, the worker reports
 NOT_SERVING and exits ENGINE_FAILED_EXIT (the supervisor restarts it).
 """
@@ -148,8 +149,9 @@ async def heartbeat_forever(state: FleetState | None, servicer: WorkerServicer,
     Liveness is not step length: one stats call to the engine core is in flight at a time, and a
     beat whose answer has not come (a step still running) publishes the last answer again: the
     worker is alive and its engine busy. Only once the core has been silent for `engine_stall_s`
-    does the worker stop beating (one warning): its record expires and it leaves the fleet until
-    the core answers again (one info line; the next beat re-registers it). A dead engine core
+    does the worker stop beating (one warning) and its Health answer NOT_SERVING: its record
+    expires and it leaves the fleet until the core answers again (one info line; the next beat
+    re-registers it). A core frozen for good is the supervisor's to restart (it probes Health). A dead engine core
     ends the loop: the worker is going down.
 
     A failed beat (Redis down, or anything else) never ends the loop: it is retried with capped,
@@ -168,6 +170,7 @@ async def heartbeat_forever(state: FleetState | None, servicer: WorkerServicer,
                 silent_s = engine.silent_s()
                 fresh = await engine.take(every_s)
                 stalled = _stall_changed(config, stalled, fresh, silent_s, engine.silent_s())
+                servicer.engine_stalled = stalled      # Health answers NOT_SERVING meanwhile
                 if state is not None and engine.stats is not None and not stalled:
                     engine.stats.updated_at_unix_s = time.time()      # this beat's time
                     await redis.call(state.heartbeat, engine.stats, ttl_s)
@@ -254,6 +257,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
         print(f"METRICS {config.worker_id} {telemetry.metrics_url}", flush=True)
     if getattr(transport, "address", None):            # the tcp backend's KV receiver
         print(f"KV {config.worker_id} {transport.address}", flush=True)
+    for ucx in getattr(transport, "listeners", ()):    # the nixl backend's: UCX's tcp listener
+        print(f"UCX {config.worker_id} {ucx}", flush=True)
     print(f"READY {config.worker_id} {address}", flush=True)
     await stopping
     failed = engine.failure is not None

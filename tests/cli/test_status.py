@@ -21,14 +21,15 @@ from services.cli.status import top_tenants
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import FleetState
 from services.state.redis_server import free_port
-from tests.up_helpers import kvfleet_up
+from services.state.redis_auth import RedisCredentials
+from tests.up_helpers import REDIS_PASSWORD, kvfleet_up, redis_env
 
 ROLES = {"gateway", "router", "prefill", "decode"}
 
 
 def status(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli.cli", "status", *args],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=redis_env())
 
 
 def status_json(redis_url: str) -> dict:
@@ -106,7 +107,7 @@ def test_watch_refreshes_until_ctrl_c(fleet):
     # a non-interactive shell, `make test &`, inherits SIGINT ignored, and so would the child.)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.cli", "status", "--redis-url",
                              redis_url, "--watch", "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, env=redis_env(),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         views = []
@@ -138,7 +139,8 @@ def test_a_process_whose_metrics_do_not_answer_is_shown_as_such(fleet):
                              updated_at_unix_s=1.0)
 
     async def register(up: bool):
-        async with FleetState(redis_url) as state:
+        async with FleetState(redis_url, credentials=RedisCredentials(password=REDIS_PASSWORD)
+                              ) as state:
             if up:
                 await state.heartbeat_service(ghost, ttl_s=30)
             else:

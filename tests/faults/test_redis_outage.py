@@ -33,6 +33,7 @@ from services.cli.launcher import Launcher, wait_until
 from services.state.outage import Backoff, Outage, RedisDown
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol import status
+from services.state import redis_auth
 from services.state.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
 from services.gateway.server import LEASE_TTL_ENV
 from tests.fleet.fleet_helpers import Fleet, route_request
@@ -48,16 +49,25 @@ ANSWER_S = 2.5             # a request while Redis is down is answered within th
 
 class RedisOnOnePort:
     """A redis-server child on 127.0.0.1 that a test can `kill()` (SIGKILL) and `start()` again on
-    the same port: with its data (append-only file, fsync on every write) or empty."""
+    the same port: with its data (append-only file, fsync on every write) or empty. It requires a
+    password, which it reads with the rest of its config from stdin (never its command line);
+    `url` carries it."""
 
     def __init__(self) -> None:
         self.port = free_port()
+        self.password = redis_auth.generate()
         self.dir = Path(tempfile.mkdtemp(prefix="kvfleet-outage-"))
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        return f"redis://:{self.password}@{HOST}:{self.port}/0"
+
+    def _config(self) -> str:
+        return "\n".join([
+            f"bind {HOST}", f"port {self.port}", 'save ""', "appendonly yes", "appendfsync always",
+            f'dir "{self.dir}"', f'logfile "{self.dir / "redis.log"}"', "daemonize no",
+            f"requirepass {self.password}", ""])
 
     def start(self, keep_data: bool = True) -> None:
         if not keep_data:
@@ -65,12 +75,12 @@ class RedisOnOnePort:
                 if path.name != "redis.log":
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server"), "--bind", HOST, "--port", str(self.port), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir),
-             "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent_hook())
-        _wait_for_ping(self.port, 10.0, alive=lambda: self.proc.poll() is None)
+            [shutil.which("redis-server"), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent_hook(), text=True)
+        self.proc.stdin.write(self._config())
+        self.proc.stdin.close()
+        _wait_for_ping(self.port, 10.0, alive=lambda: self.proc.poll() is None,
+                       password=self.password)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -121,16 +121,16 @@ class UpFleet:
 
 @contextmanager
 def kvfleet_up(redis_url: str, model_dir: str, config: str, mode: str = "disagg",
-               env: dict[str, str] | None = None):
-    """Start `kvfleet up`, yield an UpFleet once READY; always SIGTERM it (and SIGKILL its process
-    group if it does not end), so no child outlives the test."""
+               env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+    """Start `kvfleet up` (with `args` added), yield an UpFleet once READY; always SIGTERM it (and
+    SIGKILL its process group if it does not end), so no child outlives the test."""
     http = free_port()
     db_url = f"{redis_url.rsplit('/', 1)[0]}/{next(_db) % 16}"
     redis.Redis.from_url(db_url).flushdb()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli.cli", "up", "--model", model_dir, "--mode", mode,
          "--http-port", str(http), "--grpc-port", str(free_port()), "--redis-url", db_url,
-         "--kv-cache-mib", "32", "--config", config],
+         "--kv-cache-mib", "32", "--config", config, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "KVFLEET_FLEET_TOKEN": TOKEN, "KVFLEET_STREAM_LEASE_TTL_S": "3",
              **(env or {})})

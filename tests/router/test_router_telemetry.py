@@ -25,6 +25,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.service import RouterServicer, predicted_ttft_s
 from services.state.fleet_state import FleetState
+from services.state.records import RecordSeal
 from services.telemetry import exposition
 from services.telemetry.receiver import OtlpReceiver
 from tests.fleet.fleet_helpers import route_request, running_fleet
@@ -159,7 +160,8 @@ def test_the_router_process_registers_serves_metrics_and_continues_the_callers_t
         try:
             address = launcher.start("router-tel", ["services.router", "--redis-url",
                                                     fleet.redis_url, "--router-id", "router-tel"])
-            state = FleetState(fleet.redis_url)
+            # the synthetic worker it registers must be signed with the fleet's key to be read
+            state = FleetState(fleet.redis_url, seal=RecordSeal.from_token(fleet.auth.token))
             try:
                 asyncio.run(_registered_then_traced(fleet, state, address, rx))
             finally:

@@ -30,7 +30,7 @@ import yaml
 from services.cli.launcher import wait_until
 from services.state.redis_server import free_port
 from services.telemetry import promql
-from tests.up_helpers import kvfleet_up
+from tests.up_helpers import kvfleet_up, redis_env
 from tests.gateway.gateway_helpers import KEYS, write_configs
 
 PROMETHEUS = shutil.which("prometheus")
@@ -54,7 +54,7 @@ def write_targets(redis_url: str, path: Path, roles: set[str]) -> list[dict]:
     while True:
         out = subprocess.run([sys.executable, "-m", "services.cli.cli", "status", "--redis-url",
                               redis_url, "--prometheus-sd", str(path)],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=redis_env())
         assert out.returncode == 0, out.stdout + out.stderr
         groups = json.loads(path.read_text())
         if {g["labels"]["role"] for g in groups} >= roles or time.monotonic() > deadline:
