@@ -5,7 +5,8 @@ What runs is the fleet's own decision code, with time modelled instead of spent:
   * arrivals: the load tester's seeded plan of the workload (loadtests/workload.py), request for
     request the one `kvfleet bench serve` sends;
   * placement: the router's ranking (services/router/placement.py) over the `pb.WorkerStats` each
-    simulated worker would publish (read fresh at each decision: no heartbeat lag);
+    simulated worker would publish, read fresh at each decision (so nothing is placed since the
+    beat: no `Placed` counts), ties broken by the router's ring, turned once a placement;
   * engines: one simulated engine core per worker (LLMEngine with a SimConfig: the real scheduler,
     admission and block pool, deterministic tokens), all on one virtual clock. A step of engine E
     starting at t ends at t + its modelled duration (the StepTimer: a target's cost model or a
@@ -147,6 +148,7 @@ class Simulation:
         self._seq = itertools.count()
         self.end_s = 0.0
         self.steps = 0
+        self.turn = 0            # where placement ties start; turned once a placement (the router's)
 
     # ------------------------------------------------------------------ setup
     def _engine(self, role: str):
@@ -194,8 +196,9 @@ class Simulation:
             self._place_disagg(rid, track)
 
     def _place_colocated(self, rid: str, track: _Track) -> None:
-        ranked = rank_decode(self._stats(), role="mixed")
+        ranked = rank_decode(self._stats(), "mixed", None, self.turn)
         w = self._by_id(ranked[0].worker_id)
+        self.turn += 1
         if self._add(w, rid, track):
             track.prefill_worker = track.decode_worker = self.workers.index(w)
             self._kick(w)
@@ -203,7 +206,8 @@ class Simulation:
     def _place_disagg(self, rid: str, track: _Track) -> None:
         stats = self._stats()
         p, n = track.planned, len(track.prompt)
-        ranked = rank_decode(stats)
+        ranked = rank_decode(stats, "decode", None, self.turn)
+        prefill = self._by_id(rank_prefill(stats, n, self.turn)[0].worker_id)
         candidates = [s for s in ranked if can_ever_hold(s, n, _pb_params(track.params))] or ranked[:1]
         decode = None
         for s in candidates:
@@ -216,13 +220,13 @@ class Simulation:
                 return
             if blocks is not None:
                 decode = w
+                self.turn += 1
                 break
         if decode is None:
             self._fail(track, 429, "http_429:overloaded",
                        "no decode replica can reserve KV for this request", retry_after_s=1.0)
             return
         track.decode_worker = self.workers.index(decode)
-        prefill = self._by_id(rank_prefill(stats, n)[0].worker_id)
         if self._add(prefill, rid, track):
             track.prefill_worker = self.workers.index(prefill)
             self._kick(prefill)
