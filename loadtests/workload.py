@@ -16,6 +16,11 @@ the tenants' arrivals over `duration_s` (or the first `max_requests` of them). E
     tenants:
       acme: {class: interactive, weight: 1, arrival: {process: poisson, rate_rps: 2}}
 
+A tenant's `turns: N` (default 1) makes its requests multi-turn conversations: each N consecutive
+requests of the tenant are one conversation, and all its turns read the corpus from the same
+offset (one `prompt_seed`), so a later turn's prompt starts with the earlier turns' (as far as the
+shorter reaches): the shared prefix a prefix cache, and prefix-aware placement, can use.
+
 `scale` shrinks a workload to the machine: `rate` multiplies every arrival rate (a trace is sped
 up), `prompt` and `output` multiply the sampled lengths (a 32K document at prompt 0.25 is 8K).
 The same spec, seed and scales give the same `PlannedRequest` list, byte for byte.
@@ -49,6 +54,7 @@ class TenantSpec:
     weight: float
     arrival: ArrivalProcess
     api_key: str | None = None
+    turns: int = 1              # requests per conversation (one shared prompt prefix)
 
 
 @dataclass(frozen=True)
@@ -121,11 +127,15 @@ def parse_workload(d: object, base_dir: Path = Path("."), path: str = "") -> Wor
     tenants = []
     for tname, t in _mapping(d["tenants"], "tenants").items():
         where = f"tenants.{tname}"
-        _fields(t, where, need={"class", "arrival"}, allow={"weight", "api_key"})
+        _fields(t, where, need={"class", "arrival"}, allow={"weight", "api_key", "turns"})
+        turns = t.get("turns", 1)
+        if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
+            raise SpecError(f"{where}.turns: expected a positive integer, got {turns!r}")
         if t["class"] not in classes:
             raise SpecError(f"{where}.class: {t['class']!r} is not one of the spec's classes {sorted(classes)}")
         tenants.append(TenantSpec(tname, t["class"], _positive(t.get("weight", 1.0), f"{where}.weight"),
-                                  parse_arrival(t["arrival"], f"{where}.arrival", base_dir), t.get("api_key")))
+                                  parse_arrival(t["arrival"], f"{where}.arrival", base_dir), t.get("api_key"),
+                                  turns))
     scale = d.get("scale") or {}
     _fields(scale, "scale", need=set(), allow={"rate", "prompt", "output"})
     duration = _positive(d.get("duration_s", 60.0), "duration_s")
@@ -153,6 +163,8 @@ def plan_requests(spec: WorkloadSpec) -> list[PlannedRequest]:
         prompt = arrivals.prompt_tokens if arrivals.prompt_tokens is not None else cls.prompt_tokens.sample(rng, n)
         output = arrivals.output_tokens if arrivals.output_tokens is not None else cls.output_tokens.sample(rng, n)
         seeds = rng.integers(0, 2**31 - 1, size=n)
+        if tenant.turns > 1:            # a conversation's turns share its first turn's seed
+            seeds = seeds[np.arange(n) // tenant.turns * tenant.turns]
         rows += [(float(t), tenant.name, tenant.traffic_class, _scaled(p, spec.scale.prompt),
                   _scaled(o, spec.scale.output), int(s))
                  for t, p, o, s in zip(arrivals.times, prompt, output, seeds)]

@@ -58,6 +58,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--placement", choices=["prefix", "load"], default="prefix",
+                   help="the routers' placement: prefix-cache aware (default) or by load alone")
     p.add_argument("--routers", type=int, default=1,
                    help="router processes; the gateway spreads its Admit calls over them")
     p.add_argument("--host", default="127.0.0.1")
@@ -154,7 +156,8 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     routers = [f"router-{k}" for k in range(getattr(args, "routers", 1))]
     for name in routers:
         specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
-                       "--router-id", name, *limit_args, *ports.child_args(plan, name)]
+                       "--router-id", name, "--placement", getattr(args, "placement", "prefix"),
+                       *limit_args, *ports.child_args(plan, name)]
     endpoints = launcher.start_many(specs)
     http, grpc = gateway_ports(args)
     gateway = ["services.gateway", "--model", model,

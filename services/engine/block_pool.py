@@ -37,6 +37,41 @@ def hash_full_blocks(
     return hashes
 
 
+def usable_prefix_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks of a prompt a prefix-cache hit may cover: at least one token is always left to
+    compute (its logits are needed). The scheduler's lookup and the router's prefix index agree
+    through this."""
+    return max(0, (num_tokens - 1) // block_size)
+
+
+class KVEventLog:
+    """What changed in the prefix cache since the last `take`, for the worker to publish (the
+    router's prefix index follows it). Net state per hash, last change wins: a hash stored then
+    evicted within one batch is one eviction. Bounded: past `max_entries` distinct hashes the log
+    drops them and says `overflowed` (the reader sends a full snapshot instead)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._changes: dict[int, bool] = {}    # hash -> held now (stored) / not (evicted)
+        self.overflowed = False
+
+    def record(self, block_hash: int, held: bool) -> None:
+        if self.overflowed:
+            return
+        self._changes[block_hash] = held
+        if len(self._changes) > self.max_entries:
+            self._changes.clear()
+            self.overflowed = True
+
+    def take(self) -> tuple[list[int], list[int], bool]:
+        """(stored, evicted, overflowed) since the last take; the log starts over."""
+        stored = [h for h, held in self._changes.items() if held]
+        evicted = [h for h, held in self._changes.items() if not held]
+        overflowed, self.overflowed = self.overflowed, False
+        self._changes = {}
+        return stored, evicted, overflowed
+
+
 class KVBlock:
     """One page of block_size token slots. The free-list links belong to BlockPool."""
 
@@ -86,6 +121,7 @@ class BlockPool:
         self._tables: dict[str, list[int]] = {}
         self._reserved: dict[str, int] = {}
         self._hash_to_block: dict[int, KVBlock] = {}
+        self.events = KVEventLog(max_entries=2 * num_blocks)
 
     @property
     def num_free(self) -> int:
@@ -106,6 +142,10 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._hash_to_block)
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache now (a full snapshot for the router's index)."""
+        return list(self._hash_to_block)
 
     def block_table(self, owner: str) -> list[int]:
         """The owner's block ids in position order, shared prefix first. Read-only (not a copy)."""
@@ -197,6 +237,7 @@ class BlockPool:
             return  # duplicate content: keep the existing block, this one stays uncached
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block
+        self.events.record(block_hash, True)
         if block.ref_count == 0:  # free and uncached until now: it moves to the MRU tail
             self._unlink(block)
             self._push_tail(block)
@@ -216,6 +257,7 @@ class BlockPool:
         idle = [h for h, b in self._hash_to_block.items() if b.ref_count == 0]
         for block_hash in idle:
             self._hash_to_block.pop(block_hash).block_hash = None
+            self.events.record(block_hash, False)
         return len(idle)  # no cached block is left on the free list, so its order still holds
 
     def _incref(self, block: KVBlock) -> None:
@@ -238,6 +280,7 @@ class BlockPool:
         self._unlink(block)
         if block.block_hash is not None:  # evict: the page is about to be overwritten
             del self._hash_to_block[block.block_hash]
+            self.events.record(block.block_hash, False)
             block.block_hash = None
         block.ref_count = 1
         return block

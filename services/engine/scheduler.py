@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, late_requests,
                                        sample_blocks, samples_to_fork, tenant_allows)
-from services.engine.block_pool import BlockPool, hash_full_blocks
+from services.engine.block_pool import BlockPool, hash_full_blocks, usable_prefix_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.errors import UnknownRequestError
 from services.engine.fairness import (DeficitRoundRobin, class_budget, effective_priority,
@@ -254,7 +254,7 @@ class Scheduler:
         token is always left to compute (its logits are needed)."""
         if not self._looks_up_prefix(req):
             return []
-        usable = (req.num_tokens - 1) // self.block_size
+        usable = usable_prefix_blocks(req.num_tokens, self.block_size)
         hashes = self._block_hashes(req, usable)
         return self.pool.lookup_prefix(hashes)
 

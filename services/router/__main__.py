@@ -1,4 +1,4 @@
-"""`python -m services.router --redis-url URL [--mode disagg|colocated] [--port P]
+"""`python -m services.router --redis-url URL [--mode disagg|colocated] [--placement prefix|load] [--port P]
 [--router-id ID] [--metrics-port P] [--timeout-*-s S ...] [--fleet-token-file PATH | --insecure-internal]`.
 
 Several routers may serve one fleet: they keep nothing of their own that matters (all of it is in
@@ -24,6 +24,7 @@ from services.protocol.aio import LOOPBACK, run, setup_logging
 from services.state.fleet_state import FleetState
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
+from services.router.prefix_index import KVEventFeed, PrefixIndex
 from services.router.service import RouterServicer
 from services.state.service_heartbeat import beat_forever, service_record, stop_beating
 from services.telemetry import exposition, tracing
@@ -39,7 +40,9 @@ async def serve(args: argparse.Namespace) -> int:
     auth = fleet_token.configure(args, "router")
     tracing.setup("router", args.router_id)
     state = FleetState(args.redis_url)
-    servicer = RouterServicer(state, args.mode, args.router_id, limits)
+    index = PrefixIndex() if args.placement == "prefix" else None
+    servicer = RouterServicer(state, args.mode, args.router_id, limits, prefix_index=index)
+    feed = asyncio.create_task(KVEventFeed(state, index).run()) if index is not None else None
     metrics = exposition.serve(servicer.metrics.registry, args.metrics_port, args.host)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_RouterServicer_to_server(servicer, server)
@@ -55,6 +58,8 @@ async def serve(args: argparse.Namespace) -> int:
     print(f"READY router {args.host}:{port}", flush=True)
     await wait_for_stop_signal()
     watch.cancel()
+    if feed is not None:
+        feed.cancel()
     await stop_beating(beat, state, args.router_id, log)
     await server.stop(grace=limits.shutdown_grace_s)
     await servicer.close()
@@ -71,6 +76,9 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--router-id", default="router")
+    p.add_argument("--placement", choices=["prefix", "load"], default="prefix",
+                   help="prefix (default): prefill / mixed workers holding the prompt's prefix "
+                        "win by the work they save (the workers' KV events); load: by load alone")
     exposition.add_args(p)
     timeouts.add_args(p)
     fleet_token.add_args(p)

@@ -4,9 +4,13 @@ Pure functions over the `pb.WorkerStats` workers heartbeat into Redis (services/
 A worker whose heartbeat went stale has no record there (its key's TTL ran out), so it is never a
 candidate; staleness is Redis's TTL, not a clock compared here.
 
-  prefill: cost = w * uncached_prompt_blocks + queued_prefill_tokens     (lowest first)
+  prefill: predicted TTFT (services/router/predict.py): the queue ahead, then only the prompt
+           tokens the worker does not hold in its prefix cache (`cached`, by worker id: the
+           router's prefix index, services/router/prefix_index.py)            (lowest first)
   decode:  most free unreserved KV blocks first, then the smaller batch  (num_running),
            both less what routers placed there since the worker's beat  (`Placed`)
+  mixed:   as decode, but a worker holding more of the prompt's prefix comes first while it has
+           room for the request (`rank_mixed`)
   ties:    the worker ids in a ring, starting at `turn`: a router turns it once a placement, so
            equal replicas alternate instead of the lowest id taking every tie
 
@@ -29,8 +33,7 @@ from dataclasses import dataclass
 
 from services.engine.admission import blocks_for_samples
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-
-PREFILL_BLOCK_WEIGHT = 16.0   # tokens of queue one uncached prompt block is worth
+from services.router.predict import Prior, predict
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def prefill_cost(w: pb.WorkerStats, prompt_tokens: int) -> float:
-    """No prefix index yet: every prompt block counts as uncached."""
-    return PREFILL_BLOCK_WEIGHT * cdiv(prompt_tokens, max(1, w.block_size)) + w.queued_prefill_tokens
+def prefill_cost(w: pb.WorkerStats, prompt_tokens: int, cached_tokens: int = 0,
+                 prior: Prior = Prior()) -> float:
+    """Predicted seconds to the prompt's first token on `w`, its `cached_tokens` not recomputed."""
+    return predict(w, prompt_tokens, cached_tokens=cached_tokens, prior=prior).total_s
 
 
 def free_unreserved_blocks(w: pb.WorkerStats) -> int:
@@ -76,12 +80,14 @@ def ring(workers: Sequence[pb.WorkerStats], turn: int) -> dict[str, int]:
     return {wid: (i - turn) % len(ordered) for i, wid in enumerate(ordered)}
 
 
-def rank_prefill(workers: Sequence[pb.WorkerStats], prompt_tokens: int,
-                 turn: int = 0) -> list[pb.WorkerStats]:
-    """Prefill candidates, best first."""
+def rank_prefill(workers: Sequence[pb.WorkerStats], prompt_tokens: int, turn: int = 0,
+                 cached: Mapping[str, int] | None = None) -> list[pb.WorkerStats]:
+    """Prefill candidates, best first. `cached`: leading prompt tokens each holds, by worker id."""
+    cached = cached or {}
     mine = [w for w in workers if w.role == "prefill"]
     tie = ring(mine, turn)
-    return sorted(mine, key=lambda w: (prefill_cost(w, prompt_tokens), tie[w.worker_id]))
+    return sorted(mine, key=lambda w: (prefill_cost(w, prompt_tokens, cached.get(w.worker_id, 0)),
+                                       tie[w.worker_id]))
 
 
 def room_after(w: pb.WorkerStats, placed: Placed) -> tuple[int, int]:
@@ -100,3 +106,19 @@ def rank_decode(workers: Sequence[pb.WorkerStats], role: str = "decode",
         free, running = room_after(w, placed.get(w.worker_id, NOTHING))
         return -free, running, tie[w.worker_id]
     return sorted(mine, key=key)
+
+
+def rank_mixed(workers: Sequence[pb.WorkerStats], needed_blocks: int,
+               placed: Mapping[str, Placed] | None = None, turn: int = 0,
+               cached: Mapping[str, int] | None = None) -> list[pb.WorkerStats]:
+    """Co-located candidates, best first: more of the prompt's prefix held first among those with
+    room for `needed_blocks` (after what was placed since their beat), then as `rank_decode`."""
+    placed, cached = placed or {}, cached or {}
+    ranked = rank_decode(workers, "mixed", placed, turn)
+    order = {w.worker_id: i for i, w in enumerate(ranked)}
+
+    def key(w):
+        free, _ = room_after(w, placed.get(w.worker_id, NOTHING))
+        held = cached.get(w.worker_id, 0) if free >= needed_blocks else 0
+        return -held, order[w.worker_id]
+    return sorted(ranked, key=key)

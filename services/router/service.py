@@ -47,8 +47,10 @@ from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
-from services.router.placement import Placed, can_ever_hold, kv_blocks_needed, rank_decode, rank_prefill
+from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, rank_decode,
+                                       rank_mixed, rank_prefill)
 from services.router.placements import PlacementLedger
+from services.router.prefix_index import PrefixIndex
 from services.state.fleet_state import ROLES, FleetState
 from services.state.outage import UNREACHABLE, Outage
 from services.telemetry import tracing
@@ -95,8 +97,10 @@ def unhealthy(message: str, retry_after_s: float = UNHEALTHY_RETRY_S) -> status.
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, state: FleetState, mode: str = "disagg", router_id: str = "router",
                  timeouts: Timeouts | None = None, auth: FleetAuth | None = None,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None,
+                 prefix_index: PrefixIndex | None = None) -> None:
         self.state = state
+        self.prefix_index = prefix_index  # None: placement by load alone (no prefix affinity)
         self.metrics = metrics or RouterMetrics()
         self.metrics.stage.set(STAGE)
         # a worker record the fleet did not sign (or pointing elsewhere) is ignored and counted
@@ -225,10 +229,12 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _colocated(self, request: pb.WorkRequest, workers) -> pb.Plan:
         mixed = [w for w in workers if w.role == "mixed"]
         placed = await self.placements.read(mixed)
-        candidates = rank_decode(mixed, "mixed", placed, self.placements.turn)
+        prompt = len(request.prompt_token_ids)
+        needed = kv_blocks_needed(mixed[0], prompt, request.params) if mixed else 0
+        candidates = rank_mixed(mixed, needed, placed, self.placements.turn,
+                                self._cached(request, mixed))
         if not candidates:
             raise unhealthy("no healthy mixed worker")
-        prompt = len(request.prompt_token_ids)
         await self.placements.add(candidates[0], kv_blocks_needed(candidates[0], prompt, request.params))
         return pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
                        prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
@@ -237,7 +243,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                                                          len(request.prompt_token_ids)))
 
     async def _disaggregated(self, request: pb.WorkRequest, workers) -> pb.Plan:
-        prefill = rank_prefill(workers, len(request.prompt_token_ids), self.placements.turn)
+        prefill = rank_prefill(workers, len(request.prompt_token_ids), self.placements.turn,
+                               self._cached(request, [w for w in workers if w.role == "prefill"]))
         if not prefill:
             raise unhealthy("no healthy prefill worker")
         decode, reservation = await self._reserve(request, workers)
@@ -246,6 +253,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                        target=reservation.target, deadline_unix_s=reservation.expires_at_unix_s,
                        router_id=self.router_id,
                        predicted_ttft_s=predicted_ttft_s(prefill[0], len(request.prompt_token_ids)))
+
+    def _cached(self, request: pb.WorkRequest, workers) -> dict[str, int]:
+        """Leading prompt tokens each worker holds in its prefix cache ({}: no index)."""
+        if self.prefix_index is None:
+            return {}
+        return self.prefix_index.cached_tokens(request.prompt_token_ids, request.tenant,
+                                               [w.worker_id for w in workers])
 
     async def _reserve(self, request: pb.WorkRequest, workers):
         reasons, silent = [], []

@@ -12,6 +12,7 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 | `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s     | admit/finish_stream (Lua)       |
 | `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s     | admit, charge_request (Lua)     |
 | `{ns}placed:{worker_id}:{beat_ms}`  | hash blocks, streams | 10 s (router's choice) | routers: add_placed (MULTI)  |
+| `{ns}kv-events`                      | stream, ~MAXLEN | none; capped by length      | workers: add_kv_events (XADD)   |
 
 `minute` is `int(now // 60)`: a fixed 60-s window. A worker's key holds its `pb.WorkerStats`, serialized
 (the message its Stats RPC answers: one shape for a worker's capacity everywhere) and signed with a
@@ -448,6 +449,40 @@ class FleetState:
             p.delete(self._worker_key(worker_id))
             p.srem(self._workers_key, worker_id)
             await p.execute()
+
+    # --- prefix-cache events: workers publish, routers' prefix indexes follow ------------------
+    @property
+    def _kv_events_key(self) -> str:
+        return f"{self.ns}kv-events"
+
+    async def add_kv_events(self, worker_id: str, payload: bytes, max_len: int) -> None:
+        """Append one worker's batch (services/state/kv_events.py), signed like its record; the
+        stream keeps about the last `max_len` batches."""
+        fields = {"w": worker_id, "b": self.seal.seal("kv-events", worker_id, payload)}
+        await self._raw.xadd(self._kv_events_key, fields, maxlen=max_len, approximate=True)
+
+    async def read_kv_events(self, after: str, count: int,
+                             block_ms: int) -> list[tuple[str, str, bytes | None]]:
+        """(entry id, worker id, payload) of batches after entry `after` ("$": from now on), up to
+        `count`, waiting up to `block_ms` for the first. A batch the fleet did not sign has payload
+        None (logged and counted)."""
+        rows = await self._raw.xread({self._kv_events_key: after}, count=count, block=block_ms)
+        out = []
+        for _stream, entries in rows or ():
+            for entry_id, fields in entries:
+                worker_id = fields.get(b"w", b"").decode(errors="replace")
+                try:
+                    payload = self.seal.open("kv-events", worker_id, fields.get(b"b", b""))
+                except RejectedRecord as e:
+                    self.seal.reject("kv-events", worker_id, e)
+                    payload = None
+                out.append((entry_id.decode(), worker_id, payload))
+        return out
+
+    async def last_kv_events_id(self) -> str:
+        """The newest batch's entry id ("0-0": none yet): where a new reader starts."""
+        rows = await self._raw.xrevrange(self._kv_events_key, count=1)
+        return rows[0][0].decode() if rows else "0-0"
 
     # --- gateway / router registry ---------------------------------------------------------------
     async def heartbeat_service(self, record: pb.ServiceRecord, ttl_s: float) -> None:

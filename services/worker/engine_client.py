@@ -331,6 +331,10 @@ class EngineClient:
     async def stats(self) -> EngineStats:
         return (await self._call(core.GetStats, Stats)).stats
 
+    async def kv_events(self, snapshot: bool = False) -> core.KVEvents:
+        """The prefix cache's changes since the last call (services/worker/kv_events.py)."""
+        return await self._call(lambda call_id: core.TakeKVEvents(call_id, snapshot), core.KVEvents)
+
     def stream(self, request_id: str) -> OutputStream:
         stream = OutputStream()
         if self.failure is not None:

@@ -109,11 +109,17 @@ class GetStats(msgspec.Struct, tag=5, array_like=True):
     call_id: int
 
 
+class TakeKVEvents(msgspec.Struct, tag=8, array_like=True):
+    """The prefix cache's changes since the last take (or, `snapshot`, all it holds)."""
+    call_id: int
+    snapshot: bool = False
+
+
 class Shutdown(msgspec.Struct, tag=7, array_like=True):
     pass
 
 
-Command = AddRequest | Reserve | StartDecode | Cancel | GetStats | Shutdown
+Command = AddRequest | Reserve | StartDecode | Cancel | GetStats | TakeKVEvents | Shutdown
 
 
 # ---------------------------------------------------------------------- replies (core -> server)
@@ -178,6 +184,15 @@ class Stats(msgspec.Struct, tag=25, array_like=True):
     stats: EngineStats
 
 
+class KVEvents(msgspec.Struct, tag=26, array_like=True):
+    """Block hashes stored in / evicted from the prefix cache since the last take. `snapshot`:
+    `stored` is everything it holds (asked for, or the change log overflowed)."""
+    call_id: int
+    stored: list[int]
+    evicted: list[int]
+    snapshot: bool
+
+
 class CallFailed(msgspec.Struct, tag=30, array_like=True):
     """The command raised; the core goes on. `kind` names the exception's class (for the engine's
     typed errors, a class of services/engine/errors.py, rebuilt by the client)."""
@@ -194,7 +209,8 @@ class Failure(msgspec.Struct, tag=31, array_like=True):
     traceback: str
 
 
-Reply = Ready | StepOutputs | Done | Reserved | Cancelled | Stats | CallFailed | Failure
+Reply = (Ready | StepOutputs | Done | Reserved | Cancelled | Stats | KVEvents | CallFailed
+         | Failure)
 
 ENCODER = msgspec.msgpack.Encoder()
 COMMAND_DECODER = msgspec.msgpack.Decoder(Command)
@@ -257,7 +273,7 @@ class EngineCore:
                 self.poller.register(fd, zmq.POLLIN)
         self.handlers: dict[type, Callable] = {
             AddRequest: self._add, Reserve: self._reserve, StartDecode: self._start_decode,
-            Cancel: self._cancel, GetStats: self._stats}
+            Cancel: self._cancel, GetStats: self._stats, TakeKVEvents: self._kv_events}
 
     def send(self, reply: Reply) -> None:
         self.replies.send(ENCODER.encode(reply), copy=False)
@@ -356,6 +372,13 @@ class EngineCore:
 
     def _stats(self, cmd: GetStats) -> Stats:
         return Stats(cmd.call_id, self.engine.stats())
+
+    def _kv_events(self, cmd: TakeKVEvents) -> KVEvents:
+        pool = self.engine.pool
+        stored, evicted, overflowed = pool.events.take()
+        if cmd.snapshot or overflowed:
+            return KVEvents(cmd.call_id, pool.cached_hashes(), [], True)
+        return KVEvents(cmd.call_id, stored, evicted, False)
 
 
 

@@ -41,6 +41,7 @@ from services.state.outage import UNREACHABLE, Backoff, Outage
 from services.telemetry import exposition, tracing
 from services.worker.engine_client import EngineClient, EngineFailed
 from services.worker.config import WorkerConfig
+from services.worker.kv_events import KVEventPublisher, PublisherConfig
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
 
@@ -251,6 +252,9 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     servicer.address = address
     beat = (asyncio.create_task(heartbeat_forever(state, servicer))
             if state is not None or telemetry.metrics_url else None)
+    events = (asyncio.create_task(KVEventPublisher(
+        PublisherConfig(config.worker_id, engine.block_size, config.timeouts.heartbeat_s),
+        engine.kv_events).run(state)) if state is not None else None)
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     if telemetry.metrics_url:
@@ -265,8 +269,9 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if failed:
         print(f"worker {config.worker_id}: {engine.failure}; exiting with status "
               f"{ENGINE_FAILED_EXIT}", file=sys.stderr, flush=True)
-    if beat:
-        beat.cancel()
+    for task in (beat, events):
+        if task:
+            task.cancel()
     if state is not None:
         try:
             await state.remove_worker(config.worker_id)

@@ -177,3 +177,25 @@ def test_an_unknown_workload_name_lists_the_shipped_ones():
     with pytest.raises(SpecError) as e:
         load_workload("no-such-workload")
     assert all(name in str(e.value) for name in SHIPPED)
+
+
+def test_multi_turn_tenants_share_one_prompt_seed_per_conversation():
+    from collections import defaultdict
+    plain = plan_requests(load_workload("azure-conv"))
+    turns = plan_requests(load_workload("azure-conv-turns"))
+    assert [(r.at_s, r.tenant, r.prompt_tokens) for r in plain] == \
+        [(r.at_s, r.tenant, r.prompt_tokens) for r in turns]          # only the content differs
+    by_tenant = defaultdict(list)
+    for r in turns:
+        by_tenant[r.tenant].append(r.prompt_seed)
+    for seeds in by_tenant.values():
+        conversations = [seeds[i:i + 4] for i in range(0, len(seeds), 4)]
+        assert all(len(set(c)) == 1 for c in conversations)             # one seed a conversation
+        assert len({c[0] for c in conversations}) == len(conversations)  # each its own
+    assert len({r.prompt_seed for r in plain}) == len(plain)            # azure-conv: none shared
+    with pytest.raises(SpecError, match="turns"):
+        spec = {"name": "x", "classes": {"c": {"slo": {}, "prompt_tokens": {"dist": "fixed", "value": 8},
+                                               "output_tokens": {"dist": "fixed", "value": 8}}},
+                "tenants": {"t": {"class": "c", "turns": 0,
+                                  "arrival": {"process": "poisson", "rate_rps": 1}}}}
+        parse_workload(spec)

@@ -4,12 +4,14 @@ then by batch size, each less what routers placed there since the beat; ties go 
 worker ids from the router's turn, so a burst over equal replicas alternates."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.placement import (PREFILL_BLOCK_WEIGHT, Placed, can_ever_hold, free_unreserved_blocks,
-                                       kv_blocks_needed, prefill_cost, rank_decode, rank_prefill, room_after)
+from services.router.placement import (Placed, can_ever_hold, free_unreserved_blocks,
+                                       kv_blocks_needed, prefill_cost, rank_decode, rank_mixed, rank_prefill,
+                                       room_after)
 from services.router.service import RouterServicer
 from tests.state.test_fleet_state import make_stats
 
@@ -68,11 +70,30 @@ def test_a_worker_promised_past_its_free_blocks_has_no_room_not_negative_room():
     assert free_unreserved_blocks(over) == 0
 
 
-def test_prefill_prefers_the_shortest_queue_and_counts_the_prompt_in_blocks():
-    p0 = make_stats("p0", "prefill", queued_prefill_tokens=4096, block_size=16)
-    p1 = make_stats("p1", "prefill", queued_prefill_tokens=0, block_size=16)
-    assert prefill_cost(p1, 33) == PREFILL_BLOCK_WEIGHT * 3               # 33 tokens: 3 blocks
+def test_prefill_prefers_the_shortest_queue_and_counts_the_prompt_at_the_prefill_rate():
+    p0 = make_stats("p0", "prefill", queued_prefill_tokens=4096, prefill_tokens_per_s=1000)
+    p1 = make_stats("p1", "prefill", queued_prefill_tokens=0, prefill_tokens_per_s=1000)
+    assert prefill_cost(p1, 33) == 33 / 1000                              # the prompt, no queue
     assert ids(rank_prefill([p0, p1], 33)) == ["p1", "p0"]
+
+
+def test_prefill_counts_only_the_tokens_a_worker_does_not_hold():
+    busy = make_stats("p0", "prefill", queued_prefill_tokens=300, prefill_tokens_per_s=1000)
+    idle = make_stats("p1", "prefill", queued_prefill_tokens=0, prefill_tokens_per_s=1000)
+    assert prefill_cost(busy, 1000, cached_tokens=960) == pytest.approx((300 + 40) / 1000)
+    # busy holds 960 of the prompt's 1000 tokens: waiting 300 beats computing 1000
+    assert ids(rank_prefill([busy, idle], 1000, cached={"p0": 960})) == ["p0", "p1"]
+    # a prefix worth less than the queue ahead of it does not win
+    assert ids(rank_prefill([busy, idle], 1000, cached={"p0": 160})) == ["p1", "p0"]
+
+
+def test_a_mixed_worker_holding_the_prefix_wins_while_it_has_room():
+    roomy = make_stats("m0", "mixed", kv_blocks_free=700, kv_blocks_reserved=0, kv_blocks_held=0)
+    holder = make_stats("m1", "mixed", kv_blocks_free=100, kv_blocks_reserved=0, kv_blocks_held=0)
+    assert ids(rank_mixed([roomy, holder], 50, cached={"m1": 320})) == ["m1", "m0"]
+    assert ids(rank_mixed([roomy, holder], 50)) == ["m0", "m1"]          # no prefix: by room
+    full = {"m1": Placed(blocks=80, streams=1)}                           # 20 left < 50 needed
+    assert ids(rank_mixed([roomy, holder], 50, full, cached={"m1": 320})) == ["m0", "m1"]
 
 
 def test_each_rank_takes_only_its_role():
