@@ -60,6 +60,7 @@ class EngineStats:
     last_schedule_s: float       # schedule() alone
     last_prepare_s: float        # building the chunks, the flat batch and attention metadata
     oldest_queued_s: float = 0.0  # age of the longest-waiting request not yet admitted; 0 if none
+    num_waiting_for_decode_slot: int = 0  # held back by decode protection (ITL), reservations kept
     # (tenant, sequences holding KV, KV blocks held or reserved), largest KV first
     tenants: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -174,6 +175,8 @@ class LLMEngine:
         self._decode_rate.observe(len(plan.decodes), elapsed)
         self._count(plan, elapsed, t1 - t0)
         self._record(plan, start, gap, ran or bool(plan.preempted))
+        if self.last_step is not None:   # the step model (decode protection) learns its time
+            self.scheduler.observe_step(plan, self.last_step.duration_s)
         return outputs
 
     def cancel(self, request_id: str) -> bool:
@@ -232,6 +235,7 @@ class LLMEngine:
             decode_tokens_per_s=self._decode_rate.rate or 0.0, last_step_s=self._last[0],
             last_schedule_s=self._last[1], last_prepare_s=self._last[2],
             oldest_queued_s=self._oldest_queued_s(), tenants=self.scheduler.tenant_shares(),
+            num_waiting_for_decode_slot=self.scheduler.num_waiting_for_decode_slot,
             **self._counters)
 
     def _oldest_queued_s(self) -> float:
