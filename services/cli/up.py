@@ -220,7 +220,7 @@ def listeners(endpoints: dict[str, str], launcher: Launcher, redis: EmbeddedRedi
         found.append((name, "grpc", endpoints[name]))
         for line in child.lines:
             kind, _, rest = line.partition(" ")
-            if kind in ("METRICS", "KV"):
+            if kind in ("METRICS", "KV", "UCX"):
                 address = rest.split()[-1].removeprefix("http://").removesuffix("/metrics")
                 found.append((name, kind.lower(), address))
     return found
@@ -306,7 +306,7 @@ class Banner:
     @property
     def listeners(self) -> list[tuple[str, str, str]]:
         """(service, kind, address) of every listener: gateway http/grpc, redis (embedded),
-        router-k grpc/metrics, worker grpc/metrics/kv."""
+        router-k grpc/metrics, worker grpc/metrics/kv (tcp) or ucx (nixl)."""
         return [(parts[1], parts[2], parts[3]) for parts in (line.split() for line in self.lines)
                 if len(parts) == 4 and parts[0] == LISTEN_PREFIX]
 

@@ -14,6 +14,8 @@ import sys
 from services.gateway.config import DEFAULT_MAX_BODY_BYTES, exposure_refusal
 from services.protocol import timeouts
 
+METRICS_KEY_ENV = "KVFLEET_METRICS_KEY"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet gateway", description=__doc__)
@@ -34,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="engine config YAML, as the workers use: traffic classes and "
                                     "max_model_len come from it")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--metrics-key-file", help=f"a file holding the bearer token GET /metrics then asks "
+                   f"for (else ${METRICS_KEY_ENV}, else /metrics is open)")
     p.add_argument("--quality-version", help="default: the checkpoint's dtype and config hash")
     timeouts.add_args(p)
     return p.parse_args(argv)
@@ -55,7 +59,16 @@ def build_config(args: argparse.Namespace):
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         api_keys=load_api_keys(args.api_keys) if args.api_keys else None, insecure=args.insecure,
         max_body_bytes=args.max_body_bytes, scheduler=engine.scheduler,
-        max_model_len=engine.max_model_len, quality_version=args.quality_version)
+        max_model_len=engine.max_model_len, quality_version=args.quality_version,
+        metrics_key=metrics_key(args.metrics_key_file))
+
+
+def metrics_key(path: str | None) -> str | None:
+    """The /metrics bearer token: the file's first line, else the environment's, else None."""
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    return os.environ.get(METRICS_KEY_ENV) or None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,11 +4,13 @@
   POST /v1/chat/completions    messages -> the chat template -> text
   GET  /v1/models, /v1/models/{id}   one card per --served-model-name, vLLM's fields
   POST /tokenize               vLLM's: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"}
+                               (text over 8 characters per context token: 413; over max_model_len ids: 400)
   POST /detokenize             vLLM's: {"tokens"} -> {"prompt"}
   GET  /version                {"version": kvfleet's}
   GET|POST /ping               vLLM's liveness probe: 200 or 503 as /health, no body
   GET  /health                 the routers' health and the quota store's (no key needed)
-  GET  /metrics                Prometheus text: the gateway's GatewayMetrics (no key needed)
+  GET  /metrics                Prometheus text: the gateway's GatewayMetrics (open, or with
+                               --metrics-key-file / KVFLEET_METRICS_KEY: `Bearer <that key>`)
   GET  /openapi.json           the OpenAPI document of these (request bodies with their ranges)
 
 A generation request, in order (through FastAPI's routing and middleware, like every request):
@@ -47,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from services.gateway import openai_schema as schema
+from services.gateway.auth import check_metrics_key
 from services.gateway.core import GatewayCore, Session, build_generation, new_request_id
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.openai_responses import Collected, Shaper
@@ -119,10 +122,13 @@ def create_app(core: GatewayCore) -> FastAPI:
         tok = _tokenizer(core)
         if chat:
             messages = [m.as_template_input() for m in req.messages]
+            core.validator.check_text_chars(sum(len(m["content"]) for m in messages), "messages")
             ids = await asyncio.to_thread(_encode_chat, tok, messages, req.add_generation_prompt,
                                           req.add_special_tokens)
         else:
+            core.validator.check_text_chars(len(req.prompt), "prompt")
             ids = await asyncio.to_thread(tok.encode_user_text, req.prompt, req.add_special_tokens)
+        core.validator.check_token_count(len(ids), "messages" if chat else "prompt")
         return {"count": len(ids), "max_model_len": core.model.max_model_len, "tokens": ids,
                 "token_strs": None}
 
@@ -152,7 +158,8 @@ def create_app(core: GatewayCore) -> FastAPI:
                              "model": core.model.name}, status_code=200 if serving else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        check_metrics_key(core.config.metrics_key, request.headers.get("authorization"))
         return Response(generate_latest(core.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

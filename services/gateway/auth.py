@@ -3,6 +3,7 @@ timing says nothing about how much of a guessed key was right."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 from services.gateway.config import ANONYMOUS_KEY, ApiKey
 from services.gateway.errors import unauthorized
@@ -10,6 +11,24 @@ from services.gateway.errors import unauthorized
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def bearer_token(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer <token>` value; 401 when there is none."""
+    if not authorization:
+        raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise unauthorized("malformed Authorization header: expected `Bearer <key>`")
+    return token.strip()
+
+
+def check_metrics_key(expected: str | None, authorization: str | None) -> None:
+    """/metrics with a metrics key: only `Bearer <that key>` (compared in constant time)."""
+    if expected is None:
+        return
+    if not hmac.compare_digest(_digest(bearer_token(authorization)), _digest(expected.strip())):
+        raise unauthorized("incorrect metrics key provided")
 
 
 class KeyRing:
@@ -26,12 +45,7 @@ class KeyRing:
         """`authorization` is the header / metadata value, e.g. "Bearer sk-..."."""
         if self._by_digest is None:
             return ANONYMOUS_KEY
-        if not authorization:
-            raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise unauthorized("malformed Authorization header: expected `Bearer <key>`")
-        key = self._by_digest.get(_digest(token.strip()))
+        key = self._by_digest.get(_digest(bearer_token(authorization)))
         if key is None:
             raise unauthorized("incorrect API key provided")
         return key

@@ -131,6 +131,7 @@ class GatewayConfig:
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     quality_version: str | None = None   # None: derived from the checkpoint's config.json
     served_model_aliases: tuple[str, ...] = ()   # the other --served-model-name names
+    metrics_key: str | None = None       # None: /metrics is open; else it wants `Bearer <this>`
 
     def __post_init__(self) -> None:
         refusal = exposure_refusal(self.host, self.api_keys is not None, self.insecure)
@@ -139,6 +140,8 @@ class GatewayConfig:
         problems = key_problems(self.api_keys or (ANONYMOUS_KEY,), self.scheduler)
         if problems:
             raise ValueError("; ".join(problems))
+        if self.metrics_key is not None and not self.metrics_key.strip():
+            raise ValueError("the metrics key is empty")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 

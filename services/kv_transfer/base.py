@@ -303,6 +303,7 @@ class Inbox:
         self._expected: dict[str, tuple[list[int], Completion]] = {}
         self._claimed: set[str] = set()
         self._early: dict[str, _Early] = {}
+        self._closed = False
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> Completion:
         handle = Completion(f"transfer {transfer_id!r} into {self.worker_id}", timeout_s)
@@ -320,8 +321,8 @@ class Inbox:
     def claim(self, transfer_id: str, timeout_s: float) -> tuple[list[int], Completion] | None:
         """-> the expected block ids and handle (once per id), or None when no expect() came within timeout_s."""
         with self._cv:
-            ready = self._cv.wait_for(lambda: transfer_id in self._expected, max(0.0, timeout_s))
-            if not ready or transfer_id in self._claimed:
+            ready = self._cv.wait_for(lambda: self._closed or transfer_id in self._expected, max(0.0, timeout_s))
+            if not ready or self._closed or transfer_id in self._claimed:
                 return None
             self._claimed.add(transfer_id)
             ids, handle = self._expected[transfer_id]
@@ -355,7 +356,8 @@ class Inbox:
 
     def close(self) -> None:
         with self._cv:
-            entries, self._expected = list(self._expected.values()), {}
+            entries, self._expected, self._closed = list(self._expected.values()), {}, True
+            self._cv.notify_all()  # a claim() waiting for an expect() gives up
         for _, handle in entries:
             handle.finish(f"{handle.what}: transport closed")
 

@@ -2,7 +2,9 @@
 
 One agent per process (the name is worker_id plus a random suffix, so a restarted worker is a new peer), its
 progress thread OFF (it busy-spins a core) and its listener OFF (it binds 0.0.0.0): metadata travels in the
-descriptor instead, over the workers' own gRPC. The pool is registered once and prepared as a list of
+descriptor instead, over the workers' own gRPC. UCX still listens: its tcp transport opens one socket on lo
+(UCX_NET_DEVICES) when the agent starts; `listeners` names it (the worker prints it, `kvfleet up` lists it).
+The pool is registered once and prepared as a list of
 regions, indexed like KVCache.data itself:
 
     region r = (layer * 2 + kv) * num_blocks + block     at  base + r * region_bytes,  region_bytes long
@@ -42,6 +44,7 @@ from nixl import _bindings  # noqa: E402
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 from google.protobuf.message import DecodeError  # noqa: E402
 
+from services.protocol.listeners import listening_sockets  # noqa: E402
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError,  # noqa: E402
                                        PoolTransport, blocks_checksum, check_write,
@@ -109,6 +112,7 @@ class NixlTransport(PoolTransport):
         self._closed = False
         self._awaited: set[str] = set()   # expected transfers someone waits for: polled fast
         self._poller: threading.Thread | None = None
+        self.listeners: list[str] = []    # host:port UCX listens on for this agent, once registered
 
     def register(self, kv_cache) -> None:
         if self._kv is not None:
@@ -117,7 +121,11 @@ class NixlTransport(PoolTransport):
         self._kv, self._layout = kv_cache, KVLayout.of(kv_cache)
         self._mem, self._dev = ("DRAM", 0) if data.device.type == "cpu" else ("VRAM", data.get_device())
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        before = listening_sockets([os.getpid()])
         self._agent = nixl_agent(self._agent_name, config)
+        # UCX's tcp transport listens on lo (UCX_NET_DEVICES) for its connections; NIXL's own listener is
+        # off. There is no turning UCX's off: without tcp (UCX_TLS=^tcp) the backend does not start.
+        self.listeners = sorted(f"{ip}:{port}" for ip, port in listening_sockets([os.getpid()]) - before)
         self._registered = self._agent.register_memory(data)
         table = _region_table(data.data_ptr(), self._layout, kv_cache.num_blocks, self._dev)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self._mem)

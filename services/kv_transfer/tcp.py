@@ -1,7 +1,9 @@
 """tcp backend: plain sockets on 127.0.0.1, the payload streamed from pool memory into pool memory.
 
-The target listens on 127.0.0.1:<chosen port> (descriptor.address); one connection = one transfer, served on
-its own thread. The source sends from its own thread, so write() returns at once.
+The target listens on 127.0.0.1:<chosen port> (descriptor.address); one connection = one transfer. One gate
+thread (tcp_gate.py) accepts and reads every header without trusting it: bounded in count, size and time, and
+the token checked there; an admitted transfer is received on a bounded pool of threads (TcpReceiverConfig).
+The source sends from its own thread, so write() returns at once.
 
     source -> target  HEADER {token, id, layout, blocks, nbytes, checksum, timeout_s, hand_off}
                       target checks the fleet token (else refuses, claiming nothing), claims its
@@ -11,7 +13,9 @@ its own thread. The source sends from its own thread, so write() returns at once
     source <- target  REPLY {error: null | "checksum mismatch ..."}
                       target finishes its expect() handle: landed, with the hand-off
 
-Frames are a 4-byte big-endian length + UTF-8 JSON. In the header, `layout` is a serialized kvfleet.v1.KVLayout
+Frames are a 4-byte big-endian length + UTF-8 JSON, at most MAX_FRAME bytes (a header: the config's
+max_header_bytes); the payload's size is checked against the expect()'s blocks before a byte of it is read.
+In the header, `layout` is a serialized kvfleet.v1.KVLayout
 and `hand_off` a serialized kvfleet.v1.HandOff (or null), both base64; `checksum` is a crc32 or null. A CPU
 pool is sent and received in place: each run of consecutive block ids is one contiguous region per (layer, K/V),
 gathered by sendmsg, scattered by recvmsg_into; a device pool is staged through one CPU copy. Every socket op
@@ -29,12 +33,14 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import select
 import socket
 import struct
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Sequence
 
@@ -45,10 +51,10 @@ from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
                                        byte_view, check_write, layout_mismatch, make_descriptor)
+from services.kv_transfer.tcp_gate import GateCounts, HeaderGate, TcpReceiverConfig
 
 HOST = "127.0.0.1"
-HEADER_TIMEOUT_S = 5.0   # a new connection must send its header within this
-MAX_FRAME = 64 << 20
+MAX_FRAME = TcpReceiverConfig.max_header_bytes  # the most a reply frame may claim
 IOV_BATCH = 256          # buffers per sendmsg / recvmsg_into call (Linux IOV_MAX is 1024)
 SOCK_BUF = 4 << 20
 RECV_CHUNK = 1 << 20     # the most copied into the pool under one hold of the handle's lock
@@ -59,11 +65,14 @@ class TcpTransport(PoolTransport):
     name = "tcp"
     receiver_stops_writes = True
 
-    def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None, port: int = 0):
+    def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None, port: int = 0,
+                 config: TcpReceiverConfig = TcpReceiverConfig()):
         """`auth`: the fleet token writers present and this target asks for (else this process's);
-        `port`: where the receiver listens (0: a free port)."""
+        `port`: where the receiver listens (0: a free port); `config`: the receiver's bounds."""
         super().__init__(worker_id)
-        self._port = port
+        self._port, self.config = port, config
+        self._gate: HeaderGate | None = None
+        self._receivers = ThreadPoolExecutor(config.max_transfers, thread_name_prefix=f"kv-tcp-recv-{worker_id}")
         self._auth = auth if auth is not None else fleet_token.active()
         self._flat: memoryview | None = None  # the whole CPU pool as bytes; None for a device pool
         self._listener: socket.socket | None = None
@@ -79,7 +88,13 @@ class TcpTransport(PoolTransport):
         if kv_cache.data.device.type == "cpu":
             self._flat = byte_view(kv_cache.data)
         self._listener = socket.create_server((HOST, self._port))
-        self._spawn(self._accept_loop, "kv-tcp-accept")
+        self._gate = HeaderGate(self._listener, self._auth, self.config, self._admit,
+                                f"kv-tcp-gate-{self.worker_id}")
+
+    @property
+    def gate_counts(self) -> GateCounts:
+        """Connections the receiver closed before any payload, by why."""
+        return self._gate.counts if self._gate else GateCounts()
 
     @property
     def address(self) -> str:
@@ -100,18 +115,23 @@ class TcpTransport(PoolTransport):
 
     def close(self) -> None:
         self._closed.set()
+        if self._gate:
+            self._gate.close()
         with self._lock:
             socks, threads = list(self._socks), list(self._threads)
-        for sock in socks + ([self._listener] if self._listener else []):
+        for sock in socks:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
             except OSError:
                 pass
+        self._inbox.close()  # fails what is expected, and wakes a receiver waiting to claim
         for thread in threads:
             thread.join(timeout=2.0)
+        self._receivers.shutdown(wait=True, cancel_futures=True)
+        for sock in socks:
+            sock.close()  # one still queued for the pool, never served
         if self._listener:
             self._listener.close()
-        self._inbox.close()
 
     # ---- source side -------------------------------------------------------------------------------------
 
@@ -155,26 +175,20 @@ class TcpTransport(PoolTransport):
 
     # ---- target side -------------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # shut down by close()
-            self._spawn(self._serve, "kv-tcp-recv", conn)
+    def _admit(self, conn: socket.socket, header: dict) -> None:
+        """The gate passed this connection (its header carried the fleet token): receive it on the pool."""
+        with self._lock:
+            if self._closed.is_set():
+                return conn.close()
+            self._socks.add(conn)
+        self._receivers.submit(self._serve, conn, header)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, header: dict) -> None:
         transfer_id, claimed = None, None
-        with conn, self._tracked(conn):
+        with conn:
             try:
                 _tune(conn)
-                header = _recv_frame(conn, time.monotonic() + HEADER_TIMEOUT_S)
-                unauthenticated = self._auth.refusal(header.get("token"))
-                if unauthenticated is not None:
-                    _send_frame(conn, {"error": f"unauthenticated: {unauthenticated}"},
-                                time.monotonic() + HEADER_TIMEOUT_S)
-                    return
-                transfer_id, deadline = str(header["id"]), time.monotonic() + float(header["timeout_s"])
+                transfer_id, deadline = str(header["id"]), time.monotonic() + _timeout(header["timeout_s"])
                 claimed = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
                 refusal, hand_off = self._check_header(header, claimed)
                 _send_frame(conn, {"error": refusal}, deadline)
@@ -191,6 +205,9 @@ class TcpTransport(PoolTransport):
             except Exception as e:  # a thread's last word: a claimed expect always hears it
                 if claimed is not None:
                     self._inbox.finish(transfer_id, f"receive failed: {self._describe(e)}")
+            finally:
+                with self._lock:
+                    self._socks.discard(conn)
 
     def _check_header(self, header: dict, claimed) -> tuple[str | None, pb.HandOff | None]:
         """-> (why the transfer is refused, or None; the hand-off it carries)."""
@@ -278,6 +295,14 @@ _OVER = "the target's expect() is over (finished or past its deadline): nothing 
 def b64(message) -> str:
     """A protobuf message as a header field."""
     return base64.b64encode(message.SerializeToString()).decode()
+
+
+def _timeout(value) -> float:
+    """A header's timeout_s: a positive finite number of seconds."""
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise KVTransferError(f"bad header: timeout_s {value!r} is not a positive number of seconds")
+    return seconds
 
 
 def _left(deadline: float) -> float:

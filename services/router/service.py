@@ -5,7 +5,8 @@ answered. Admit(WorkRequest) -> Plan, in order:
   1. the live workers, from Redis (a cache of at most WORKERS_MAX_AGE_S; all state that matters
      is there, so several routers decide alike);
   2. disaggregated: Reserve on the best decode replica that accepts (its reservations are
-     authoritative; one that does not answer within `reserve_s` is skipped), then rank the
+     authoritative; one that does not answer within `reserve_s` is skipped; the ranking counts what
+     routers placed since each worker's beat: services/router/placements.py), then rank the
      prefill replicas (the gateway falls back to the second if the first fails before its first
      token); co-located: the best `mixed` worker;
   3. the plan: prefill worker(s), decode worker, the reservation's KV target and its deadline.
@@ -45,7 +46,8 @@ from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
-from services.router.placement import can_ever_hold, kv_blocks_needed, rank_decode, rank_prefill
+from services.router.placement import Placed, can_ever_hold, kv_blocks_needed, rank_decode, rank_prefill
+from services.router.placements import PlacementLedger
 from services.state.fleet_state import ROLES, FleetState
 from services.state.outage import UNREACHABLE, Outage
 from services.telemetry import tracing
@@ -105,6 +107,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._workers: tuple[float, list[pb.WorkerStats]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
         self.redis = Outage("router worker list", log)
+        self.placements = PlacementLedger(state, self.redis)
         self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
 
     async def live_workers(self) -> list[pb.WorkerStats]:
@@ -193,7 +196,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if workers and span.is_recording():     # one model per fleet: any worker names it
             span.set_attribute(tracing.REQUEST_MODEL, workers[0].model)
         if self.mode == "colocated":
-            return self._colocated(request, workers)
+            return await self._colocated(request, workers)
         return await self._disaggregated(request, workers)
 
     def _decided(self, span, cls: str, started: float, reason: str, plan: pb.Plan | None = None):
@@ -215,10 +218,14 @@ class RouterServicer(pb_grpc.RouterServicer):
             if plan is not None:
                 span.set_attribute(tracing.PREDICTED_TTFT, plan.predicted_ttft_s)
 
-    def _colocated(self, request: pb.WorkRequest, workers) -> pb.Plan:
-        candidates = rank_decode(workers, role="mixed")
+    async def _colocated(self, request: pb.WorkRequest, workers) -> pb.Plan:
+        mixed = [w for w in workers if w.role == "mixed"]
+        placed = await self.placements.read(mixed)
+        candidates = rank_decode(mixed, "mixed", placed, self.placements.turn)
         if not candidates:
             raise unhealthy("no healthy mixed worker")
+        prompt = len(request.prompt_token_ids)
+        await self.placements.add(candidates[0], kv_blocks_needed(candidates[0], prompt, request.params))
         return pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
                        prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
                        router_id=self.router_id,
@@ -226,7 +233,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                                                          len(request.prompt_token_ids)))
 
     async def _disaggregated(self, request: pb.WorkRequest, workers) -> pb.Plan:
-        prefill = rank_prefill(workers, len(request.prompt_token_ids))
+        prefill = rank_prefill(workers, len(request.prompt_token_ids), self.placements.turn)
         if not prefill:
             raise unhealthy("no healthy prefill worker")
         decode, reservation = await self._reserve(request, workers)
@@ -241,10 +248,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         ask = pb.ReserveRequest(request_id=request.request_id, tenant=request.tenant,
                                 traffic_class=request.traffic_class,
                                 prompt_token_ids=request.prompt_token_ids, params=request.params)
-        for w in self._decode_candidates(request, workers):
+        decode = [w for w in workers if w.role == "decode"]
+        placed = await self.placements.read(decode)
+        for w in self._decode_candidates(request, decode, placed, self.placements.turn):
+            blocks = kv_blocks_needed(w, len(request.prompt_token_ids), request.params)
+            await self.placements.add(w, blocks)   # counted before the Reserve: a burst sees it
             try:
                 resp = await self._reserve_on(w, ask)
             except grpc.aio.AioRpcError as e:
+                await self.placements.take_back(w, blocks)
                 st = status.of(e)
                 if st.reason == pb.INVALID_REQUEST:
                     raise status.CallFailed(st) from None
@@ -255,6 +267,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 continue
             if resp.accepted:
                 return w, resp
+            await self.placements.take_back(w, blocks)
             reasons.append(f"{w.worker_id}: {resp.reason}")
         if not reasons:
             raise unhealthy("no decode replica can reserve KV for this request: "
@@ -263,11 +276,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                          f"({'; '.join(reasons)})")
 
     @staticmethod
-    def _decode_candidates(request: pb.WorkRequest, workers) -> list[pb.WorkerStats]:
-        """Decode replicas to ask, best first, leaving out those whose whole pool is smaller than
-        the request's KV pages (kv_blocks_needed: n samples count the prompt once); if none is
-        large enough the best is still asked, so that its engine refuses with the limits."""
-        ranked = rank_decode(workers)
+    def _decode_candidates(request: pb.WorkRequest, workers, placed: dict[str, Placed] | None = None,
+                           turn: int = 0) -> list[pb.WorkerStats]:
+        """Decode replicas to ask, best first (counting `placed` since their beats, ties from `turn`),
+        leaving out those whose whole pool is smaller than the request's KV pages (kv_blocks_needed: n
+        samples count the prompt once); if none is large enough the best is still asked, so that its
+        engine refuses with the limits."""
+        ranked = rank_decode(workers, "decode", placed, turn)
         prompt = len(request.prompt_token_ids)
         span = trace.get_current_span()
         if ranked and span.is_recording():

@@ -11,6 +11,7 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 | `{ns}tenant:{t}:leases`              | zset          | until its latest lease expires| admit, renew, finish (Lua)      |
 | `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s     | admit/finish_stream (Lua)       |
 | `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s     | admit, charge_request (Lua)     |
+| `{ns}placed:{worker_id}:{beat_ms}`  | hash blocks, streams | 10 s (router's choice) | routers: add_placed (MULTI)  |
 
 `minute` is `int(now // 60)`: a fixed 60-s window. A worker's key holds its `pb.WorkerStats`, serialized
 (the message its Stats RPC answers: one shape for a worker's capacity everywhere); a worker whose
@@ -326,6 +327,31 @@ class FleetState:
 
     def _window_key(self, tenant: str, kind: str, now: float) -> str:
         return self._tenant_key(tenant, f"{kind}:{int(now // WINDOW_S)}")
+
+    # --- placements since a worker's beat: routers count them to spread a burst -----------------
+    def _placed_key(self, worker_id: str, beat_unix_s: float) -> str:
+        return f"{self.ns}placed:{worker_id}:{round(beat_unix_s * 1000)}"
+
+    async def placed(self, beats: typing.Sequence[tuple[str, float]]) -> list[tuple[int, int]]:
+        """(KV blocks, streams) routers placed on each (worker id, beat's updated_at_unix_s) since
+        that beat; one round trip. A newer beat has a new key, so its count starts at 0."""
+        if not beats:
+            return []
+        async with self._r.pipeline(transaction=False) as p:
+            for worker_id, beat in beats:
+                p.hmget(self._placed_key(worker_id, beat), "blocks", "streams")
+            rows = await p.execute()
+        return [(int(blocks or 0), int(streams or 0)) for blocks, streams in rows]
+
+    async def add_placed(self, worker_id: str, beat_unix_s: float, blocks: int, streams: int,
+                         ttl_s: float) -> None:
+        """Count a placement (negative: undo one) on a worker's beat; the count lives ttl_s."""
+        key = self._placed_key(worker_id, beat_unix_s)
+        async with self._r.pipeline(transaction=True) as p:
+            p.hincrby(key, "blocks", int(blocks))
+            p.hincrby(key, "streams", int(streams))
+            p.pexpire(key, max(1, round(ttl_s * 1000)))
+            await p.execute()
 
     # --- worker registry ----------------------------------------------------------------------
     async def heartbeat(self, stats: pb.WorkerStats, ttl_s: float) -> None:

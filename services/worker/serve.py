@@ -9,7 +9,8 @@ environment names an endpoint (services/telemetry/tracing.py).
 
 Prints one line `READY <worker_id> <host:port>` on stdout once serving (launchers and tests wait
 for it), after `METRICS <worker_id> <url>` and `KV <worker_id> <host:port>` (the tcp backend's
-receiver) for the listeners it has. SIGTERM / SIGINT: stop accepting, drop the Redis record,
+receiver) or `UCX <worker_id> <host:port>` (nixl: UCX's tcp listener) for the listeners it has.
+SIGTERM / SIGINT: stop accepting, drop the Redis record,
 stop the engine core, exit 0. The engine core dies: its requests fail, the worker reports
 NOT_SERVING and exits ENGINE_FAILED_EXIT (the supervisor restarts it).
 """
@@ -248,6 +249,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
         print(f"METRICS {config.worker_id} {telemetry.metrics_url}", flush=True)
     if getattr(transport, "address", None):            # the tcp backend's KV receiver
         print(f"KV {config.worker_id} {transport.address}", flush=True)
+    for ucx in getattr(transport, "listeners", ()):    # the nixl backend's: UCX's tcp listener
+        print(f"UCX {config.worker_id} {ucx}", flush=True)
     print(f"READY {config.worker_id} {address}", flush=True)
     await stopping
     failed = engine.failure is not None

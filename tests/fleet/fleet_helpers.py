@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import itertools
-import os
 import threading
 from contextlib import contextmanager
 
 import grpc
 
 from services.protocol.fleet_token import FleetAuth
+from services.protocol.listeners import listening_sockets  # noqa: F401 - the fleet tests' import
 from services.cli.launcher import Launcher
 from services.gateway.plan import Channels, PlanRun, Routers
 from services.protocol.timeouts import Timeouts
@@ -205,32 +204,3 @@ def route_request(rid: str, ids: list[int], max_tokens: int, **params) -> pb.Wor
                           params=pb.SamplingParams(max_tokens=max_tokens, **params))
 
 
-def listening_sockets(pids: list[int]) -> set[tuple[str, int]]:
-    """(ip, port) of every TCP socket in LISTEN that one of `pids` holds (Linux /proc)."""
-    inodes = set()
-    for pid in pids:
-        fd_dir = f"/proc/{pid}/fd"
-        for fd in os.listdir(fd_dir):
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue                    # closed meanwhile
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    found = set()
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        with open(table) as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                local, state, inode = fields[1], fields[3], fields[9]
-                if state != "0A" or inode not in inodes:     # 0A: LISTEN
-                    continue
-                hex_ip, hex_port = local.split(":")
-                raw = bytes.fromhex(hex_ip)
-                # /proc prints the address as 32-bit words in host (little-endian) order
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                ip = ipaddress.ip_address(raw[:width])
-                ip = getattr(ip, "ipv4_mapped", None) or ip       # ::ffff:127.0.0.1 is 127.0.0.1
-                found.add((str(ip), int(hex_port, 16)))
-    return found

@@ -1,14 +1,15 @@
 """Placement ranks the workers' heartbeats (pb.WorkerStats) directly: prefill by the cost of the
 prompt's blocks plus the queue ahead of it, decode by the KV blocks a reservation can still take,
-then by batch size. Every router ranks the same records alike (ties go by worker id)."""
+then by batch size, each less what routers placed there since the beat; ties go round a ring of the
+worker ids from the router's turn, so a burst over equal replicas alternates."""
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.placement import (PREFILL_BLOCK_WEIGHT, can_ever_hold, free_unreserved_blocks,
-                                       kv_blocks_needed, prefill_cost, rank_decode, rank_prefill)
+from services.router.placement import (PREFILL_BLOCK_WEIGHT, Placed, can_ever_hold, free_unreserved_blocks,
+                                       kv_blocks_needed, prefill_cost, rank_decode, rank_prefill, room_after)
 from services.router.service import RouterServicer
 from tests.state.test_fleet_state import make_stats
 
@@ -82,13 +83,64 @@ def test_each_rank_takes_only_its_role():
     assert rank_decode([]) == [] and rank_prefill([], 10) == []
 
 
+def burst(workers, requests: int, blocks: int, count_placed: bool = True, turns: bool = True) -> dict[str, int]:
+    """A router placing `requests` requests within one beat: -> how many each worker got."""
+    placed: dict[str, Placed] = {}
+    got = {w.worker_id: 0 for w in workers}
+    for turn in range(requests):
+        best = rank_decode(workers, "decode", placed if count_placed else None, turn if turns else 0)[0]
+        got[best.worker_id] += 1
+        was = placed.get(best.worker_id, Placed())
+        placed[best.worker_id] = Placed(was.blocks + blocks, was.streams + 1)
+    return got
+
+
+def test_a_burst_within_one_beat_splits_evenly_over_equal_replicas():
+    equal = [make_stats("decode-0"), make_stats("decode-1")]
+    assert burst(equal, 16, blocks=3) == {"decode-0": 8, "decode-1": 8}
+    # what the fleet did before: the beat alone, ties by id: all sixteen on one replica
+    assert burst(equal, 16, blocks=3, count_placed=False, turns=False) == {"decode-0": 16, "decode-1": 0}
+    # either half alone spreads it too: the counts (ties by id), or the turning ring (a stale beat)
+    assert burst(equal, 16, blocks=3, turns=False) == {"decode-0": 8, "decode-1": 8}
+    assert burst(equal, 16, blocks=3, count_placed=False) == {"decode-0": 8, "decode-1": 8}
+
+
+def test_a_burst_fills_the_roomier_replica_until_both_have_equal_room():
+    roomy = make_stats("decode-0", kv_blocks_free=700, kv_blocks_reserved=200, kv_blocks_held=0)  # 500
+    tight = make_stats("decode-1", kv_blocks_free=700, kv_blocks_reserved=300, kv_blocks_held=0)  # 400
+    got = burst([roomy, tight], 60, blocks=10)
+    assert got == {"decode-0": 35, "decode-1": 25}   # 10 to catch up, then alternating
+
+
+def test_placed_blocks_and_streams_count_against_room_and_batch():
+    w = make_stats("d0", kv_blocks_free=100, kv_blocks_reserved=10, kv_blocks_held=0, num_running=3)
+    assert room_after(w, Placed()) == (90, 3)
+    assert room_after(w, Placed(blocks=40, streams=2)) == (50, 5)
+    assert room_after(w, Placed(blocks=400, streams=2)) == (0, 5)   # promised past its room: none left
+
+
+def test_ties_between_prefill_replicas_turn_too():
+    fleet = [make_stats(f"p{i}", "prefill", queued_prefill_tokens=0) for i in range(3)]
+    firsts = [rank_prefill(fleet, 100, turn)[0].worker_id for turn in range(6)]
+    assert firsts == ["p0", "p1", "p2", "p0", "p1", "p2"]
+
+
 # --- properties -------------------------------------------------------------------------------
 
-@given(fleets(), st.sampled_from(["decode", "mixed"]))
-def test_decode_rank_is_every_worker_of_the_role_once_whatever_the_input_order(fleet, role):
-    ranked = rank_decode(fleet, role)
+@given(fleets(), st.sampled_from(["decode", "mixed"]), st.integers(0, 100))
+def test_decode_rank_is_every_worker_of_the_role_once_whatever_the_input_order(fleet, role, turn):
+    ranked = rank_decode(fleet, role, turn=turn)
     assert sorted(ids(ranked)) == sorted(w.worker_id for w in fleet if w.role == role)
-    assert ids(rank_decode(list(reversed(fleet)), role)) == ids(ranked)   # routers agree
+    assert ids(rank_decode(list(reversed(fleet)), role, turn=turn)) == ids(ranked)   # same turn: alike
+
+
+@given(fleets(), st.dictionaries(st.sampled_from([f"w{i}" for i in range(8)]),
+                                 st.builds(Placed, st.integers(0, 64), st.integers(0, 8))),
+       st.integers(0, 100))
+def test_counting_placements_ranks_by_the_room_left_after_them(fleet, placed, turn):
+    ranked = rank_decode(fleet, "decode", placed, turn)
+    rooms = [room_after(w, placed.get(w.worker_id, Placed())) for w in ranked]
+    assert [(-free, running) for free, running in rooms] == sorted((-free, running) for free, running in rooms)
 
 
 @given(fleets())

@@ -1,0 +1,63 @@
+"""What routers placed on each worker since the beat they rank by (placement.Placed), so that a burst
+within one beat spreads instead of taking the same best replica every time.
+
+    own:   this router's placements, counted at once (before any await, so the next admission on this
+           event loop ranks with it), per (worker, beat); a newer beat starts at 0, as it reflects them
+    fleet: every router's, in Redis (FleetState.placed / add_placed: a hash per worker and beat, 10 s TTL),
+           read in one pipeline per ranking
+    used:  the larger of the two: never counts a placement twice; while Redis does not answer, own alone
+
+A placement whose Reserve is refused, or fails, is taken back (both counts). One that ends before the next
+beat stays counted until that beat: the beat is what says it ended.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.router.placement import NOTHING, Placed
+from services.state.fleet_state import FleetState
+from services.state.outage import UNREACHABLE, Outage
+
+PLACED_TTL_S = 10.0   # well past a beat (heartbeat_s 0.5 s): a count outlives the beat it is keyed to
+
+
+class PlacementLedger:
+    def __init__(self, state: FleetState, redis: Outage) -> None:
+        self._state, self._redis = state, redis
+        self._own: dict[str, tuple[float, Placed]] = {}   # worker id -> (beat, placed since it)
+        self.turn = 0                                     # where ties start (placement.ring)
+
+    def own(self, w: pb.WorkerStats) -> Placed:
+        beat, placed = self._own.get(w.worker_id, (None, NOTHING))
+        return placed if beat == w.updated_at_unix_s else NOTHING
+
+    async def read(self, workers: Sequence[pb.WorkerStats]) -> dict[str, Placed]:
+        """Placed on each worker since its beat, by worker id."""
+        try:
+            rows = await self._redis.call(self._state.placed,
+                                          [(w.worker_id, w.updated_at_unix_s) for w in workers])
+        except UNREACHABLE:
+            rows = [(0, 0)] * len(workers)
+        out = {}
+        for w, (blocks, streams) in zip(workers, rows):
+            own = self.own(w)
+            out[w.worker_id] = Placed(max(blocks, own.blocks), max(streams, own.streams))
+        return out
+
+    async def add(self, w: pb.WorkerStats, blocks: int) -> None:
+        self.turn += 1
+        await self._count(w, blocks, 1)
+
+    async def take_back(self, w: pb.WorkerStats, blocks: int) -> None:
+        await self._count(w, -blocks, -1)
+
+    async def _count(self, w: pb.WorkerStats, blocks: int, streams: int) -> None:
+        mine = self.own(w)
+        self._own[w.worker_id] = (w.updated_at_unix_s, Placed(max(0, mine.blocks + blocks),
+                                                              max(0, mine.streams + streams)))
+        try:
+            await self._redis.call(self._state.add_placed, w.worker_id, w.updated_at_unix_s,
+                                   blocks, streams, PLACED_TTL_S)
+        except UNREACHABLE:
+            pass  # peers rank without it until the next beat; self._redis logged the outage
