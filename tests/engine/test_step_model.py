@@ -40,12 +40,18 @@ def true_step(c: StepCoefficients, b: BatchShape) -> float:
 def test_it_converges_to_a_linear_step_time_from_noisy_steps(truth, seed):
     rng = np.random.default_rng(seed)
     model = StepModel()                            # from the default prior, however far off
+    steps = []
     for _ in range(1000):
         shape = random_shape(rng)
-        model.observe(shape, true_step(truth, shape) * rng.uniform(0.98, 1.02))
-    for _ in range(50):                            # held-out shapes: within 5% or half a ms
+        steps.append(true_step(truth, shape))
+        model.observe(shape, steps[-1] * rng.uniform(0.98, 1.02))
+    # held-out shapes: within 5%, or for a small step within 1% of a typical one (the noise on
+    # the large steps, a few % of them, bounds what can be known of the small ones)
+    typical = float(np.mean(steps))
+    for _ in range(50):
         shape = random_shape(rng)
-        assert model.step_s(shape) == pytest.approx(true_step(truth, shape), rel=0.05, abs=5e-4)
+        assert model.step_s(shape) == pytest.approx(true_step(truth, shape), rel=0.05,
+                                                    abs=0.01 * typical)
 
 
 def test_with_forgetting_it_follows_a_step_time_that_changed():
