@@ -1,8 +1,10 @@
-"""Decode protection on the real engine, in process: N chats arrive at once; with protection on
+"""Decode protection on the real engine, in process: N chats arrive, --per-step of them before
+each step (so later ones meet a model that has learned from the steps); with protection on
 (an interactive ITL target of TARGET s) and off, report the decode batch, the step times streams
 saw, the wait for a slot and the TTFTs.
 
-    python -m loadtests.decode_protection [--chats 48] [--target 0.02] [--max-tokens 48]
+    python -m loadtests.decode_protection [--chats 48] [--per-step 2] [--target 0.02]
+                                          [--max-tokens 48]
 
 Numbers go to docs/benchmarks.md ("[A3] decode protection").
 """
@@ -23,16 +25,18 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
 
 
-def run(chats: int, target: float, max_tokens: int, protect: bool) -> dict:
+def run(chats: int, per_step: int, target: float, max_tokens: int, protect: bool) -> dict:
     classes = (replace(INTERACTIVE, itl_target_s=target), DOCUMENT, BATCH)
     engine = LLMEngine(engine_config(classes=classes, protect_itl=protect, reject_late=False,
                                      num_blocks=2048))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.monotonic()
-    for i in range(chats):
-        engine.add_request([5 + i % 50] * 32, params)
-    ttft, decode_steps, peak, waiting = {}, [], 0, 0
-    while engine.has_unfinished():
+    arrivals = iter(range(chats))
+    ttft, decode_steps, peak, waiting, added = {}, [], 0, 0, 0
+    while added < chats or engine.has_unfinished():
+        for i in [i for _, i in zip(range(per_step), arrivals)]:
+            engine.add_request([5 + i % 50] * 32, params)
+            added += 1
         for out in engine.step():
             ttft.setdefault(out.request_id, time.monotonic() - t0)
         rec = engine.last_step
@@ -51,11 +55,12 @@ def run(chats: int, target: float, max_tokens: int, protect: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chats", type=int, default=48)
+    p.add_argument("--per-step", type=int, default=2)
     p.add_argument("--target", type=float, default=0.02)
     p.add_argument("--max-tokens", type=int, default=48)
     a = p.parse_args()
     for protect in (False, True):
-        r = run(a.chats, a.target, a.max_tokens, protect)
+        r = run(a.chats, a.per_step, a.target, a.max_tokens, protect)
         model = r.pop("model")
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         if protect:
