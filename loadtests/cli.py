@@ -18,8 +18,8 @@ EVALUATION_SETUPS = ("colocated-chunked", "colocated-tokens-only", "colocated-wh
                      "disagg-chunked", "disagg-whole")
 
 
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True,
+def add_run_args(p: argparse.ArgumentParser, require_workload: bool = True) -> None:
+    p.add_argument("--workload", required=require_workload,
                    help="a spec file, or a shipped one: chat-only, mixed, noisy-neighbor, overload-ramp, azure-conv")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None, help="key for tenants without one of their own")
@@ -44,9 +44,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", action="append", required=True,
+    p.add_argument("--endpoint", action="append", default=[],
                    help="base URL; give it twice (A, then B)")
-    add_run_args(p)
+    p.add_argument("--summary", action="append", default=[], metavar="FILE",
+                   help="instead of two endpoints, two saved runs' summary.json (A, then B): "
+                        "kvfleet bench serve's or kvfleet sim run's")
+    add_run_args(p, require_workload=False)
     p.add_argument("--out", default="loadtest-compare", help="folder: A/ and B/ reports plus compare.md")
 
 
@@ -125,8 +128,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    if len(args.endpoint) != 2:
-        print("kvfleet bench compare: give --endpoint exactly twice (A, then B)", file=sys.stderr)
+    if args.summary:
+        return compare_summaries(args.summary, Path(args.out))
+    if len(args.endpoint) != 2 or not args.workload:
+        print("kvfleet bench compare: give --workload and --endpoint exactly twice (A, then B), "
+              "or --summary twice", file=sys.stderr)
         return 2
     spec = _spec_or_usage_error(args, "compare")
     if spec is None:
@@ -139,6 +145,30 @@ def run_compare(args: argparse.Namespace) -> int:
     table = compare_table(*summaries, labels=tuple(args.endpoint))
     (out / "compare.md").write_text(f"# {spec.name}: A = {args.endpoint[0]}, B = {args.endpoint[1]}\n\n"
                                     f"{table}\n")
+    print(table)
+    return 0
+
+
+def compare_summaries(paths: list[str], out: Path) -> int:
+    """Two saved summaries side by side (e.g. a simulated run beside a real one)."""
+    import json
+    if len(paths) != 2:
+        print("kvfleet bench compare: give --summary exactly twice (A, then B)", file=sys.stderr)
+        return 2
+    summaries = []
+    for path in paths:
+        try:
+            summary = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            print(f"kvfleet bench compare: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(summary, dict) or not {"overall", "classes"} <= summary.keys():
+            print(f"kvfleet bench compare: {path} is not a run's summary.json", file=sys.stderr)
+            return 2
+        summaries.append(summary)
+    table = compare_table(*summaries, labels=(paths[0], paths[1]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(f"# A = {paths[0]}, B = {paths[1]}\n\n{table}\n")
     print(table)
     return 0
 

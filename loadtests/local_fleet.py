@@ -1,10 +1,16 @@
-"""A kvfleet fleet on this host, configured for a workload: used by the end-to-end load test and by
-`kvfleet bench evaluation` (docs/evaluation.md).
+"""`kvfleet up` as a child process: the one way tests, benches and `kvfleet bench evaluation`
+(docs/evaluation.md) start a whole fleet on this host.
 
-The fleet is `kvfleet up` itself, run as a child process (the same processes, same flags), with
-an engine config naming the workload's tenants (their weights and classes) and one API key per
-tenant, so the gateway knows each request's tenant and class from its key, as in production.
-Nothing here imports kvfleet's services: the load tester talks to the fleet over HTTP only.
+`kvfleet_up(model, ...)` runs `kvfleet up` itself (the same processes, same flags as a user's),
+reads its banner into an `UpFleet` (gateway, routers, workers with their pids and metrics URLs,
+Redis), waits for READY within a deadline, and on exit stops it: SIGTERM, SIGKILL to whatever of
+its tree is left past a grace, and waits until nothing of it runs. `engine="sim"` (with
+`sim_args`) starts the workers on the simulated engine core instead of the model.
+
+`local_fleet(tenants, setup)` is that fleet configured for a load test's workload: an engine
+config naming the workload's tenants (their weights and classes) and one API key per tenant, so
+the gateway knows each request's tenant and class from its key, as in production. The load
+tester itself talks to the fleet over HTTP only.
 """
 from __future__ import annotations
 
@@ -28,9 +34,216 @@ import yaml
 from loadtests.workload import TenantSpec
 
 UP_READY_S = 300.0          # `kvfleet up` to READY (loads the model in every worker)
-UP_STOP_S = 30.0            # SIGTERM to exit; then its process group is killed
+UP_STOP_S = 30.0            # SIGTERM to exit; then whatever is left of its tree is killed
+GONE_S = 10.0               # after SIGKILL: every process of the tree reaped or gone
 REDIS_READY_S = 10.0
+ENV_TOKEN = "KVFLEET_FLEET_TOKEN"   # services/protocol/fleet_token.py
 
+
+# ------------------------------------------------------------------------- `kvfleet up`, typed
+
+@dataclass(frozen=True)
+class Service:
+    """One router or worker of the fleet, as its banner named it."""
+    name: str                 # prefill-0, decode-0, mixed-0, router-0
+    role: str                 # prefill | decode | mixed | router
+    address: str              # gRPC host:port
+    metrics_url: str          # http://host:port/metrics ("" if it announced none)
+    pid: int | None           # its process at READY (`UpFleet.pid` follows a restart)
+
+
+@dataclass
+class UpFleet:
+    """A running `kvfleet up`: its process, its banner's endpoints, its output so far (kept up to
+    date: its pipe is drained while it runs)."""
+    proc: subprocess.Popen
+    http: str                                    # the gateway's REST host:port
+    grpc: str                                    # the gateway's gRPC host:port
+    redis_url: str
+    routers: dict[str, Service]
+    workers: dict[str, Service]
+    lines: list[str]
+    listeners: list[tuple[str, str, str]] = field(default_factory=list)   # (service, kind, host:port)
+    log_dir: str = ""
+    token: str | None = None                     # the fleet token, when the caller set one
+    ready_at: float = 0.0                        # time.monotonic() when its READY line came
+    model: str = ""                              # the first served model name
+    redis_password: str = ""                     # the embedded Redis's (redis_url carries it)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+    def children(self) -> dict[int, str]:
+        """pid -> command line of each live child of `kvfleet up` (read from /proc)."""
+        return _children(self.proc.pid)
+
+    def pid(self, name: str) -> int | None:
+        """The live process serving `name` (a worker, a router, or "gateway"), found by its
+        command line, so it follows the supervisor's restarts."""
+        return _pid_of(name, self.children())
+
+    def signal(self, name: str, sig: int) -> int:
+        pid = self.pid(name)
+        if pid is None:
+            raise LookupError(f"{name} is not running")
+        os.kill(pid, sig)
+        return pid
+
+    def tree(self) -> list[int]:
+        """`kvfleet up` and every live process under it."""
+        from services.cli.launcher import descendants  # noqa: PLC0415
+        return [self.proc.pid, *descendants(self.proc.pid)]
+
+
+def _children(pid: int) -> dict[int, str]:
+    from services.cli.launcher import children  # noqa: PLC0415
+    found = {}
+    for child in children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                found[child] = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue                       # gone meanwhile
+    return found
+
+
+def _pid_of(name: str, children: dict[int, str]) -> int | None:
+    mark = ("services.gateway" if name == "gateway" else
+            f"--router-id {name} " if name.startswith("router-") else f"--worker-id {name} ")
+    return next((pid for pid, args in children.items() if mark in args + " "), None)
+
+
+def up_command(model: str, *args: str, mode: str | None = None, routers: int | None = None,
+               redis_url: str | None = None, config: str | None = None,
+               api_keys: str | None = None, kv_cache_mib: int | None = None,
+               http_port: int | None = 0, grpc_port: int | None = 0, engine: str = "real",
+               sim_args: tuple[str, ...] = ()) -> list[str]:
+    """`kvfleet up`'s command line. None leaves a flag to `kvfleet up`'s default; the gateway's
+    ports default to 0 (the OS picks; the banner says which). `engine` other than "real" adds
+    `--engine ENGINE` and `sim_args` (e.g. ("--sim-kv-tokens", "4096"))."""
+    if engine != "real":
+        args = ("--engine", engine, *sim_args, *args)
+    elif sim_args:
+        raise ValueError(f"sim_args {sim_args} need engine='sim'")
+    flags = {"--mode": mode, "--routers": routers, "--redis-url": redis_url, "--config": config,
+             "--api-keys": api_keys, "--kv-cache-mib": kv_cache_mib, "--http-port": http_port,
+             "--grpc-port": grpc_port}
+    named = [x for flag, value in flags.items() if value is not None for x in (flag, str(value))]
+    return [sys.executable, "-m", "services.cli.cli", "up", "--model", str(model), *named, *args]
+
+
+@contextlib.contextmanager
+def kvfleet_up(model: str, *args: str, env: dict[str, str] | None = None,
+               token: str | None = None, ready_s: float = UP_READY_S, stop_s: float = UP_STOP_S,
+               **flags) -> Iterator[UpFleet]:
+    """Start `kvfleet up --model MODEL ARGS...` (`flags`: up_command's keywords: mode, routers,
+    redis_url, config, api_keys, kv_cache_mib, http_port, grpc_port, engine, sim_args) and yield
+    its UpFleet once READY (RuntimeError with its output if it ends or is not READY within
+    `ready_s`). `env` is added to this process's environment for the whole fleet; `token` is the
+    fleet token its processes share. On exit, whatever happened: `stop(fleet)`."""
+    from services.state import redis_auth  # noqa: PLC0415
+    # the embedded Redis's password: the caller's (env; "" lets kvfleet up make its own, which
+    # only its log folder then knows), else a new one (kvfleet up takes it)
+    password = (env or {}).get(redis_auth.ENV_PASSWORD, redis_auth.generate())
+    extra = {**(env or {}), redis_auth.ENV_PASSWORD: password,
+             **({ENV_TOKEN: token} if token else {})}
+    proc = subprocess.Popen(up_command(model, *args, **flags), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **extra})
+    lines: list[str] = []
+    ready: queue.Queue[float | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(proc, lines, ready), daemon=True).start()
+    try:
+        ready_at = _wait_ready(ready, lines, ready_s)
+        fleet = _fleet(proc, lines, token, ready_at)
+        # a given --redis-url keeps its own credentials; the embedded server's takes `password`
+        if flags.get("redis_url"):
+            fleet.redis_url = flags["redis_url"]
+        elif password:
+            fleet.redis_url = fleet.redis_url.replace("redis://", f"redis://:{password}@", 1)
+        fleet.redis_password = password
+        yield fleet
+    finally:
+        stop(proc, stop_s)
+
+
+def _pump(proc: subprocess.Popen, lines: list[str], ready: queue.Queue) -> None:
+    from services.cli.up import READY_PREFIX  # noqa: PLC0415
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if line.startswith(READY_PREFIX):
+            ready.put(time.monotonic())
+    ready.put(None)                                   # the process ended
+
+
+def _wait_ready(ready: queue.Queue, lines: list[str], timeout_s: float) -> float:
+    """When READY came (time.monotonic()); RuntimeError if the process ended or it did not come."""
+    try:
+        came = ready.get(timeout=timeout_s)
+    except queue.Empty:
+        raise RuntimeError(f"kvfleet up: not READY after {timeout_s:.0f} s:\n"
+                           + "\n".join(lines[-30:])) from None
+    if came is None:
+        raise RuntimeError("kvfleet up exited before READY:\n" + "\n".join(lines[-30:]))
+    return came
+
+
+def _fleet(proc: subprocess.Popen, lines: list[str], token: str | None, ready_at: float) -> UpFleet:
+    """The banner (its lines up to READY, which `kvfleet up` prints after all of them) as an
+    UpFleet; each router's and worker's pid read from /proc now."""
+    from services.cli.up import READY_PREFIX, Banner  # noqa: PLC0415
+    end = next(i for i, line in enumerate(lines) if line.startswith(READY_PREFIX))
+    banner = Banner(lines[:end + 1])
+    address = {(service, kind): at for service, kind, at in banner.listeners}
+    children = _children(proc.pid)
+
+    def service(name: str) -> Service:
+        metrics = address.get((name, "metrics"))
+        return Service(name, name.rsplit("-", 1)[0], address[(name, "grpc")],
+                       f"http://{metrics}/metrics" if metrics else "", _pid_of(name, children))
+    names = sorted({s for s, _ in address if s not in ("gateway", "redis")})
+    http = lines[end].split()[-1]
+    return UpFleet(proc=proc, http=http, grpc=address[("gateway", "grpc")],
+                   redis_url=banner.redis_url or "",
+                   routers={n: service(n) for n in names if n.startswith("router-")},
+                   workers={n: service(n) for n in names if not n.startswith("router-")},
+                   lines=lines, listeners=banner.listeners,
+                   log_dir=lines[0].partition("logs in ")[2], token=token, ready_at=ready_at,
+                   model=_served_model(http))
+
+
+def _served_model(http: str) -> str:
+    """The first model the gateway serves (its /v1/models), "" if it does not answer."""
+    import httpx  # noqa: PLC0415
+    with contextlib.suppress(httpx.HTTPError, KeyError, IndexError, ValueError):
+        return httpx.get(f"http://{http}/v1/models", timeout=10).json()["data"][0]["id"]
+    return ""
+
+
+def stop(proc: subprocess.Popen, grace_s: float = UP_STOP_S) -> None:
+    """SIGTERM `kvfleet up`; past `grace_s`, SIGKILL its group and every process of its tree (its
+    children run in sessions of their own); return once none of them runs."""
+    from services.cli.launcher import descendants, running  # noqa: PLC0415
+    tree = descendants(proc.pid) if proc.poll() is None else []
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+    tree += [p for p in descendants(proc.pid) if p not in tree] if proc.poll() is None else []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)          # anything of its group still alive
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + GONE_S
+    while any(map(running, tree)) and time.monotonic() < deadline:
+        time.sleep(0.02)                             # SIGKILL is delivered, not yet done
+
+
+# ------------------------------------------------------------- a fleet for a load test
 
 @dataclass(frozen=True)
 class FleetSetup:
@@ -40,6 +253,8 @@ class FleetSetup:
     kv_backend: str = "tcp"
     kv_cache_mib: int = 256
     key_overrides: dict = field(default_factory=dict)   # tenant -> key file fields (quotas) to change
+    engine: str = "real"                         # real | sim (the simulated engine core)
+    sim_args: tuple[str, ...] = ()               # --sim-kv-tokens N, --sim-model ... (engine sim)
 
 
 @dataclass(frozen=True)
@@ -47,6 +262,7 @@ class LocalFleet:
     endpoint: str                                # http://127.0.0.1:PORT
     tenant_keys: dict[str, str]
     output: list[str]                            # `kvfleet up`'s lines so far (its process list, logs dir)
+    up: UpFleet | None = None                    # the running `kvfleet up` itself
 
 
 def tenant_key(tenant: str) -> str:
@@ -68,13 +284,13 @@ def write_fleet_config(tenants: list[TenantSpec], setup: FleetSetup, folder: Pat
     return str(folder / "engine.yaml"), str(folder / "keys.yaml")
 
 
-def up_command(setup: FleetSetup, engine_yaml: str, keys_yaml: str, redis_url: str | None) -> list[str]:
-    """`kvfleet up` for this setup, on ports the OS picks (the gateway's is read from READY)."""
-    redis = ["--redis-url", redis_url] if redis_url else []
-    return [sys.executable, "-m", "services.cli.cli", "up", "--model", setup.model, "--mode", setup.mode,
-            "--prefill", "1", "--decode", "1", "--host", "127.0.0.1", "--http-port", "0",
-            "--grpc-port", "0", "--api-keys", keys_yaml, "--kv-backend", setup.kv_backend,
-            "--kv-cache-mib", str(setup.kv_cache_mib), "--config", engine_yaml, *redis]
+def up_options(setup: FleetSetup, engine_yaml: str, keys_yaml: str, redis_url: str | None
+               ) -> tuple[list[str], dict]:
+    """`kvfleet up`'s arguments for this setup: (extra flags, kvfleet_up's keywords)."""
+    return (["--prefill", "1", "--decode", "1", "--host", "127.0.0.1", "--kv-backend",
+             setup.kv_backend],
+            dict(mode=setup.mode, redis_url=redis_url, config=engine_yaml, api_keys=keys_yaml,
+                 kv_cache_mib=setup.kv_cache_mib, engine=setup.engine, sim_args=setup.sim_args))
 
 
 @contextlib.contextmanager
@@ -88,57 +304,9 @@ def local_fleet(tenants: list[TenantSpec], setup: FleetSetup,
     with contextlib.ExitStack() as stack:
         if redis_url is None:
             redis_url = _start_redis(stack)
-        gateway, output = stack.enter_context(kvfleet_up(up_command(setup, engine_yaml, keys_yaml,
-                                                                    redis_url)))
-        yield LocalFleet(f"http://{gateway}", {t.name: tenant_key(t.name) for t in tenants}, output)
-
-
-@contextlib.contextmanager
-def kvfleet_up(command: list[str], ready_s: float = UP_READY_S) -> Iterator[tuple[str, list[str]]]:
-    """Run `command` (a `kvfleet up`) until it prints `READY up HOST:PORT`; yield that address and
-    its output lines (kept up to date: its pipe is drained while it runs). On exit: SIGTERM, and
-    its whole process group killed if it has not ended within UP_STOP_S."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-    ready: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_pump, args=(proc, lines, ready), daemon=True).start()
-    try:
-        yield _wait_ready(ready, lines, ready_s), lines
-    finally:
-        _stop(proc)
-
-
-def _pump(proc: subprocess.Popen, lines: list[str], ready: queue.Queue) -> None:
-    for line in proc.stdout:
-        lines.append(line.rstrip())
-        if line.startswith("READY up "):
-            ready.put(line.split()[-1])
-    ready.put(None)                                   # the process ended
-
-
-def _wait_ready(ready: queue.Queue, lines: list[str], timeout_s: float) -> str:
-    try:
-        address = ready.get(timeout=timeout_s)
-    except queue.Empty:
-        raise RuntimeError(f"kvfleet up: not READY after {timeout_s:.0f} s:\n"
-                           + "\n".join(lines[-30:])) from None
-    if address is None:
-        raise RuntimeError("kvfleet up exited before READY:\n" + "\n".join(lines[-30:]))
-    return address
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=UP_STOP_S)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)          # anything of its group still alive
-    proc.wait()
+        args, options = up_options(setup, engine_yaml, keys_yaml, redis_url)
+        up = stack.enter_context(kvfleet_up(setup.model, *args, **options))
+        yield LocalFleet(up.url, {t.name: tenant_key(t.name) for t in tenants}, up.lines, up)
 
 
 def _start_redis(stack: contextlib.ExitStack) -> str | None:

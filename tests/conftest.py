@@ -36,29 +36,32 @@ def smollm2_dir(tmp_path_factory):
 
 # --- Redis -----------------------------------------------------------------------------------
 # `redis_url`: one real redis-server for the session. `embedded_redis_url`: one EmbeddedRedis for the
-# session. `any_redis_url`: both, as a parameter, for tests the single-host path must pass too.
+# session. Both require a password (made per session): their URLs carry it (`redis://:PASS@...`),
+# so a client made from the URL authenticates, and one without it is refused. `any_redis_url`: both, as a parameter, for tests the single-host path must pass too.
 # `redis_ns`: a fresh key namespace per test, whose keys are deleted afterwards on the server the test
 # used (`any_redis_url` if the test asks for it, else `redis_url`).
 
 @pytest.fixture(scope="session")
 def redis_url():
     from services.state.redis_server import RedisNotInstalledError, RedisServerProcess
-    server = RedisServerProcess()
+    from services.state.redis_auth import generate
+    server = RedisServerProcess(password=generate())
     try:
         server.start()
     except RedisNotInstalledError as e:
         pytest.fail(f"tests need a real redis-server (make test installs it): {e}")
     try:
-        yield server.url
+        yield server.auth_url
     finally:
         server.stop()
 
 
 @pytest.fixture(scope="session")
 def embedded_redis_url():
+    from services.state.redis_auth import generate
     from services.state.redis_server import EmbeddedRedis
-    with EmbeddedRedis() as server:
-        yield server.url
+    with EmbeddedRedis(password=generate()) as server:
+        yield server.auth_url
 
 
 @pytest.fixture(params=["redis-server", "embedded"])

@@ -21,6 +21,17 @@ async def eventually(check, timeout_s: float = 10.0, interval_s: float = 0.02) -
     return await holds()
 
 
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """True once `predicate()` holds, polled every `interval_s`; False if it does not within
+    `timeout_s` (checked once more at the deadline). For blocking tests; `eventually` in a loop."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
 def ready_line(proc, timeout_s: float) -> str:
     """A started service's `READY ...` line from its stdout pipe (announcement lines such as
     METRICS / KV may come first), or "" if it ended or said nothing within `timeout_s`. Reads the

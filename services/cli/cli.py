@@ -205,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(bsub, "kvfleet bench evaluation", "regenerate docs/evaluation.md: setups x arrival "
               "rates", "loadtests.cli:add_evaluation_args", "loadtests.evaluation:run_evaluation")
 
+    sm = sub.add_parser("sim", help="the simulator: measured step profiles, discrete-event runs")
+    ssub = sm.add_subparsers(dest="target", required=True)
+    _delegate(ssub, "kvfleet sim calibrate", "measure this machine's engine step time by batch "
+              "composition and fit a step profile (JSON)", "services.cli.sim_cmd:add_calibrate_args",
+              "services.cli.sim_cmd:run_calibrate")
+    _delegate(ssub, "kvfleet sim run", "a workload through a simulated fleet on a virtual clock "
+              "(the real scheduler and router placement, modelled step times): the bench's "
+              "report", "services.cli.sim_cmd:add_run_args", "services.cli.sim_cmd:run_sim")
+
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)
     _delegate(esub, "kvfleet eval quality", "gate: score a candidate model against the reference on "

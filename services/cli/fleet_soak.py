@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,11 +27,9 @@ import grpc
 import httpx
 import redis
 
-from services.cli.up import read_banner
-from services.protocol.fleet_token import ENV_TOKEN, METADATA_KEY, generate
+from services.protocol.fleet_token import METADATA_KEY, generate
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.state.redis_server import free_port
 
 
 def add_soak_args(p: argparse.ArgumentParser) -> None:
@@ -192,23 +187,15 @@ async def soak(args: argparse.Namespace, http: str, workers: dict[str, str], up_
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    token, http = generate(), free_port()
-    cmd = [sys.executable, "-m", "services.cli.cli", "up", "--model", args.model, "--mode",
-           args.mode, "--http-port", str(http), "--grpc-port", str(free_port()),
-           "--kv-cache-mib", str(args.kv_cache_mib)]
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True, env={**os.environ, ENV_TOKEN: token})
-    try:
-        banner = read_banner(up.stdout)
-        workers, redis_url = banner.workers, banner.redis_url
-        threading.Thread(target=lambda: [print(l, end="", file=sys.stderr) for l in up.stdout],
-                         daemon=True).start()      # the supervisor's lines, and no full pipe
-        report = asyncio.run(soak(args, f"127.0.0.1:{http}", workers, up.pid, redis_url, token))
-        print(json.dumps(report, indent=1))
-        return 1 if report["leaked"] else 0
-    finally:
-        up.send_signal(signal.SIGTERM)
+    from loadtests.local_fleet import kvfleet_up  # noqa: PLC0415
+    token = generate()
+    with kvfleet_up(args.model, mode=args.mode, kv_cache_mib=args.kv_cache_mib,
+                    token=token) as up:
+        workers = {name: w.address for name, w in up.workers.items()}
         try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
+            report = asyncio.run(soak(args, up.http, workers, up.proc.pid, up.redis_url, token))
+        finally:
+            banner = next(i for i, line in enumerate(up.lines) if line.startswith("READY"))
+            print(*up.lines[banner + 1:], sep="\n", file=sys.stderr)   # the supervisor's lines
+    print(json.dumps(report, indent=1))
+    return 1 if report["leaked"] else 0

@@ -11,19 +11,24 @@ or not). Each child runs in its own session, so its process group holds it and w
   2. sends SIGTERM to every child's group at once (a child's own stop takes its shutdown grace);
   3. waits until nothing of the groups or the tree is alive, at most `grace_s`;
   4. SIGKILLs whatever is left (groups and tree) and reaps the children.
+
+Dying with the launcher: every child gets SIGTERM from the kernel when the launcher is gone, even
+by `kill -9` (a parent-death signal, services/cli/lifeline.py), and stops as on any SIGTERM; a
+worker's engine core exits once its worker is gone (its stdin reaches EOF).
 """
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.cli import lifeline
+from services.cli.lifeline import SPAWNER
 from services.protocol import fleet_token
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S
 
@@ -86,9 +91,10 @@ class Launcher:
         """Start `python -m <module_args...>` without waiting for it; a child of the same name that
         ran before (and died) is replaced. Its stderr is appended to the child's log."""
         with open(self.log_path(name), "ab") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", *module_args], stdout=subprocess.PIPE,
-                                    stderr=stderr, stdin=subprocess.DEVNULL, env=self.env,
-                                    start_new_session=True, text=True)
+            proc = SPAWNER.popen(lifeline.command(module_args), stdout=subprocess.PIPE,
+                                 stderr=stderr, stdin=subprocess.DEVNULL,
+                                 env={**self.env, **lifeline.env()}, start_new_session=True,
+                                 text=True)
         child = self.children[name] = Child(name, proc, list(module_args))
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         return child
@@ -230,11 +236,3 @@ def _tail(path: str, lines: int = 15) -> str:
     with open(path, "rb") as f:
         return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
 
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()

@@ -15,6 +15,12 @@ error event once streaming), a prefill that fails before its first token is retr
 a dead router is off every stream's path (the gateway asks another router, and reconnects to
 the restarted one). Stopping is the launcher's (services/cli/launcher.py); the supervisor only
 restarts.
+
+A child that stops answering without exiting (frozen by SIGSTOP, deadlocked, a worker whose engine
+core stalled) is probed (`health`, services/cli/health_watch.py): once it has gone
+`unresponsive_s` (Timeouts.unresponsive_s) without a healthy answer it is SIGKILLed, with its
+process group (a stopped process acts on no SIGTERM until it is continued; SIGKILL it cannot
+ignore), and restarted as any child that died.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.cli.health_watch import HealthWatch
 from services.cli.launcher import Launcher
 
 
@@ -31,6 +38,7 @@ class RestartPolicy:
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
     stable_after_s: float = 60.0      # a child up this long counts as healthy: backoff resets
+    unresponsive_s: float = 30.0      # no healthy answer this long: SIGKILL, then restart
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Supervisor:
     clock: Callable[[], float] = time.monotonic
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
     pinned: dict[str, list[str]] = field(default_factory=dict)   # name -> args added on restart
+    health: HealthWatch | None = None        # None: only exits are noticed
     _tracks: dict[str, _Track] = field(default_factory=dict)
 
     def restarts(self, name: str) -> int:
@@ -61,6 +70,8 @@ class Supervisor:
         restarted = []
         for name, child in list(self.launcher.children.items()):
             track = self._tracks.setdefault(name, _Track(started_at=now))
+            if track.restart_at is None and child.proc.poll() is None:
+                self._check_health(name, child, now)
             status = child.proc.poll()
             if status is not None and track.restart_at is None:
                 self._died(name, track, status, now)
@@ -70,6 +81,17 @@ class Supervisor:
                 track.restarts += 1
                 restarted.append(name)
         return restarted
+
+    def _check_health(self, name: str, child, now: float) -> None:
+        """SIGKILL (its whole group) a running child that answered no probe for unresponsive_s;
+        this same poll then sees it dead and schedules its restart."""
+        silent_s = self.health.silent_s(name, child, now) if self.health is not None else None
+        if silent_s is None or silent_s <= self.policy.unresponsive_s:
+            return
+        self.say(f"kvfleet up: {name} has not answered its health check for {silent_s:.1f}s "
+                 f"(unresponsive_s {self.policy.unresponsive_s:g}); killing it (SIGKILL)")
+        self.health.forget(name)
+        self.launcher.kill(name)
 
     def _died(self, name: str, track: _Track, status: int, now: float) -> None:
         up_s = now - track.started_at

@@ -20,8 +20,10 @@ metrics URL in Redis, so `kvfleet status --redis-url URL` (printed below) lists 
 Prometheus file_sd. A restarted router or worker gets a new metrics port and registers it. The
 OTEL_* environment of `kvfleet up` reaches every child (launcher.py passes the environment on).
 
-Prints the endpoints, then supervises: a child that exits is restarted with backoff, on the same
-port (services/cli/supervisor.py), while the rest keep serving. Only Ctrl-C or SIGTERM stops
+Prints the endpoints, then supervises: a child that exits, or answers no health probe for
+--timeout-unresponsive-s (it is SIGKILLed), is restarted with backoff, on the same port
+(services/cli/supervisor.py), while the rest keep serving. Children get SIGTERM from the kernel
+when `kvfleet up` dies, even by kill -9 (services/cli/lifeline.py). Only Ctrl-C or SIGTERM stops
 the fleet, within SHUTDOWN_BUDGET_S (3 s) even with streams in flight: SIGTERM to every child
 at once, SIGKILL to whatever of them and their own children is left at the grace
 (services/cli/launcher.py), then the embedded Redis; no orphan process and no port left open.
@@ -37,10 +39,13 @@ from dataclasses import dataclass
 
 from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
-from services.cli.supervisor import Supervisor
-from services.engine.config import add_engine_args
+from services.cli.health_watch import FleetProbe, HealthWatch
+from services.cli.supervisor import RestartPolicy, Supervisor
+from services.engine.config import add_engine_args, add_sim_args, sim_args
 from services.protocol import fleet_token, timeouts
+from services.protocol.fleet_token import FleetAuth
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
+from services.state import records, redis_auth
 from services.state.redis_server import EmbeddedRedis
 
 
@@ -66,11 +71,19 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
                    help="the model names requests may use (vLLM's flag), given to the gateway; "
                         "responses carry the first. Default: the model dir's name")
-    p.add_argument("--redis-url", default=None)
+    p.add_argument("--redis-url", default=None,
+                   help="an external Redis (redis:// or rediss:// for TLS); credentials in it "
+                        "(redis://user:pass@host:port) reach the children by environment, as "
+                        "$KVFLEET_REDIS_PASSWORD would. Default: an embedded Redis with a "
+                        "password of its own")
+    p.add_argument("--allowed-networks", default=None, metavar="CIDR,...",
+                   help="addresses worker and service records in Redis may name (default "
+                        "127.0.0.0/8,::1; $KVFLEET_ALLOWED_NETWORKS)")
     p.add_argument("--api-keys", default=None)
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=256)
     add_engine_args(p, "the workers'")
+    add_sim_args(p)
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--config", default=None,
                    help="engine config YAML (classes, tenants, budgets) for workers and gateway")
@@ -133,6 +146,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
             common += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if getattr(args, "kv_cache_scales", None):
         common += ["--kv-cache-scales", ",".join(map(repr, args.kv_cache_scales))]
+    common += sim_args(args)
     specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
                              "--kv-backend", args.kv_backend, *common,
                              *ports.child_args(plan, f"{role}-{i}")]
@@ -226,6 +240,41 @@ def listeners(endpoints: dict[str, str], launcher: Launcher, redis: EmbeddedRedi
     return found
 
 
+def redis_credentials(args: argparse.Namespace, log_dir: str) -> tuple[str | None, dict[str, str], str]:
+    """(the embedded Redis's password, or None with --redis-url; the variables that give the
+    children the credentials; a banner line saying where they are, never what). The embedded
+    password is $KVFLEET_REDIS_PASSWORD's if set, else a new one, written (mode 0600) to
+    `<log_dir>/redis-password` for `kvfleet status`."""
+    try:
+        if args.redis_url:
+            _, env = redis_auth.child_env(args.redis_url)
+            return None, env, ("from --redis-url or $" + redis_auth.ENV_PASSWORD if env
+                               else "none given (the server must ask for none)")
+        password = redis_auth.RedisCredentials.from_env().password
+    except redis_auth.RedisCredentialsError as e:
+        raise SystemExit(f"kvfleet up: {e}") from None
+    if password:
+        return password, {redis_auth.ENV_PASSWORD: password}, f"from ${redis_auth.ENV_PASSWORD}"
+    password = redis_auth.generate()
+    path = os.path.join(log_dir, "redis-password")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(password + "\n")
+    return password, {redis_auth.ENV_PASSWORD: password}, (
+        f"generated, in {path} (status: {redis_auth.ENV_PASSWORD_FILE}={path})")
+
+
+def allowed_networks_env(args: argparse.Namespace) -> dict[str, str]:
+    """--allowed-networks as the children's $KVFLEET_ALLOWED_NETWORKS (checked here)."""
+    spec = getattr(args, "allowed_networks", None)
+    if spec is None:
+        return {}
+    try:
+        records.parse_networks(spec)
+    except ValueError as e:
+        raise SystemExit(f"kvfleet up: --allowed-networks: {e}") from None
+    return {records.ENV_ALLOWED_NETWORKS: spec}
+
+
 def stop_grace_s(limits: Timeouts) -> float:
     """SIGTERM to SIGKILL for the children: their own stop (shutdown_grace_s) and a second to exit,
     within the budget less what SIGKILL, reaping and stopping Redis take."""
@@ -248,19 +297,23 @@ def _up(args: argparse.Namespace) -> int:
     check_routers(args)
     check_keys(args)
     plan = check_ports(args)
-    launcher = Launcher()
+    launcher = Launcher(env=allowed_networks_env(args))
+    password, redis_env, redis_origin = redis_credentials(args, launcher.log_dir)
+    launcher.env.update(redis_env)          # the children's Redis credentials: never on argv
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: launcher.stopping.set())
     redis_port = next((x.port for x in plan if x.service == "redis"), 0)
-    redis = None if args.redis_url else EmbeddedRedis(port=redis_port).start()
+    redis = None if args.redis_url else EmbeddedRedis(port=redis_port, password=password).start()
+    redis_url = redis_auth.split_url(args.redis_url)[0] if args.redis_url else redis.url
     try:
-        endpoints = start_fleet(args, launcher, args.redis_url or redis.url, limits, plan)
+        endpoints = start_fleet(args, launcher, redis_url, limits, plan)
         print(f"kvfleet up ({args.mode}); logs in {launcher.log_dir}")
         print(f"  OpenAI REST  http://{endpoints['gateway']}/v1")
         print(f"  gRPC         {endpoints['gateway-grpc']}")
-        print(f"  redis        {args.redis_url or redis.url}")
+        print(f"  redis        {redis_url}")
+        print(f"  redis-auth   {redis_origin}")           # where from; never the password
         print(f"  fleet token  {fleet_token.origin()}")   # where from; the token is never shown
-        print(f"  status       kvfleet status --redis-url {args.redis_url or redis.url}")
+        print(f"  status       kvfleet status --redis-url {redis_url}")
         for name, addr in endpoints.items():
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")
@@ -268,7 +321,9 @@ def _up(args: argparse.Namespace) -> int:
             print(f"  {LISTEN_PREFIX:<12} {service:<12} {kind:<8} {address}")
         print(f"  started in   {time.monotonic() - started:.1f} s")
         print(READY_PREFIX + endpoints["gateway"], flush=True)
-        supervisor = Supervisor(launcher, pinned=pinned_ports(endpoints))
+        supervisor = Supervisor(launcher, RestartPolicy(unresponsive_s=limits.unresponsive_s),
+                                pinned=pinned_ports(endpoints), health=HealthWatch(FleetProbe(
+                                    FleetAuth.from_env(launcher.env), limits.health_s)))
         while not launcher.stopping.wait(SUPERVISE_EVERY_S):
             supervisor.poll()
         return 0
@@ -285,7 +340,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"kvfleet up: stopped in {time.monotonic() - stopping_at:.1f} s", flush=True)
 
 
-# --- reading `kvfleet up`'s banner (tests, the soak and startup benches start it as a program) --
+# --- reading `kvfleet up`'s banner (loadtests/local_fleet.py: tests and benches start it as a program)
 
 READY_PREFIX = "READY up "
 LISTEN_PREFIX = "listen"     # `  listen  <service> <kind> <host:port>`, one line per listener
@@ -316,17 +371,6 @@ class Banner:
                      if line.strip().startswith("redis ")), None)
 
 
-def read_banner(stdout) -> Banner:
-    """Read `kvfleet up`'s text output until READY; RuntimeError with what it printed if the
-    output ends first (it failed to start)."""
-    lines = []
-    for line in stdout:
-        lines.append(line.rstrip())
-        if line.startswith(READY_PREFIX):
-            return Banner(lines)
-    raise RuntimeError("kvfleet up ended before READY:\n" + "\n".join(lines))
-
-
 # --- `kvfleet bench startup`: how long `kvfleet up` takes to serve, and to stop ------------------
 
 def add_startup_args(p: argparse.ArgumentParser) -> None:
@@ -338,42 +382,27 @@ def add_startup_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_startup(args: argparse.Namespace) -> int:
-    """Start `kvfleet up` as a user would, time its READY line and its first served completion
-    (over HTTP, retried until it answers 200), then SIGTERM it and time its exit. Prints JSON."""
+    """Start `kvfleet up` as a user would (loadtests/local_fleet.py, the tests' runner too), time
+    its READY line and its first served completion (over HTTP, retried until it answers 200),
+    then SIGTERM it and time its exit. Prints JSON."""
     import json  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
 
-    from services.state.redis_server import free_port  # noqa: PLC0415
-    http = free_port()
+    from loadtests.local_fleet import kvfleet_up  # noqa: PLC0415
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.cli", "up", "--model", args.model, "--mode", args.mode,
-         "--routers", str(args.routers), "--kv-cache-mib", str(args.kv_cache_mib),
-         "--http-port", str(http), "--grpc-port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        ready_s = _ready_after(proc, t0)
-        first_s = _first_completion_after(f"http://127.0.0.1:{http}", t0, args.timeout_s)
-        stop_at = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        result = {"mode": args.mode, "routers": args.routers, "ready_s": round(ready_s, 2),
-                  "first_request_s": round(first_s, 2),
-                  "stopped_s": round(time.monotonic() - stop_at, 2)}
-        print(json.dumps(result))
-        return 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _ready_after(proc, t0: float) -> float:
-    try:
-        read_banner(proc.stdout)
-    except RuntimeError:
-        raise SystemExit(f"kvfleet up exited with status {proc.wait()} before READY") from None
-    return time.monotonic() - t0
+        with kvfleet_up(args.model, mode=args.mode, routers=args.routers,
+                        kv_cache_mib=args.kv_cache_mib, ready_s=args.timeout_s) as up:
+            first_s = _first_completion_after(up.url, t0, args.timeout_s)
+            stop_at = time.monotonic()
+            up.proc.send_signal(signal.SIGTERM)
+            up.proc.wait(timeout=30)
+            stopped_s = time.monotonic() - stop_at
+    except RuntimeError as e:                     # it ended, or was not READY, in time
+        raise SystemExit(str(e)) from None
+    print(json.dumps({"mode": args.mode, "routers": args.routers,
+                      "ready_s": round(up.ready_at - t0, 2), "first_request_s": round(first_s, 2),
+                      "stopped_s": round(stopped_s, 2)}))
+    return 0
 
 
 def _first_completion_after(url: str, t0: float, timeout_s: float) -> float:

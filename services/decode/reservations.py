@@ -13,6 +13,12 @@ A reservation's life, all of it owned here:
   Decode    attaches to the open stream and relays tokens 2..N (one attach per reservation);
   Cancel    (or the Decode call ending early, or no Decode attached by the deadline) ends it.
 
+Every reservation the engine makes has an owner, even when the Reserve's caller (the router, its
+`reserve_s` deadline) has gone: the engine core refuses a Reserve it reaches past the call's
+deadline; one it ran after the handler was cancelled is cancelled in the core when its reply comes
+(EngineClient.reserve); one whose answer could not go out (the call ended meanwhile) is ended
+here. Each is logged and counted (kvfleet_reservations_abandoned_total{how}).
+
 The invariant (R2, item 3): a reservation's blocks go back to the engine only once its transfer
 handle is done, because a done handle means no byte of that transfer is written into the pool
 afterwards (kv_transfer/base.py). A backend whose receiver stops writes itself (tcp, local) is
@@ -95,7 +101,11 @@ class DecodeRole:
         try:
             blocks = await self.engine.reserve(
                 rid, list(request.prompt_token_ids), params_from_pb(request.params),
-                request.tenant or None, request.traffic_class or None)
+                request.tenant or None, request.traffic_class or None,
+                deadline_s=_deadline(context), abandoned=self._abandoned)
+        except asyncio.CancelledError:          # the caller gave up: the engine undoes it
+            self.engine.close_stream(rid)
+            raise
         except InvalidRequestError as e:
             self.engine.close_stream(rid)
             self.telemetry.ended("invalid")
@@ -122,8 +132,22 @@ class DecodeRole:
             res.trace_parent = tracing.incoming(context) if context is not None else None
             res.span_attributes = self.telemetry.request_attributes(request, self.engine.model)
         res.watcher = asyncio.get_running_loop().create_task(self._watch(res))
+        if context is not None:
+            context.add_done_callback(lambda ctx: self._answered(ctx, res))
         return pb.ReserveResponse(request_id=rid, accepted=True, target=target,
                                   expires_at_unix_s=expires)
+
+    def _abandoned(self, rid: str, how: str) -> None:
+        """A Reserve whose caller had gone was undone (services/worker/telemetry.py, ABANDONED)."""
+        log.warning("%s: the Reserve's caller had gone; reservation undone (%s)", rid, how)
+        self.telemetry.abandoned(how)
+
+    def _answered(self, context, res: Reservation) -> None:
+        """The Reserve call is over: if it ended before its answer reached the caller, no one
+        will use the reservation, so it ends now."""
+        if context.cancelled() and self._reservations.get(res.request_id) is res:
+            self.end(res.request_id)
+            self._abandoned(res.request_id, "unanswered")
 
     async def _watch(self, res: Reservation) -> None:
         """Start decode the moment the KV lands; free the reservation once its transfer is over
@@ -139,7 +163,8 @@ class DecodeRole:
             self._landed(res, hand_off)
             await self.engine.start_decode(rid, hand_off.first_token,
                                            list(hand_off.more_first_tokens))
-            res.started.set_result(None)
+            if not res.started.done():
+                res.started.set_result(None)
             try:                        # landed: a Decode call must come by the deadline
                 await asyncio.wait_for(res.attached.wait(),
                                        max(0.0, res.expires_at_unix_s - time.time()))
@@ -169,7 +194,7 @@ class DecodeRole:
         res.attached.set()
         try:
             try:
-                await res.started
+                await asyncio.shield(res.started)    # a reader cancelled here leaves it be
             except KVTransferError as e:
                 raise status.CallFailed(res.ending_as.failed(status.failed(
                     pb.KV_TRANSFER_FAILED, f"the KV for {rid} did not arrive: {e}"))) from None
@@ -300,6 +325,12 @@ class DecodeRole:
     def close(self) -> None:
         for rid in list(self._reservations):
             self.end(rid)
+
+
+def _deadline(context) -> float | None:
+    """The Reserve call's deadline on this host's monotonic clock (the engine core's too)."""
+    left = context.time_remaining() if context is not None else None
+    return None if left is None else time.monotonic() + left
 
 
 class _Outbox:

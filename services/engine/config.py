@@ -42,6 +42,118 @@ def add_engine_args(p: argparse.ArgumentParser, whose: str = "the engine's") -> 
 
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+ENGINES = ("real", "sim")                                               # --engine
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    """--engine real|sim and the simulated core's --sim-* flags (docs/engine.md, "Simulated
+    engine"): one definition for `kvfleet serve`, `kvfleet up` and the worker entry points."""
+    g = p.add_argument_group("simulated engine core (--engine sim)")
+    g.add_argument("--engine", default="real", choices=list(ENGINES),
+                   help="real: the model runs (default); sim: the real scheduler and KV block pool "
+                        "with deterministic tokens and step times of a target (no weights loaded)")
+    g.add_argument("--sim-model", default=None, help="the target model of the cost model "
+                   f"(default {SimConfig.target_model})")
+    g.add_argument("--sim-gpu", default=None, help=f"the target GPU (default {SimConfig.gpu})")
+    g.add_argument("--sim-tp", type=int, default=None,
+                   help=f"the target's tensor-parallel degree (default {SimConfig.tp})")
+    g.add_argument("--sim-dtype", default=None, help=f"the target's weights (default {SimConfig.dtype})")
+    g.add_argument("--sim-kv-dtype", default=None, help="the target's KV cache (default: its dtype)")
+    g.add_argument("--sim-profile", default=None, metavar="FILE",
+                   help="step times from a measured profile (kvfleet sim calibrate) instead of "
+                        "the target's cost model")
+    g.add_argument("--sim-network-gbps", type=float, default=None, metavar="G",
+                   help=f"KV transfer bandwidth, Gbit/s (default {SimConfig.network_gbps:g})")
+    g.add_argument("--sim-output-len", default=None, metavar="SPEC",
+                   help="output lengths without ignore_eos: lognormal:mean=M,sigma=S | "
+                        f"geometric:mean=M | fixed:N (default {SimConfig.output_len})")
+    g.add_argument("--sim-kv-tokens", type=int, default=None, metavar="N",
+                   help="KV capacity in tokens (default: the target's, from the cost model)")
+    g.add_argument("--sim-step-ms", type=float, default=None, metavar="MS",
+                   help="every step takes MS (a fixed step time: no target, no profile)")
+
+
+SIM_FLAGS = {"sim_model": "target_model", "sim_gpu": "gpu", "sim_tp": "tp", "sim_dtype": "dtype",
+             "sim_kv_dtype": "kv_dtype", "sim_profile": "profile",
+             "sim_network_gbps": "network_gbps", "sim_output_len": "output_len",
+             "sim_kv_tokens": "kv_tokens"}
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig | None:
+    """The SimConfig the flags of add_sim_args name; None for --engine real (or no flags)."""
+    if getattr(args, "engine", "real") != "sim":
+        return None
+    given = {field_: getattr(args, flag) for flag, field_ in SIM_FLAGS.items()
+             if getattr(args, flag, None) is not None}
+    if getattr(args, "sim_step_ms", None) is not None:
+        given["step_s"] = args.sim_step_ms / 1000.0
+    return SimConfig(**given)
+
+
+def sim_args(args: argparse.Namespace) -> list[str]:
+    """The flags of add_sim_args that `args` sets, as a command line (kvfleet up -> workers)."""
+    if getattr(args, "engine", "real") != "sim":
+        return []
+    out = ["--engine", "sim"]
+    for flag in [*SIM_FLAGS, "sim_step_ms"]:
+        if getattr(args, flag, None) is not None:
+            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return out
+
+
+def parse_output_len(spec: str) -> tuple[str, dict[str, float]]:
+    """"lognormal:mean=200,sigma=0.8" -> ("lognormal", {"mean": 200.0, "sigma": 0.8}); raises
+    ValueError naming the accepted forms."""
+    forms = "lognormal:mean=M,sigma=S | geometric:mean=M | fixed:N"
+    kind, _, rest = spec.partition(":")
+    try:
+        if kind == "fixed":
+            params = {"n": float(int(rest))}
+        else:
+            params = {k.strip(): float(v) for k, v in (kv.split("=") for kv in rest.split(","))}
+    except ValueError:
+        raise ValueError(f"bad output length spec {spec!r} ({forms})") from None
+    need = {"lognormal": {"mean", "sigma"}, "geometric": {"mean"}, "fixed": {"n"}}.get(kind)
+    if need is None or set(params) != need:
+        raise ValueError(f"bad output length spec {spec!r} ({forms})")
+    if params.get("mean", 1.0) < 1.0 or params.get("n", 1.0) < 1.0 or params.get("sigma", 0.0) < 0:
+        raise ValueError(f"output length spec {spec!r}: mean and N must be >= 1, sigma >= 0")
+    return kind, params
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine core (services/engine/sim_engine.py; docs/engine.md, "Simulated
+    engine"): the real scheduler and block pool with deterministic tokens, each step as long as
+    a StepTimer says for its batch on the target.
+
+    Step times: `step_s` (a fixed time per step) if set, else the measured profile `profile`,
+    else the cost model of the target (target_model, gpu, tp, dtype, kv_dtype). KV capacity:
+    `kv_tokens` if set, else the target's. `output_len`: the seeded distribution of a request's
+    output length when it does not ignore EOS (parse_output_len). `network_gbps`: the KV
+    transfer's modelled bandwidth (Gbit/s) for the target's real KV bytes."""
+
+    target_model: str = "llama-3-70b"
+    gpu: str = "h200"
+    tp: int = 4
+    dtype: str = "fp8"
+    kv_dtype: str | None = None
+    profile: str | None = None
+    network_gbps: float = 400.0
+    output_len: str = "lognormal:mean=200,sigma=0.8"
+    kv_tokens: int | None = None
+    step_s: float | None = None
+
+    def __post_init__(self) -> None:
+        parse_output_len(self.output_len)
+        if self.tp < 1:
+            raise ValueError(f"sim tp must be >= 1, got {self.tp}")
+        if not self.network_gbps > 0:
+            raise ValueError(f"sim network_gbps must be > 0, got {self.network_gbps}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError(f"sim kv_tokens must be >= 1, got {self.kv_tokens}")
+        if self.step_s is not None and not self.step_s >= 0:
+            raise ValueError(f"sim step_s must be >= 0, got {self.step_s}")
 
 
 @dataclass(frozen=True)
@@ -159,6 +271,9 @@ class EngineConfig:
     # default) or "processed_logprobs" (of the distribution sampled from: after min_tokens,
     # logit_bias, penalties, temperature, min_p, top-k / top-p), as vLLM's --logprobs-mode.
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    # None: the real engine (the model runs). Set: the simulated core (services/engine/
+    # sim_engine.py): same scheduler and KV accounting, no weights, tokens and step times modelled
+    sim: SimConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

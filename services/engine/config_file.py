@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from services.engine.config import EngineConfig, SchedulerConfig, Tenant, TrafficClass
+from services.engine.config import EngineConfig, SchedulerConfig, SimConfig, Tenant, TrafficClass
 
 
 def _build(cls, data: dict[str, Any], where: str):
@@ -53,6 +53,8 @@ def engine_config_from_dict(data: dict[str, Any]) -> EngineConfig:
     data = dict(data or {})
     if "scheduler" in data:
         data["scheduler"] = scheduler_config_from_dict(data["scheduler"] or {})
+    if data.get("sim") is not None:          # the simulated engine core (docs/engine.md)
+        data["sim"] = _build(SimConfig, data["sim"], "sim")
     return _build(EngineConfig, data, "engine config")
 
 

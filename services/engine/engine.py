@@ -2,10 +2,11 @@
 
 One `step()` is one model iteration:
   1. scheduler.schedule()  -> plan: decode tokens first, then prefill chunks (KV reserved)
-  2. runner.execute(plan)  -> logits for sampling rows and prompt-logprob rows
-  3. sampler               -> one token per sequence that reached its last known token
-  4. scheduler.update()    -> counters advance, EOS / length finish and free pages
-  5. output states         -> text deltas, stop strings (finish + free in this same step)
+  2. executor.execute     -> one token per sequence that reached its last known token, and
+                              prompt logprobs (executor.py: the model and the sampler, or the
+                              simulated core's deterministic tokens, config.sim)
+  3. scheduler.update()    -> counters advance, EOS / length finish and free pages
+  4. output states         -> text deltas, stop strings (finish + free in this same step)
 The engine is single-threaded: callers (a worker's event loop, the CLI) drive `step()`.
 """
 from __future__ import annotations
@@ -22,18 +23,14 @@ from services.engine.admission import RateEstimator
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.errors import DuplicateRequestError, UnknownRequestError
-from services.engine.model.batch import SeqChunk
 from services.engine.model.config import ModelConfig
-from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape, resolve_kv_dtype
-from services.engine.model.loader import load_model
-from services.engine.model.runner import ModelRunner
 from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
 from services.engine.request import Request, Status
-from services.engine.sampler import Sampler, make_generator, prompt_logprobs
+from services.engine.sampler import make_generator
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.step_model import StepModel
 from services.engine.tokenizer import Tokenizer
-from services.engine.tp_ranks import TPLeader, drive, start_rank0
 from services.engine.validation import RequestValidator
 
 
@@ -95,36 +92,30 @@ KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock=time.monotonic,
-                 kv_alloc: KVAllocator | None = None) -> None:
+                 kv_alloc: KVAllocator | None = None, step_timer=None) -> None:
+        """`config.sim` set: the simulated core (sim_engine.py), whose steps last what
+        `step_timer` (a StepTimer; default: the one config.sim names) says; see
+        `last_step_modelled_s`. The engine never sleeps: its caller paces."""
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir) if _has_tokenizer(model_dir) else None
-        model = load_model(model_dir, dtype=config.dtype)
-        self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
-        if config.tensor_parallel_size > 1:       # model.config becomes the rank's (its KV heads)
-            model, self.tp_leader = start_rank0(model, config.tensor_parallel_size)
-        # the cache's element type: the model's, or --kv-cache-dtype (fp8: half of bf16's bytes,
-        # so twice the blocks in the same kv_cache_mib; every block count below follows from it)
-        dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
-        num_blocks = config.num_blocks or max(1, (config.kv_cache_mib << 20) // (
-            kv_bytes_per_token(model.config, dtype) * config.block_size))
-        kv_data = (kv_alloc(kv_cache_shape(model.config, num_blocks, config.block_size), dtype)
-                   if kv_alloc is not None else None)
-        k_scale, v_scale = config.kv_cache_scales
-        self.kv_cache = KVCache(model.config, num_blocks, config.block_size, dtype, data=kv_data,
-                                k_scale=k_scale, v_scale=v_scale)
-        self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
-        self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
-        if self.tp_leader is not None:
-            self.runner = drive(self.runner, self.tp_leader, model_dir, config)
+        # where tokens come from (services/engine/executor.py): the model, or the simulated core
+        self.executor = _make_executor(config, model_dir, self.model_config, self.tokenizer,
+                                       kv_alloc, step_timer)
+        self.kv_cache = self.executor.kv_cache
+        self.kv_bytes_per_token = self.executor.kv_bytes_per_token  # all layers, K+V (a rank's)
+        self.tp_leader = self.executor.tp_leader  # rank 0 of config.tensor_parallel_size, if > 1
+        num_blocks = self.executor.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        timer = getattr(self.executor, "timer", None)   # a simulated core's: the step model's prior
         self.scheduler = Scheduler(config.scheduler, self.pool, max_model_len=self.max_model_len,
-                                   enable_prefix_caching=config.enable_prefix_caching, clock=clock)
+                                   enable_prefix_caching=config.enable_prefix_caching, clock=clock,
+                                   step_model=StepModel.from_timer(timer) if timer else None)
         self.validator = RequestValidator(config.scheduler, self.model_config, self.tokenizer,
                                           self.pool, self.max_model_len)
-        self.sampler = Sampler(config.seed, config.logprobs_mode)
+        self.executor.bind(self.pool.block_table)
         self.clock = clock
         self._states: dict[str, OutputState] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -138,8 +129,10 @@ class LLMEngine:
                               rejections=0)
         self._last = (0.0, 0.0, 0.0)
         self._decode_rate = RateEstimator()
-        self._chunk_build_s = 0.0
         self.last_step: StepRecord | None = None   # the latest step(), if it ran the model
+        # simulated core: the target's time for the latest step (0 when it ran nothing, and
+        # always for the real engine); the caller sleeps to it or advances a virtual clock by it
+        self.last_step_modelled_s = 0.0
         self._ready_since: float | None = None     # since when work waits for a step; None: idle
 
     # --------------------------------------------------------------------- API
@@ -168,13 +161,15 @@ class LLMEngine:
                 if c.request.first_scheduled_time is None:
                     c.request.first_scheduled_time = start
             outputs += self._execute(plan)
-        elapsed = time.perf_counter() - t0
+        measured = time.perf_counter() - t0
+        elapsed = self.executor.step_s(plan, measured) if ran else measured
+        self.last_step_modelled_s = elapsed if ran and self.config.sim is not None else 0.0
         if plan.num_prefill_tokens >= (self.config.scheduler.token_budget - len(plan.decodes)) // 2:
             # only steps where prefill had work to fill its budget measure its drain rate
             self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
         self._decode_rate.observe(len(plan.decodes), elapsed)
         self._count(plan, elapsed, t1 - t0)
-        self._record(plan, start, gap, ran or bool(plan.preempted))
+        self._record(plan, start, gap, ran or bool(plan.preempted), self.last_step_modelled_s)
         if self.last_step is not None:   # the step model (decode protection) learns its time
             self.scheduler.observe_step(plan, self.last_step.duration_s)
         return outputs
@@ -192,8 +187,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel follower ranks, if any (they also exit when this process does)."""
-        if self.tp_leader is not None:
-            self.tp_leader.close()
+        self.executor.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
@@ -314,30 +308,19 @@ class LLMEngine:
         return req
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        chunks = plan.chunks
-        table = self.pool.block_table
-        seq_chunks = [SeqChunk(c.token_ids, c.start_pos, table(c.request.request_id), c.logit_rows)
-                      for c in chunks]
-        self._chunk_build_s = time.perf_counter() - t0
-        logits = self.runner.execute(seq_chunks)
-        sample_rows, row = [], 0
-        for c in chunks:
-            if c.num_prompt_logprob_rows:
-                self._record_prompt_logprobs(c, logits[row:row + c.num_prompt_logprob_rows])
-            row += len(c.logit_rows)
-            if c.sample:
-                sample_rows.append(row - 1)
-        sampling = [c.request for c in chunks if c.sample]
+        sampling_chunks = [c for c in plan.chunks if c.sample]
+        sampling = [c.request for c in sampling_chunks]
         # n > 1: a request sampling its first token forks; each new sample draws its first token
-        # from the same logits row with its own generator (extra rows after the batch's)
+        # from the same row as its parent with its own generator (extra rows after the batch's)
         forking = {r.request_id: self._new_samples(r) for r in sampling if self._forks_now(r)}
         samples = [c for r in sampling for c in forking.get(r.request_id, ())]
-        rows = sample_rows + [row for row, r in zip(sample_rows, sampling)
-                              for _ in forking.get(r.request_id, ())]
+        sources = sampling_chunks + [c for c in sampling_chunks
+                                     for _ in forking.get(c.request.request_id, ())]
         drawers = sampling + samples
-        sampled = self.sampler(logits[rows], [r.params for r in drawers],
-                               [self._generators[r.request_id] for r in drawers], drawers)
+        sampled, prompt_lps = self.executor.execute(
+            plan, drawers, sources, [self._generators[r.request_id] for r in drawers])
+        for rid, lps in prompt_lps:
+            self._states[rid].prompt_logprobs.extend(lps)
         firsts = dict(zip((c.request_id for c in samples), sampled[len(sampling):]))
         advanced = self.scheduler.update(
             plan, [s.token_id for s in sampled[:len(sampling)]],
@@ -372,19 +355,7 @@ class LLMEngine:
         return samples
 
     def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """A forked sample's own copy of its prompt's partial last block (copy-on-write). In
-        order, one at a time: a sample that ended at its first token gave its block back, and a
-        later fork in the same step may have taken it (the later copy must win)."""
-        for src, dst in copies:
-            self.kv_cache.write_blocks([dst], self.kv_cache.read_blocks([src]))
-        if copies and self.tp_leader is not None:   # each rank's cache holds its heads of the block
-            self.tp_leader.copy_blocks(copies)
-
-    def _record_prompt_logprobs(self, chunk, logits: torch.Tensor) -> None:
-        req = chunk.request
-        targets = req.token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + len(logits)]
-        lps = prompt_logprobs(logits, targets, req.params.prompt_logprobs)
-        self._states[req.request_id].prompt_logprobs.extend(lps)
+        self.executor.copy_blocks(copies)
 
     def _delta(self, req: Request) -> RequestOutput:
         """The request's news under the id callers know (a sample's: its request's, and its
@@ -413,17 +384,19 @@ class LLMEngine:
         self._counters["decode_tokens"] += len(plan.decodes)
         self._counters["preemptions"] += len(plan.preempted)
         self._counters["rejections"] += len(plan.rejected)
-        prep = self._chunk_build_s + self.runner.last_prepare_s if plan.chunks else 0.0
+        prep = self.executor.last_prepare_s if plan.chunks else 0.0
         self._last = (step_s, sched_s, prep)
 
-    def _record(self, plan: SchedulerOutput, start: float, gap: float, ran: bool) -> None:
+    def _record(self, plan: SchedulerOutput, start: float, gap: float, ran: bool,
+                step_s: float) -> None:
         """Set last_step (None for a step that only flushed outputs) and when work next waits
-        from: this step's end if work is left, else (idle) its next arrival."""
-        end = self.clock()
+        from: this step's end if work is left, else (idle) its next arrival. A simulated step
+        ends at its start + its modelled time (its caller paces the clock to that)."""
+        end = self.clock() if self.config.sim is None else start + step_s
         self.last_step = StepRecord(
             prefill_tokens=plan.num_prefill_tokens, decode_tokens=len(plan.decodes),
             num_prefill_seqs=len(plan.prefills), num_decode_seqs=len(plan.decodes),
-            duration_s=end - start, gap_s=gap,
+            duration_s=end - start if self.config.sim is None else step_s, gap_s=gap,
             # a decode chunk attends over its whole context: positions [0, start_pos] inclusive
             kv_read_bytes=sum(c.start_pos + 1 for c in plan.decodes) * self.kv_bytes_per_token,
             prefix_queries=plan.prefix_queries, prefix_hits=plan.prefix_hits,
@@ -444,6 +417,17 @@ def clamp_to_output_cap(params: SamplingParams, cls) -> SamplingParams:
     if params.max_tokens <= cls.output_cap:
         return params
     return replace(params, max_tokens=cls.output_cap)
+
+
+def _make_executor(config: EngineConfig, model_dir: str, model_config: ModelConfig,
+                   tokenizer: Tokenizer | None, kv_alloc, step_timer):
+    """The model's executor, or (config.sim set) the simulated one: imported only when used,
+    so a simulated core never imports the model's modules."""
+    if config.sim is not None:
+        from services.engine.sim_engine import SimExecutor  # noqa: PLC0415
+        return SimExecutor(config, model_config, tokenizer, kv_alloc, step_timer)
+    from services.engine.model_executor import ModelExecutor  # noqa: PLC0415
+    return ModelExecutor(config, model_dir, kv_alloc)
 
 
 def _has_tokenizer(model_dir: str) -> bool:

@@ -11,7 +11,8 @@ import logging
 import os
 import sys
 
-from services.gateway.config import DEFAULT_MAX_BODY_BYTES, exposure_refusal
+from services.gateway.config import (DEFAULT_DOCUMENT_THRESHOLD_TOKENS, DEFAULT_MAX_BODY_BYTES,
+                                     exposure_refusal)
 from services.protocol import timeouts
 
 METRICS_KEY_ENV = "KVFLEET_METRICS_KEY"
@@ -38,6 +39,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--metrics-key-file", help=f"a file holding the bearer token GET /metrics then asks "
                    f"for (else ${METRICS_KEY_ENV}, else /metrics is open)")
+    p.add_argument("--document-threshold-tokens", type=int,
+                   default=DEFAULT_DOCUMENT_THRESHOLD_TOKENS,
+                   help="keys of class `auto` (and requests without a key): prompts longer than "
+                        "this many tokens are `document`, others interactive")
+    p.add_argument("--job-deadline-s", type=float, default=3600.0,
+                   help="an asynchronous job (Prefer: respond-async) not done by then fails")
+    p.add_argument("--job-ttl-s", type=float, default=86400.0,
+                   help="how long a finished job can still be read (GET /v1/jobs/{id})")
+    p.add_argument("--job-lease-s", type=float, default=10.0,
+                   help="a gateway renews its jobs' leases every third of this; the jobs of one "
+                        "that died are taken over by another this long after its last renewal")
     p.add_argument("--quality-version", help="default: the checkpoint's dtype and config hash")
     timeouts.add_args(p)
     return p.parse_args(argv)
@@ -60,7 +72,10 @@ def build_config(args: argparse.Namespace):
         api_keys=load_api_keys(args.api_keys) if args.api_keys else None, insecure=args.insecure,
         max_body_bytes=args.max_body_bytes, scheduler=engine.scheduler,
         max_model_len=engine.max_model_len, quality_version=args.quality_version,
-        metrics_key=metrics_key(args.metrics_key_file))
+        metrics_key=metrics_key(args.metrics_key_file),
+        document_threshold_tokens=args.document_threshold_tokens,
+        job_deadline_s=args.job_deadline_s, job_ttl_s=args.job_ttl_s,
+        job_lease_s=args.job_lease_s)
 
 
 def metrics_key(path: str | None) -> str | None:

@@ -11,6 +11,7 @@
   GET  /health                 the routers' health and the quota store's (no key needed)
   GET  /metrics                Prometheus text: the gateway's GatewayMetrics (open, or with
                                --metrics-key-file / KVFLEET_METRICS_KEY: `Bearer <that key>`)
+  GET  /v1/jobs/{id}           an asynchronous job (`Prefer: respond-async`; jobs_api.py)
   GET  /openapi.json           the OpenAPI document of these (request bodies with their ranges)
 
 A generation request, in order (through FastAPI's routing and middleware, like every request):
@@ -49,9 +50,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from services.gateway import openai_schema as schema
+from services.gateway import jobs_api
 from services.gateway.auth import check_metrics_key
+from services.gateway.classes import CLASS_HEADER, choose
 from services.gateway.core import GatewayCore, Session, build_generation, new_request_id
 from services.gateway.errors import GatewayError, bad_request
+from services.gateway.jobs import JobRunner
 from services.gateway.openai_responses import Collected, Shaper
 from services.gateway.streaming import openai_events
 from services.gateway.telemetry import TIMING_HEADER, RequestTelemetry
@@ -75,7 +79,7 @@ class ClientGone(Exception):
     pass
 
 
-def create_app(core: GatewayCore) -> FastAPI:
+def create_app(core: GatewayCore, jobs: JobRunner | None = None) -> FastAPI:
     app = FastAPI(title="kvfleet gateway", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json", **_NO_NATIVE_TELEMETRY)
     started = int(time.time())
@@ -83,6 +87,7 @@ def create_app(core: GatewayCore) -> FastAPI:
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
+    jobs_api.register(app, core, jobs)
 
     async def completions(request: Request) -> Response:
         return await _generate(core, request, schema.CompletionRequest, schema.completion, "cmpl",
@@ -193,13 +198,14 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
     with telemetry.phase("gateway.validate"):
         body = await read_body(request, core.config.max_body_bytes)
         req = schema.parse(model_cls, body)
-        cls = core.config.traffic_class(key.traffic_class)
-        gen, plan = await build_generation(len(body), build, req, key, cls, core.validator,
+        classes = choose(core.config, key, request.headers.get(CLASS_HEADER))
+        gen, plan = await build_generation(len(body), build, req, key, classes, core.validator,
                                            request_id)
     session = await core.open(gen, telemetry, plan.request_id)
     shaper = Shaper(plan, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,
-               "x-kvfleet-quality-version": core.model.quality_version, "x-request-id": gen.request_id}
+               "x-kvfleet-quality-version": core.model.quality_version, "x-request-id": gen.request_id,
+               CLASS_HEADER: gen.traffic_class.name}
     if gen.output_cap is not None:          # max_tokens was clamped to the class's output cap
         headers["x-kvfleet-output-cap"] = str(gen.output_cap)
     if telemetry.trace_id:
@@ -218,6 +224,12 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
         collected = await _until_disconnect(request, _collect(session, first))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+    except GatewayError as e:        # refused for time: a job, if the client prefers one
+        accepted = None if session.sent_tokens else await jobs_api.offer(
+            request, core, e, key, gen, plan.stream, body, prefix)
+        if accepted is None:
+            raise
+        return accepted
     finally:
         if not streaming:
             session.close()

@@ -31,11 +31,29 @@ def check_metrics_key(expected: str | None, authorization: str | None) -> None:
         raise unauthorized("incorrect metrics key provided")
 
 
+def key_id(key: ApiKey) -> str:
+    """What names a key outside this process (an asynchronous job's record): its SHA-256, hex."""
+    return _digest(key.key).hex()
+
+
 class KeyRing:
     """`keys` None: every caller is the anonymous tenant (only allowed on loopback or --insecure)."""
 
-    def __init__(self, keys: tuple[ApiKey, ...] | None) -> None:
+    def __init__(self, keys: tuple[ApiKey, ...] | None, anonymous: ApiKey = ANONYMOUS_KEY) -> None:
         self._by_digest = None if keys is None else {_digest(k.key): k for k in keys}
+        self._anonymous = anonymous
+
+    def ids(self) -> list[str]:
+        """The `key_id` of every key this gateway has (the anonymous one's when it has none)."""
+        if self._by_digest is None:
+            return [key_id(self._anonymous)]
+        return [d.hex() for d in self._by_digest]
+
+    def find(self, kid: str) -> ApiKey | None:
+        """The key whose `key_id` is `kid`, if this gateway still has it."""
+        if self._by_digest is None:
+            return self._anonymous if kid == key_id(self._anonymous) else None
+        return next((k for d, k in self._by_digest.items() if d.hex() == kid), None)
 
     @property
     def required(self) -> bool:
@@ -44,7 +62,7 @@ class KeyRing:
     def authenticate(self, authorization: str | None) -> ApiKey:
         """`authorization` is the header / metadata value, e.g. "Bearer sk-..."."""
         if self._by_digest is None:
-            return ANONYMOUS_KEY
+            return self._anonymous
         key = self._by_digest.get(_digest(bearer_token(authorization)))
         if key is None:
             raise unauthorized("incorrect API key provided")

@@ -4,18 +4,22 @@ API keys file (YAML), a list; every field is required and unknown fields are err
 
     - key: sk-team-a-0123456789        # sent as `Authorization: Bearer <key>`
       tenant: acme                     # quota counters and the engine's fair share are per tenant
-      traffic_class: interactive       # interactive | document | batch (or a class of --config)
+      traffic_class: interactive       # interactive | document | batch (or a class of --config),
+                                       # or `auto`: by prompt length (GatewayConfig.document_threshold_tokens)
+      allowed_classes: [document]      # optional: the classes a request may ask for instead
+                                       # (header x-kvfleet-traffic-class, gRPC traffic_class)
       max_concurrent_streams: 8        # open generations at once, across all gateways (Redis)
       requests_per_minute: 600
       tokens_per_minute: 200000        # prompt tokens up front, generated tokens when a request ends
 
+`allowed_classes` is the only optional field (default: none, the key's class only).
 Limits belong to the key, counters to the tenant: two keys of one tenant share its counters, each
 checked against its own limits.
 """
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -24,7 +28,16 @@ from services.engine.config import SchedulerConfig, TrafficClass
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 ANONYMOUS_TENANT = "default"
-ANONYMOUS_CLASS = "interactive"
+AUTO_CLASS = "auto"               # a key's class chosen by prompt length (services/gateway/classes.py)
+ANONYMOUS_CLASS = AUTO_CLASS
+# Prompts longer than this are `document` under `auto`. A fixed default, chosen from the classes'
+# targets: a prompt is prefilled in chunks of the scheduler's chunk_size (256), one chunk per
+# iteration; at a loaded iteration of ~30 ms a 2,048-token prompt's own prefill takes ~0.25 s,
+# half the interactive p95 TTFT target (0.5 s), and four times that spends the whole p99 target
+# (1 s) before any queueing: such prompts belong to `document` (10 s).
+DEFAULT_DOCUMENT_THRESHOLD_TOKENS = 2048
+DOCUMENT_CLASS = "document"
+OPTIONAL_KEY_FIELDS = ("allowed_classes",)
 
 
 @dataclass(frozen=True)
@@ -37,12 +50,18 @@ class ApiKey:
     max_concurrent_streams: int
     requests_per_minute: int
     tokens_per_minute: int
+    allowed_classes: tuple[str, ...] = ()   # classes a request may ask for besides traffic_class
 
     def __post_init__(self) -> None:
         for name in ("key", "tenant", "traffic_class"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"api key field {name!r} must be a non-empty string")
+        allowed = self.allowed_classes
+        if isinstance(allowed, str) or not all(isinstance(c, str) and c.strip() for c in allowed):
+            raise ValueError(f"api key field 'allowed_classes' must be a list of class names, "
+                             f"got {allowed!r}")
+        object.__setattr__(self, "allowed_classes", tuple(allowed))
         for name in ("max_concurrent_streams", "requests_per_minute", "tokens_per_minute"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,7 +83,8 @@ def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
     for i, entry in enumerate(data):
         if not isinstance(entry, dict):
             raise ValueError(f"{path}[{i}]: expected a mapping with fields {known}")
-        missing, unknown = set(known) - set(entry), set(entry) - set(known)
+        missing = set(known) - set(entry) - set(OPTIONAL_KEY_FIELDS)
+        unknown = set(entry) - set(known)
         if missing or unknown:
             raise ValueError(f"{path}[{i}]: missing {sorted(missing)}, unknown {sorted(unknown)}; "
                              f"fields are {known}")
@@ -89,12 +109,17 @@ def key_problems(keys: tuple[ApiKey, ...], scheduler: SchedulerConfig) -> list[s
         if tenant is None:
             problems.append(f"key of tenant {k.tenant!r}: the engine config has no such tenant "
                             f"(its tenants: {tenants})")
-        if k.traffic_class not in classes:
-            problems.append(f"key of tenant {k.tenant!r}: unknown traffic class "
-                            f"{k.traffic_class!r}; known: {classes}")
-        elif tenant is not None and k.traffic_class not in tenant.classes:
-            problems.append(f"key of tenant {k.tenant!r}: the tenant may not use class "
-                            f"{k.traffic_class!r} (allowed: {list(tenant.classes)})")
+        named = [c for c in (k.traffic_class, *k.allowed_classes) if c != AUTO_CLASS]
+        if k.traffic_class == AUTO_CLASS and not (tenant is None or
+                                                  scheduler.interactive_class in tenant.classes):
+            named.append(scheduler.interactive_class)
+        for name in named:
+            if name not in classes:
+                problems.append(f"key of tenant {k.tenant!r}: unknown traffic class "
+                                f"{name!r}; known: {classes} (or {AUTO_CLASS!r})")
+            elif tenant is not None and name not in tenant.classes:
+                problems.append(f"key of tenant {k.tenant!r}: the tenant may not use class "
+                                f"{name!r} (allowed: {list(tenant.classes)})")
     return list(dict.fromkeys(problems))
 
 
@@ -132,6 +157,11 @@ class GatewayConfig:
     quality_version: str | None = None   # None: derived from the checkpoint's config.json
     served_model_aliases: tuple[str, ...] = ()   # the other --served-model-name names
     metrics_key: str | None = None       # None: /metrics is open; else it wants `Bearer <this>`
+    # `auto` keys (the anonymous one included): prompts longer than this many tokens are document
+    document_threshold_tokens: int = DEFAULT_DOCUMENT_THRESHOLD_TOKENS
+    job_deadline_s: float = 3600.0       # an asynchronous job not done by then fails
+    job_ttl_s: float = 86400.0           # a finished job's record lives this long in Redis
+    job_lease_s: float = 10.0            # a dead gateway's jobs are taken over this long after
 
     def __post_init__(self) -> None:
         refusal = exposure_refusal(self.host, self.api_keys is not None, self.insecure)
@@ -142,8 +172,20 @@ class GatewayConfig:
             raise ValueError("; ".join(problems))
         if self.metrics_key is not None and not self.metrics_key.strip():
             raise ValueError("the metrics key is empty")
+        if self.document_threshold_tokens < 1:
+            raise ValueError(f"document_threshold_tokens must be >= 1, got "
+                             f"{self.document_threshold_tokens}")
+        if min(self.job_deadline_s, self.job_ttl_s, self.job_lease_s) <= 0:
+            raise ValueError("job_deadline_s, job_ttl_s and job_lease_s must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    @property
+    def anonymous_key(self) -> ApiKey:
+        """Callers without a key: class by prompt length, and any class of the default tenant
+        on request (who can reach an unauthenticated gateway can be anyone anyway)."""
+        tenant = self.scheduler.tenant(ANONYMOUS_TENANT)
+        return replace(ANONYMOUS_KEY, allowed_classes=tenant.classes if tenant else ())
 
     def traffic_class(self, name: str) -> TrafficClass:
         cls = self.scheduler.traffic_class(name)

@@ -171,7 +171,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if not self._ended:
+        if not self._ended or self.error is not None:
             self.run.close()     # stops its calls; Cancel on every worker it touched
         self.core._ended(self)
 
@@ -186,7 +186,7 @@ class GatewayCore:
                  channels: Channels, timeouts: Timeouts | None = None) -> None:
         self.config = config
         self.model = model
-        self.keys = KeyRing(config.api_keys)
+        self.keys = KeyRing(config.api_keys, config.anonymous_key)
         self.validator = Validator(model)
         self.quotas = quotas
         self.channels = channels

@@ -4,7 +4,8 @@
 |--------|-----------------------|---------------------|-----------------------------------------------------|
 | 400    | invalid_request_error | INVALID_ARGUMENT    | schema, values, context length, router's INVALID_ARGUMENT |
 | 401    | authentication_error  | UNAUTHENTICATED     | missing or unknown API key (when keys are configured) |
-| 404    | not_found_error       | NOT_FOUND           | unknown model, unknown route                        |
+| 403    | permission_error      | PERMISSION_DENIED   | a traffic class the API key may not use             |
+| 404    | not_found_error       | NOT_FOUND           | unknown model, unknown route, another tenant's job  |
 | 413    | invalid_request_error | INVALID_ARGUMENT    | body over the configured limit                      |
 | 429    | rate_limit_error      | RESOURCE_EXHAUSTED  | tenant quota, or fleet overload (code overloaded)   |
 | 502    | upstream_error        | INTERNAL            | a worker failed in an unexpected way                |
@@ -22,10 +23,12 @@ import grpc
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.telemetry.tracing import TRACE_HEADER
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 502: "upstream_error", 503: "service_unavailable"}
 _GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+         403: grpc.StatusCode.PERMISSION_DENIED,
          404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 

@@ -3,7 +3,7 @@
 Authentication: metadata `authorization: Bearer <key>`. Errors are gRPC statuses with the REST
 messages (errors.py maps them); a quota refusal carries `retry-after` (seconds) in the trailing
 metadata. Initial metadata names what serves the request: `x-kvfleet-model`,
-`x-kvfleet-quality-version`, `x-request-id`, and `x-kvfleet-output-cap` when the class's output cap
+`x-kvfleet-quality-version`, `x-request-id`, `x-kvfleet-traffic-class`, and `x-kvfleet-output-cap` when the class's output cap
 clamped `params.max_tokens`, and `x-kvfleet-trace-id` when tracing is on. Cancelling the call
 cancels the request everywhere.
 
@@ -14,7 +14,9 @@ ttft_s and e2e_s, which RequestTiming has no field for.
 
 Differences from proto3 defaults, stated once: `model` empty means the served model;
 `params.max_tokens` 0 is an error (there is no "unset" for it); `params.top_p` 0 means 1.0 (off);
-`traffic_class` empty means the key's class, any other class than the key's is refused.
+`traffic_class` empty means the key's class (`auto`: by prompt length); another class is served
+if the key allows it (`allowed_classes`), else PERMISSION_DENIED naming the classes it may use
+(services/gateway/classes.py). The initial metadata's `x-kvfleet-traffic-class` names the class.
 A client-chosen `request_id` is namespaced by tenant on the way to the router (so one tenant's
 ids can never collide with, or cancel, another's); chunks come back under the client's id.
 
@@ -33,6 +35,7 @@ from google.protobuf.message import DecodeError, Message
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway import errors
+from services.gateway.classes import CLASS_HEADER, choose
 from services.gateway.config import ApiKey
 
 RETRY_AFTER = "retry-after"       # trailing metadata of a refusal: seconds, as HTTP's header
@@ -158,18 +161,16 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         v = self.core.validator
         if request.model:
             v.check_model(request.model)
-        cls = self.core.config.traffic_class(key.traffic_class)
-        if request.traffic_class and request.traffic_class != cls.name:
-            raise errors.bad_request(f"this API key may only use traffic class {cls.name!r}, not "
-                                     f"{request.traffic_class!r}", "traffic_class")
+        classes = choose(self.core.config, key, request.traffic_class)
         if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
             raise errors.bad_request("request_id must be 1-128 characters of [A-Za-z0-9._:-]",
                                      "request_id")
         which = request.WhichOneof("prompt")
         if which is None:
             raise errors.bad_request("missing prompt: set text or token_ids", "prompt")
-        ids = (v.encode_text(request.text, cls) if which == "text"
+        ids = (v.encode_text(request.text, classes.widest) if which == "text"
                else v.check_ids(list(request.token_ids.ids)))
+        cls = classes.pick(len(ids))
         params = pb.SamplingParams()
         params.CopyFrom(request.params)
         if params.max_tokens == 0:
@@ -185,7 +186,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         cap = (("x-kvfleet-output-cap", str(gen.output_cap)),) if gen.output_cap else ()
         traced = ((TRACE_HEADER, trace_id),) if trace_id else ()
         return (("x-kvfleet-model", m.name), ("x-kvfleet-quality-version", m.quality_version),
-                ("x-request-id", gen.request_id), *cap, *traced)
+                ("x-request-id", gen.request_id), (CLASS_HEADER, gen.traffic_class.name), *cap,
+                *traced)
 
 
 def _check_decoded(request: Message | Undecodable) -> None:

@@ -24,8 +24,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSch
                       model_validator)
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.engine.config import TrafficClass
 from services.gateway import errors
+from services.gateway.classes import ClassChoice
 from services.gateway.config import ApiKey
 from services.gateway.validation import (MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE,
                                          Generation, Validator)
@@ -294,16 +294,17 @@ class ResponsePlan:
     prompt_logprobs: bool = False       # vLLM's `prompt_logprobs` field: a choice-level list
 
 
-def completion(req: CompletionRequest, key: ApiKey, cls: TrafficClass, v: Validator,
+def completion(req: CompletionRequest, key: ApiKey, classes: ClassChoice, v: Validator,
                request_id: str) -> tuple[Generation, ResponsePlan]:
     _check_common(req, v)
     truncate = _truncation(req, v)
     if isinstance(req.prompt, str):
-        ids = v.encode_text(req.prompt, cls, add_special_tokens=req.add_special_tokens,
+        ids = v.encode_text(req.prompt, classes.widest, add_special_tokens=req.add_special_tokens,
                             check_bytes=truncate is None)
     else:
         ids = v.check_ids(req.prompt)
     ids = _truncate(ids, truncate)
+    cls = classes.pick(len(ids))
     echo_text = None
     if req.echo:
         echo_text = (req.prompt if isinstance(req.prompt, str) and truncate is None else
@@ -321,7 +322,7 @@ def completion(req: CompletionRequest, key: ApiKey, cls: TrafficClass, v: Valida
     return Generation(request_id, key, cls, tuple(ids), params, _requested_max(req)), plan
 
 
-def chat(req: ChatCompletionRequest, key: ApiKey, cls: TrafficClass, v: Validator,
+def chat(req: ChatCompletionRequest, key: ApiKey, classes: ClassChoice, v: Validator,
          request_id: str) -> tuple[Generation, ResponsePlan]:
     _check_common(req, v)
     if not req.messages:
@@ -330,9 +331,11 @@ def chat(req: ChatCompletionRequest, key: ApiKey, cls: TrafficClass, v: Validato
         raise errors.bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     truncate = _truncation(req, v)
     messages = [m.as_template_input() for m in req.messages]
-    ids = v.check_ids(v.encode_chat(messages, cls, add_generation_prompt=req.add_generation_prompt,
+    ids = v.check_ids(v.encode_chat(messages, classes.widest,
+                                    add_generation_prompt=req.add_generation_prompt,
                                     check_bytes=truncate is None), "messages")
     ids = _truncate(ids, truncate)
+    cls = classes.pick(len(ids))
     max_tokens = v.max_tokens(_requested_max(req), len(ids), cls, None,
                               "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     params = _params(req, max_tokens)

@@ -10,7 +10,8 @@ the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
      n > 1: each sample's, indexed);
      tokens 2..N from the decode stream, which the decode worker starts on its own when the KV
      (carrying the first token) has landed. A prefill that fails before its first token is
-     retried once on prefill[1];
+     retried once on prefill[1], and so is one whose worker does not accept it (services/protocol/
+     accept.py) within Timeouts.prefill_start_s (a frozen worker or engine core);
   3. `close()`: a run that did not finish cancels its calls and sends Cancel to every worker it
      touched (fire and forget: the decode worker owns the safety of its blocks, so the order of
      these Cancels does not matter).
@@ -29,6 +30,7 @@ import grpc
 from opentelemetry import context as otel_context
 
 from services.protocol import status
+from services.protocol.accept import accepted_within
 from services.protocol.aio import internal_channel
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -263,6 +265,9 @@ class PlanRun:
             return await self._reader.__anext__()
         except StopAsyncIteration:
             return None
+        except grpc.aio.AioRpcError:
+            self.close()     # a failed run frees what it holds now: the decode reservation too
+            raise
 
     async def _read(self):
         plan = self.plan if self.plan is not None else await self.start()
@@ -288,10 +293,11 @@ class PlanRun:
         decode = self._decode = self.channels.decode_link(plan.decode.address).subscribe(
             self.request_id, self.timeouts.stream_s(self.request.params.max_tokens))
         prefill, first = await self._first_token(plan)
-        yield first
         if first.finished:           # ended at the prefill worker: no KV moves, no decode
-            self._end_decode()
+            self._end_decode()       # (before the yield: a caller may stop reading at the end)
+            yield first
             return
+        yield first
         replies = aiter(prefill)     # n > 1: samples 1..n-1's first tokens follow sample 0's
         for _ in range(max(1, self.request.params.n) - 1):
             reply = await anext(replies, None)
@@ -324,6 +330,7 @@ class PlanRun:
                 metadata=self._metadata)
             self._calls.append(call)
             try:
+                await self._accepted(call, worker)
                 async for reply in call:
                     if reply.HasField("chunk"):
                         return call, reply.chunk
@@ -337,6 +344,17 @@ class PlanRun:
                             attempts[attempt + 1].worker_id)
                 self._cancel(worker.address)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _accepted(self, call, worker: pb.WorkerRef) -> None:
+        """The prefill worker accepts within prefill_start_s, or the call is cancelled and
+        fails UNAVAILABLE (retried on the fallback): a frozen worker or engine core never holds
+        a client for longer."""
+        start_s = min(self.timeouts.prefill_start_s, self.timeouts.first_token_s)
+        if not await accepted_within(call, start_s):
+            call.cancel()
+            raise status.rpc_error(status.failed(
+                pb.UNAVAILABLE, f"prefill worker {worker.worker_id} did not accept the request "
+                f"within {start_s:g} s (prefill_start_s)"))
 
     def close(self) -> None:
         """Idempotent and synchronous (safe in `finally` of a cancelled task): a run that did

@@ -167,9 +167,11 @@ class Quotas:
 
     async def _release_ended(self, restored: list[StreamLease]) -> None:
         """Leases Redis had lost are back. Any whose stream ended while the renewal was on its way
-        (its finish may have run first) is dropped again at once."""
-        if restored:
-            log.info("redis had lost %d of this gateway's stream leases: added back", len(restored))
-        for lease in restored:
-            if lease not in self._held:
-                await self.state.finish_stream(lease, 0)
+        (its finish ran first, so the renewal put it back) is dropped again at once: that is the
+        ordinary race of a renewal and a finish, not a loss, so only the others are logged."""
+        ended = [lease for lease in restored if lease not in self._held]
+        lost = len(restored) - len(ended)
+        if lost:
+            log.info("redis had lost %d of this gateway's stream leases: added back", lost)
+        for lease in ended:
+            await self.state.finish_stream(lease, 0)

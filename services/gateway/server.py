@@ -12,6 +12,10 @@ endpoint); `/metrics` is on the HTTP app. The gateway registers itself in Redis 
 living `heartbeat_ttl_s` (services/state/service_heartbeat.py: Redis down is retried with
 backoff, never fatal), and takes the record out at shutdown.
 
+Asynchronous jobs (services/gateway/jobs.py) are leased like stream slots: TTL
+`--job-lease-s` (default 10 s), renewed every TTL/3; at shutdown they are stopped and
+their leases let go, so another gateway (or this one restarted) resumes them.
+
 Shutdown: stop taking connections, end every live request as aborted (their quota slots are
 released), let the servers drain for a moment, stop renewing leases, close the channels.
 """
@@ -39,7 +43,9 @@ from services.gateway.core import GatewayCore
 from services.gateway.plan import Channels
 from services.gateway.grpc_api import GatewayServicer, add_to_server
 from services.gateway.model import load_served_model
+from services.gateway.jobs import JobRunner
 from services.gateway.quota import Quotas
+from services.state.jobs import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,9 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     tracing.setup("gateway", quotas.holder)
     core = GatewayCore(config, model, quotas, channels, timeouts)
     renewer = asyncio.create_task(quotas.renew_forever())
+    jobs = JobRunner(core, JobStore.connect(config.redis_url), quotas.holder,
+                     config.job_lease_s)
+    job_leases = asyncio.create_task(jobs.maintain_forever())
 
     grpc_server = grpc.aio.server()
     add_to_server(GatewayServicer(core), grpc_server)
@@ -100,7 +109,7 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
 
     sock = bind(config.host, config.http_port)
     # proxy_headers off: no proxy is trusted, so X-Forwarded-* must not rewrite the client address
-    http = _HttpServer(uvicorn.Config(create_app(core), lifespan="off", log_level="warning",
+    http = _HttpServer(uvicorn.Config(create_app(core, jobs), lifespan="off", log_level="warning",
                                       access_log=False, server_header=False, proxy_headers=False,
                                       timeout_graceful_shutdown=timeouts.shutdown_grace_s))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
@@ -121,6 +130,8 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
 
     await wait_for_stop_signal()
     http.should_exit = True
+    job_leases.cancel()
+    await jobs.close()            # their leases lapse now: another gateway resumes them
     await core.close()
     await asyncio.gather(grpc_server.stop(grace=timeouts.shutdown_grace_s), http_task, return_exceptions=True)
     await core.close()            # releases of requests that ended during the drain
@@ -128,5 +139,6 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     await asyncio.gather(renewer, return_exceptions=True)
     await stop_beating(beat, state, quotas.holder, log)
     await channels.close()
+    await jobs.store.close()
     await state.close()
     return 0

@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind
 
 from services.kv_transfer.base import KVTransferError, checksum_result, failure_reason, wait_done
 from services.protocol import status
+from services.protocol.accept import send_accept
 from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.telemetry import tracing
@@ -68,6 +69,7 @@ class PrefillRole:
         write: asyncio.Task | None = None
         try:
             await add_request(self.engine, request, context, ending)
+            await send_accept(context)         # the core took it: the gateway's start deadline
             first: pb.TokenChunk | None = None
             blocks: list[int] = []
             firsts: dict[int, int] = {}        # sample index -> its first token (n > 1)

@@ -22,6 +22,11 @@ The orderings that matter, and why:
                                    not answered for engine_stall_s; below the TTL, a step shorter
                                    than one beat's life would count as a stall
                                    (services/worker/serve.py, heartbeat_forever);
+  prefill_start_s <= first_token_s the accept of a prefill comes before its first token;
+  health_s < unresponsive_s,
+  engine_stall_s < unresponsive_s  the supervisor's probe (a Health call) can answer within the
+                                   deadline, and a worker reports its stalled engine core as
+                                   NOT_SERVING (leaving the fleet) before it is restarted for it;
   lease_renew_s * 3 <= lease_ttl_s a live stream lease never lapses between two renewals;
   shutdown_grace_s + 1 <= 3        every process stops within 3 s of SIGTERM (R2, item 9).
 """
@@ -36,7 +41,8 @@ SHUTDOWN_BUDGET_S = 3.0      # every process of a fleet is gone this long after 
 @dataclass(frozen=True)
 class Timeouts:
     admit_s: float = 5.0               # gateway -> router Admit, placement and reservation included
-    reserve_s: float = 3.0             # router -> decode Reserve: a silent worker is skipped
+    reserve_s: float = 3.0             # router -> decode Reserve: a silent worker is skipped (its
+                                       # engine reserves nothing past this deadline)
     reservation_s: float = 30.0        # a decode reservation whose KV has not landed is freed after this
     kv_transfer_s: float = 30.0        # one KV write, at most (also bounded by the reservation)
     kv_deadline_margin_s: float = 1.0  # a KV write ends this long before its reservation expires
@@ -46,9 +52,15 @@ class Timeouts:
     health_s: float = 2.0              # any Health or Stats call
     heartbeat_s: float = 0.5           # a worker's Redis heartbeat period
     heartbeat_ttl_s: float = 1.5       # ... and how long one beat keeps the worker live
-    engine_stall_s: float = 30.0       # a worker whose engine core has not answered its stats for
-                                       # this long (one step running on) stops beating: it leaves
-                                       # the fleet until the core answers again
+    engine_stall_s: float = 10.0       # a worker whose engine core has not answered its stats for
+                                       # this long (one step running on, or a frozen core) stops
+                                       # beating and reports NOT_SERVING: it leaves the fleet until
+                                       # the core answers again
+    prefill_start_s: float = 10.0      # gateway -> prefill: the worker's accept (its engine core
+                                       # took the request) comes within this, else the prefill
+                                       # fails over to the plan's fallback worker
+    unresponsive_s: float = 30.0       # `kvfleet up` restarts (SIGKILL) a child whose health has
+                                       # not answered SERVING for this long
     lease_ttl_s: float = 10.0          # a stream slot's lease (gateway quotas)
     lease_renew_s: float = 2.0         # ... renewed this often
     shutdown_grace_s: float = 1.0      # gRPC servers' stop(grace) on SIGTERM
@@ -71,6 +83,14 @@ class Timeouts:
             out.append(f"engine_stall_s ({self.engine_stall_s:g}) must be >= heartbeat_ttl_s "
                        f"({self.heartbeat_ttl_s:g}): a step shorter than one beat's life would "
                        "count as a stalled engine")
+        if not self.prefill_start_s <= self.first_token_s:
+            out.append(f"prefill_start_s ({self.prefill_start_s:g}) must be <= first_token_s "
+                       f"({self.first_token_s:g}): a prefill's accept comes before its first token")
+        for name in ("health_s", "engine_stall_s"):
+            if not getattr(self, name) < self.unresponsive_s:
+                out.append(f"unresponsive_s ({self.unresponsive_s:g}) must be > {name} "
+                           f"({getattr(self, name):g}): the supervisor would restart a child "
+                           "before it could report its health")
         if not self.lease_renew_s * 3 <= self.lease_ttl_s:
             out.append(f"lease_ttl_s ({self.lease_ttl_s:g}) must be >= 3 * lease_renew_s "
                        f"({self.lease_renew_s:g}): a live stream's slot could lapse")

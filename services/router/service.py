@@ -26,8 +26,9 @@ backlog plus this prompt, over its measured prefill rate,
 and 0 (unknown) while the worker has measured no rate yet. It ignores the decode hand-off and
 prefix hits: a first-order model, whose error the gateway measures.
 
-A Reserve whose answer came too late (the worker was slow, not dead) leaves a reservation no one
-will use: the decode worker frees it at its deadline (services/decode/reservations.py).
+A Reserve whose answer came too late (the worker was slow, not dead) leaves no reservation: the
+call carries its deadline, and the decode worker undoes whatever its engine reserved for a caller
+that had gone (services/decode/reservations.py, kvfleet_reservations_abandoned_total).
 """
 from __future__ import annotations
 
@@ -98,6 +99,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.state = state
         self.metrics = metrics or RouterMetrics()
         self.metrics.stage.set(STAGE)
+        # a worker record the fleet did not sign (or pointing elsewhere) is ignored and counted
+        state.seal.on_rejected = lambda kind, reason: self.metrics.records_rejected.labels(
+            kind, reason).inc()
         self._classes = TenantLabels(CLASS_LABELS)
         self.auth = auth              # what calls to workers present (None: this process's token)
         self.mode = mode
@@ -261,7 +265,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 if st.reason == pb.INVALID_REQUEST:
                     raise status.CallFailed(st) from None
                 # a hung or dead worker: try the next one. A Reserve that lands later anyway is
-                # freed by the decode worker at the reservation's deadline.
+                # undone by the decode worker (past its deadline, nothing is reserved).
                 silent.append(f"{w.worker_id}: {e.code().name}: {st.message}")
                 self._workers = (float("-inf"), [])        # re-read the list next time
                 continue

@@ -14,7 +14,9 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 | `{ns}placed:{worker_id}:{beat_ms}`  | hash blocks, streams | 10 s (router's choice) | routers: add_placed (MULTI)  |
 
 `minute` is `int(now // 60)`: a fixed 60-s window. A worker's key holds its `pb.WorkerStats`, serialized
-(the message its Stats RPC answers: one shape for a worker's capacity everywhere); a worker whose
+(the message its Stats RPC answers: one shape for a worker's capacity everywhere) and signed with a
+key derived from the fleet token (services/state/records.py: a record the fleet did not write, or
+naming an address outside its networks, is ignored, logged and counted); a worker whose
 heartbeat is older than its TTL has no key, so it is not live. A record that does not parse, or names
 an unknown role or KV backend, a non-finite rate, or another worker's id, is skipped (logged), never
 fatal: one bad worker must not hide the rest of the fleet.
@@ -30,6 +32,11 @@ past counts for nothing and is pruned by the next admit. So the slots of a gatew
 come back at most `ttl_s` after its last renewal, and a tenant nobody serves leaves no key behind.
 Invariants: the tenant's open streams = the members with expiry > now (never negative, never a
 drifting counter); only the admit script adds a member, and only while fewer than the limit are live.
+
+Quota state written around kvfleet is bounded (it cannot be signed: Lua scripts update it): a
+lease expiring more than `LeaseTerms.max_ahead_s` ahead is dropped by the next admission, and a
+window that is not an integer >= 0 expiring within MAX_WINDOW_TTL_MS is deleted and counts 0. Both
+are logged.
 
 Clocks: expiries are the gateways' unix time (an input, `now`, so tests drive it): the gateways'
 clocks must agree to well within `ttl_s - 2 * renew_every_s`.
@@ -51,6 +58,8 @@ from redis.backoff import ConstantBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.state.records import RecordSeal, RejectedRecord
+from services.state.redis_auth import RedisCredentials
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ ROLES = ("prefill", "decode", "mixed")
 SERVICE_ROLES = ("gateway", "router")
 KV_BACKENDS = ("nixl", "tcp", "local")
 WINDOW_S = 60
+# A window key is written with the rest of its minute and one more to live (_window_ttl_ms): one
+# with a longer TTL (or none) was not written by kvfleet. 5 s of slack for clocks.
+MAX_WINDOW_TTL_MS = (2 * WINDOW_S + 5) * 1000
 
 
 def stats_problems(stats: pb.WorkerStats) -> list[str]:
@@ -117,10 +129,28 @@ def parse_service(service_id: str, raw: bytes) -> pb.ServiceRecord:
     return _parse(pb.ServiceRecord, service_id, "service_id", raw, service_problems)
 
 
-# KEYS[1] window counter; ARGV amount, limit, ttl_ms. All or nothing: a refused charge leaves the
-# counter untouched (checking before INCRBY is the same as INCRBY-then-undo, since a script is atomic).
-_CHARGE_LUA = """
-local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+# A minute window's count, as every script reads it. A window key kvfleet wrote is a string holding
+# an integer >= 0 that expires within MAX_WINDOW_TTL_MS; anything else (another type, not an
+# integer, no TTL or a longer one) was written around kvfleet and is deleted, counting 0 (the
+# second value returned is 1 then). So a forged value lasts one window at most.
+_WINDOW_VALUE = """
+local function window_value(key, max_ttl)
+  if redis.call('TYPE', key)['ok'] == 'none' then return 0, 0 end
+  local ttl = redis.call('PTTL', key)
+  local n = nil
+  if redis.call('TYPE', key)['ok'] == 'string' then n = tonumber(redis.call('GET', key)) end
+  if n == nil or n < 0 or n ~= math.floor(n) or ttl < 0 or ttl > tonumber(max_ttl) then
+    redis.call('DEL', key)
+    return 0, 1
+  end
+  return n, 0
+end
+"""
+# KEYS[1] window counter; ARGV amount, limit, ttl_ms, max window ttl_ms. All or nothing: a refused
+# charge leaves the counter untouched (checking before INCRBY is the same as INCRBY-then-undo,
+# since a script is atomic).
+_CHARGE_LUA = _WINDOW_VALUE + """
+local n = window_value(KEYS[1], ARGV[4])
 local amount = tonumber(ARGV[1])
 if n + amount > tonumber(ARGV[2]) then return 0 end
 redis.call('INCRBY', KEYS[1], amount)
@@ -137,35 +167,39 @@ end
 """
 # Admission in one round trip. KEYS leases zset, requests window, tokens window; ARGV 1 max_streams,
 # 2 rpm, 3 prompt tokens, 4 tpm, 5 window ttl_ms, 6 now_ms, 7 lease ttl_ms, 8 lapsed_below_ms,
-# 9 lease id. 1) a stream slot: expired leases are dropped, then fewer than max_streams must be
+# 9 lease id, 10 max lease ahead ms, 11 max window ttl_ms. 1) a stream slot: expired leases are
+# dropped, and so are leases expiring more than max-ahead from now (no holder sets one so far: it
+# was written around kvfleet), then fewer than max_streams must be
 # live (refused: nothing taken) 2) the request (refused: no slot taken) 3) the prompt's tokens
 # (refused: no slot taken, the request stays counted, as OpenAI counts refused requests).
-# Returns {code, ms}: code 0 admitted, 1 streams, 2 requests, 3 tokens refused. For 1, ms is when
+# Returns {code, ms, leases dropped as too far ahead, windows dropped as forged}: code 0 admitted, 1 streams, 2 requests, 3 tokens refused. For 1, ms is when
 # the slot that frees first would free if its holder is gone: the expiry of the (live - max + 1)-th
 # earliest lease, minus now, if that lease has missed a renewal (less than lapsed_below_ms left,
 # so its holder is presumably dead), else -1 (unknown: a live holder renews it).
-_ADMIT_LUA = _EXPIRE_WITH_LATEST_LEASE + """
+_ADMIT_LUA = _EXPIRE_WITH_LATEST_LEASE + _WINDOW_VALUE + """
 local now = tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local far = redis.call('ZREMRANGEBYSCORE', KEYS[1], '(' .. (now + tonumber(ARGV[10])), '+inf')
 local live, limit = redis.call('ZCARD', KEYS[1]), tonumber(ARGV[1])
 if live >= limit then
-  if limit < 1 then return {1, -1} end
+  if limit < 1 then return {1, -1, far, 0} end
   local nth = redis.call('ZRANGE', KEYS[1], live - limit, live - limit, 'WITHSCORES')
   local left = tonumber(nth[2]) - now
-  if left < tonumber(ARGV[8]) then return {1, left} end
-  return {1, -1}
+  if left < tonumber(ARGV[8]) then return {1, left, far, 0} end
+  return {1, -1, far, 0}
 end
-local requests = tonumber(redis.call('GET', KEYS[2]) or '0')
-if requests + 1 > tonumber(ARGV[2]) then return {2, 0} end
+local requests, forged_requests = window_value(KEYS[2], ARGV[11])
+if requests + 1 > tonumber(ARGV[2]) then return {2, 0, far, forged_requests} end
 redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
-local tokens = tonumber(redis.call('GET', KEYS[3]) or '0')
-if tokens + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return {3, 0} end
+local tokens, forged_tokens = window_value(KEYS[3], ARGV[11])
+local forged = forged_requests + forged_tokens
+if tokens + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return {3, 0, far, forged} end
 redis.call('INCRBY', KEYS[3], ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[7]), ARGV[9])
 expire_with_latest(KEYS[1], now)
-return {0, 0}
+return {0, 0, far, forged}
 """
 # A holder renews its leases of one tenant. KEYS[1] leases zset; ARGV now_ms, lease ttl_ms, ids...
 # Each lease's expiry moves to now + ttl. A lease that was gone (Redis lost it, or it lapsed while
@@ -182,15 +216,16 @@ expire_with_latest(KEYS[1], now)
 return restored
 """
 # The end of a stream in one round trip. KEYS leases zset, tokens window; ARGV generated tokens,
-# window ttl_ms, lease id, now_ms. The lease is dropped (returns 1 if it was live, 0 if it had
+# window ttl_ms, lease id, now_ms, max window ttl_ms. The lease is dropped (returns 1 if it was live, 0 if it had
 # lapsed or was gone); the tokens are charged uncapped, since they are already generated (a
 # tenant over its budget is refused at its next admission).
-_FINISH_LUA = """
+_FINISH_LUA = _WINDOW_VALUE + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[3])
 redis.call('ZREM', KEYS[1], ARGV[3])
 local held = 0
 if score and tonumber(score) > tonumber(ARGV[4]) then held = 1 end
 if tonumber(ARGV[1]) > 0 then
+  window_value(KEYS[2], ARGV[5])
   redis.call('INCRBY', KEYS[2], ARGV[1])
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
 end
@@ -229,6 +264,12 @@ class LeaseTerms:
     @property
     def lapsed_below_s(self) -> float:
         return self.ttl_s - 2 * self.renew_every_s
+
+    @property
+    def max_ahead_s(self) -> float:
+        """No holder sets a lease's expiry further ahead than one TTL (plus a renewal period of
+        clock skew between gateways); admission drops any lease further ahead."""
+        return self.ttl_s + self.renew_every_s
 
 
 @dataclass(frozen=True)
@@ -276,12 +317,19 @@ _RETRY = Retry(ConstantBackoff(0.0), retries=1, supported_errors=(RedisConnectio
 
 
 class FleetState:
-    """Typed asyncio access to the fleet's Redis state; one instance per process (it owns a pool)."""
+    """Typed asyncio access to the fleet's Redis state; one instance per process (it owns a pool).
 
-    def __init__(self, redis_url: str, namespace: str = "kvfleet:"):
+    credentials: the URL's own, else these, else the environment's (services/state/redis_auth.py).
+    seal: signs the records this process writes and checks those it reads (services/state/
+    records.py); default: keyed by this process's fleet token."""
+
+    def __init__(self, redis_url: str, namespace: str = "kvfleet:", *,
+                 credentials: RedisCredentials | None = None, seal: RecordSeal | None = None):
         self.ns = namespace
+        self.seal = seal if seal is not None else RecordSeal.from_env()
+        credentials = credentials if credentials is not None else RedisCredentials.from_env()
         options = dict(socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S,
-                       retry=_RETRY)
+                       retry=_RETRY, **credentials.client_kwargs())
         self._r = aioredis.Redis.from_url(redis_url, decode_responses=True, **options)
         # the worker registry holds serialized messages: bytes in, bytes out (its own pool)
         self._raw = aioredis.Redis.from_url(redis_url, decode_responses=False, **options)
@@ -363,7 +411,8 @@ class FleetState:
         if problems:
             raise ValueError(f"WorkerStats of {stats.worker_id!r}: " + "; ".join(problems))
         async with self._raw.pipeline(transaction=True) as p:
-            p.set(self._worker_key(stats.worker_id), stats.SerializeToString(),
+            p.set(self._worker_key(stats.worker_id),
+                  self.seal.seal("worker", stats.worker_id, stats.SerializeToString()),
                   px=max(1, round(ttl_s * 1000)))
             p.sadd(self._workers_key, stats.worker_id)
             await p.execute()
@@ -380,12 +429,16 @@ class FleetState:
         workers = [w for w in map(self._stats_or_none, ids, raws) if w is not None]
         return [w for w in workers if role is None or w.role == role]
 
-    @staticmethod
-    def _stats_or_none(worker_id: str, raw: bytes | None) -> pb.WorkerStats | None:
+    def _stats_or_none(self, worker_id: str, raw: bytes | None) -> pb.WorkerStats | None:
         if raw is None:
             return None
         try:
-            return parse_stats(worker_id, raw)
+            stats = parse_stats(worker_id, self.seal.open("worker", worker_id, raw))
+            self.seal.check_addresses(stats.grpc_address, stats.metrics_url)
+            return stats
+        except RejectedRecord as e:    # a forgery: it must not receive the fleet's calls
+            self.seal.reject("worker", worker_id, e)
+            return None
         except ValueError as e:  # one bad worker must not hide the rest of the fleet
             log.warning("skipping worker %s: malformed heartbeat: %s", worker_id, e)
             return None
@@ -406,7 +459,8 @@ class FleetState:
         if problems:
             raise ValueError(f"ServiceRecord of {record.service_id!r}: " + "; ".join(problems))
         async with self._raw.pipeline(transaction=True) as p:
-            p.set(self._service_key(record.service_id), record.SerializeToString(),
+            p.set(self._service_key(record.service_id),
+                  self.seal.seal("service", record.service_id, record.SerializeToString()),
                   px=max(1, round(ttl_s * 1000)))
             p.sadd(self._services_key, record.service_id)
             await p.execute()
@@ -424,12 +478,16 @@ class FleetState:
         records = [r for r in map(self._service_or_none, ids, raws) if r is not None]
         return [r for r in records if role is None or r.role == role]
 
-    @staticmethod
-    def _service_or_none(service_id: str, raw: bytes | None) -> pb.ServiceRecord | None:
+    def _service_or_none(self, service_id: str, raw: bytes | None) -> pb.ServiceRecord | None:
         if raw is None:
             return None
         try:
-            return parse_service(service_id, raw)
+            record = parse_service(service_id, self.seal.open("service", service_id, raw))
+            self.seal.check_addresses(record.address, record.metrics_url)
+            return record
+        except RejectedRecord as e:
+            self.seal.reject("service", service_id, e)
+            return None
         except ValueError as e:
             log.warning("skipping service %s: malformed heartbeat: %s", service_id, e)
             return None
@@ -453,10 +511,17 @@ class FleetState:
         lease = StreamLease(tenant, lease_id or uuid.uuid4().hex)
         keys = [self._leases_key(tenant), self._window_key(tenant, "requests", now),
                 self._window_key(tenant, "tokens", now)]
-        code, ms = await self._admit(keys=keys, args=[
+        code, ms, far, forged = await self._admit(keys=keys, args=[
             int(max_streams), int(requests_per_minute), int(prompt_tokens), int(tokens_per_minute),
             _window_ttl_ms(now), _ms(now), _ms(terms.ttl_s), _ms(terms.lapsed_below_s),
-            lease.lease_id])
+            lease.lease_id, _ms(terms.max_ahead_s), MAX_WINDOW_TTL_MS])
+        if far:
+            log.warning("tenant %s: dropped %d stream leases expiring more than %.0f s ahead "
+                        "(no gateway sets one so far: written around kvfleet?)", tenant, far,
+                        terms.max_ahead_s)
+        if forged:
+            log.warning("tenant %s: dropped %d quota windows kvfleet did not write (not an integer, "
+                        "or no or too long a TTL)", tenant, forged)
         if code == 0:
             return Admission(lease)
         if code == 1:
@@ -491,7 +556,7 @@ class FleetState:
         held = await self._finish(keys=[self._leases_key(lease.tenant),
                                         self._window_key(lease.tenant, "tokens", now)],
                                   args=[int(output_tokens), _window_ttl_ms(now), lease.lease_id,
-                                        _ms(now)])
+                                        _ms(now), MAX_WINDOW_TTL_MS])
         return bool(held)
 
     async def streams(self, tenant: str, now: float | None = None) -> int:
@@ -516,7 +581,8 @@ class FleetState:
         now = time.time() if now is None else now
         left_s = WINDOW_S - now % WINDOW_S  # in (0, 60]
         key = self._window_key(tenant, kind, now)
-        allowed = await self._charge(keys=[key], args=[int(amount), int(limit), _window_ttl_ms(now)])
+        allowed = await self._charge(keys=[key], args=[int(amount), int(limit), _window_ttl_ms(now),
+                                                       MAX_WINDOW_TTL_MS])
         return (True, 0.0) if allowed else (False, left_s)
 
     async def tenant_counters(self, tenant: str, now: float | None = None) -> TenantCounters:
@@ -527,7 +593,7 @@ class FleetState:
             p.mget([self._window_key(tenant, "tokens", now),
                     self._window_key(tenant, "requests", now)])
             streams, (tokens, requests) = await p.execute()
-        return TenantCounters(int(streams), int(tokens or 0), int(requests or 0))
+        return TenantCounters(int(streams), _count(tokens), _count(requests))
 
     async def reset_tenant(self, tenant: str, now: float | None = None) -> None:
         """Drop the tenant's leases and this minute's windows (older windows are never read). A
@@ -536,6 +602,15 @@ class FleetState:
         now = time.time() if now is None else now
         await self._r.delete(self._leases_key(tenant), self._window_key(tenant, "tokens", now),
                              self._window_key(tenant, "requests", now))
+
+
+def _count(value: str | None) -> int:
+    """A window's count as read; one kvfleet did not write (not an integer) reads as 0 (the next
+    admission drops it)."""
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
 
 
 def _ms(seconds: float) -> int:

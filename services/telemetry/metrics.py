@@ -160,6 +160,10 @@ class RouterMetrics(_Metrics):
         self.placements = Counter(
             "kvfleet_placements", "Requests placed, by role and worker (routing balance)",
             ["role", "worker"], registry=r)
+        self.records_rejected = Counter(
+            "kvfleet_redis_records_rejected", "Registry records in Redis this router ignored: "
+            "kind=worker|service, reason=unsigned|bad_signature|address (written around the "
+            "fleet?)", ["kind", "reason"], registry=r)
 
 
 class WorkerMetrics(_Metrics):
@@ -230,6 +234,12 @@ class WorkerMetrics(_Metrics):
         self.preemptions = counter("kvfleet_preemptions", "Sequences preempted (vllm:num_preemptions)")
         self.requests = counter("kvfleet_worker_requests",
                                 "Requests this worker ended, by outcome", ["outcome"])
+        self.reservations_abandoned = counter(
+            "kvfleet_reservations_abandoned",
+            "Decode reservations whose caller had gone, undone here, by how: expired (the engine "
+            "refused the Reserve past its deadline), late (reserved after the caller gave up: "
+            "cancelled), unanswered (the Reserve call ended before its answer went out: ended)",
+            ["how"])
         # KV transfer
         self.kv_transfer_bytes = counter("kvfleet_kv_transfer_bytes",
                                          "KV bytes shipped (prefill: sent) or landed (decode: received)",

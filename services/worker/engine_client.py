@@ -275,12 +275,42 @@ class EngineClient:
                                                      params, tenant, traffic_class), Done)
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, tenant: str | None,
-                      traffic_class: str | None) -> list[int] | None:
-        """Decode role: the blocks the prompt's KV must be written into, or None if refused."""
-        reply = await self._call(lambda cid: core.Reserve(cid, request_id, list(prompt_token_ids),
-                                                          params, tenant, traffic_class), Reserved)
+                      params: SamplingParams, tenant: str | None, traffic_class: str | None,
+                      deadline_s: float | None = None,
+                      abandoned: Callable[[str, str], None] | None = None) -> list[int] | None:
+        """Decode role: the blocks the prompt's KV must be written into, or None if refused.
+
+        No reservation outlives a caller that gave up: the core refuses the Reserve unrun past
+        `deadline_s` (time.monotonic()), and a reservation whose reply comes after the caller
+        was cancelled is cancelled in the core at once. Each time, `abandoned(request_id, how)`
+        is told: "expired" (refused past its deadline) or "late" (made for no one, undone)."""
+        call_id, fut = self._send(lambda cid: core.Reserve(
+            cid, request_id, list(prompt_token_ids), params, tenant, traffic_class, deadline_s))
+        try:
+            reply = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._reserve_gone(request_id, f, abandoned))
+            raise
+        reply = _answer(reply, Reserved)
+        if reply.expired and abandoned is not None:
+            abandoned(request_id, "expired")
         return reply.blocks
+
+    def _reserve_gone(self, request_id: str, fut: asyncio.Future,
+                      abandoned: Callable[[str, str], None] | None) -> None:
+        """The reply to a Reserve whose caller had gone: undo what it reserved."""
+        if fut.cancelled() or fut.exception() is not None:
+            return                       # the engine failed: it holds nothing any more
+        reply = fut.result()
+        if not isinstance(reply, Reserved) or not (reply.blocks is not None or reply.expired):
+            return
+        how = "expired" if reply.expired else "late"
+        if reply.blocks is not None:
+            self.cancel_soon(request_id)
+            log.warning("%s: the engine reserved %d blocks after the Reserve's caller had gone; "
+                        "cancelled", request_id, len(reply.blocks))
+        if abandoned is not None:
+            abandoned(request_id, how)
 
     async def start_decode(self, request_id: str, first_token: int,
                            more_first_tokens: list[int] | None = None) -> None:
@@ -313,6 +343,15 @@ class EngineClient:
         self._streams.pop(request_id, None)
 
     async def _call(self, make: Callable[[int], core.Command], expect: type):
+        call_id, fut = self._send(make)
+        try:
+            reply = await fut
+        finally:
+            self._calls.pop(call_id, None)
+        return _answer(reply, expect)
+
+    def _send(self, make: Callable[[int], core.Command]) -> tuple[int, asyncio.Future]:
+        """Send a command; its reply resolves the future (and unregisters it)."""
         if self.failure is not None:
             raise self.failure
         if self._closing or self._commands is None:
@@ -321,13 +360,10 @@ class EngineClient:
         fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
             self._commands.send(ENCODER.encode(make(call_id)))
-            reply = await fut
-        finally:
+        except BaseException:
             self._calls.pop(call_id, None)
-        if isinstance(reply, CallFailed):
-            raise _rebuild(reply)
-        assert isinstance(reply, expect), f"{type(reply).__name__} answered a {expect.__name__}"
-        return reply
+            raise
+        return call_id, fut
 
     # ---------------------------------------------------------------- the core's messages
     async def _read(self) -> None:
@@ -352,7 +388,7 @@ class EngineClient:
             if not self._ready_fut.done():
                 self._ready_fut.set_result(msg)
         else:                          # a call's reply
-            fut = self._calls.get(msg.call_id)
+            fut = self._calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
@@ -414,6 +450,14 @@ class EngineClient:
         if self._ready_fut is not None and not self._ready_fut.done():
             self._ready_fut.set_exception(failure)
             self._ready_fut.exception()   # retrieved: no "never retrieved" warning
+
+
+def _answer(reply, expect: type):
+    """A call's reply, or the error it carries raised."""
+    if isinstance(reply, CallFailed):
+        raise _rebuild(reply)
+    assert isinstance(reply, expect), f"{type(reply).__name__} answered a {expect.__name__}"
+    return reply
 
 
 def _rebuild(reply: CallFailed) -> Exception:

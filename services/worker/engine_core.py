@@ -15,7 +15,9 @@ Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineCli
   2. loop: run every queued command (each answered with its typed reply; a command that raises
      is answered with CallFailed and the core goes on), then step() while there is work, sending
      each step's outputs and its StepStats in ONE StepOutputs message (a step that ran the model
-     sends one even without outputs); block on the sockets when idle.
+     sends one even without outputs); block on the sockets when idle. A simulated core
+     (EngineConfig.sim: `build_engine` makes it, no weights are loaded) sleeps until the step's
+     start + its modelled time before sending it (emulation on the wall clock).
   3. Shutdown -> exit 0. The server process gone (stdin, which the server keeps open and never
      writes to again, reaches EOF) -> remove the run directory the server could not, exit 0.
      Any exception out of step() or the loop -> Failure (type + text + traceback), exit 1.
@@ -80,13 +82,15 @@ class AddRequest(msgspec.Struct, tag=1, array_like=True):
 
 
 class Reserve(msgspec.Struct, tag=2, array_like=True):
-    """Decode role: engine.reserve_remote."""
+    """Decode role: engine.reserve_remote, unless the core reaches it past `deadline_s` (its
+    caller has given up by then: nothing is reserved, the reply says `expired`)."""
     call_id: int
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     tenant: str | None
     traffic_class: str | None
+    deadline_s: float | None = None   # time.monotonic() (one clock for the whole host); None: none
 
 
 class StartDecode(msgspec.Struct, tag=3, array_like=True):
@@ -160,7 +164,8 @@ class Done(msgspec.Struct, tag=22, array_like=True):
 
 class Reserved(msgspec.Struct, tag=23, array_like=True):
     call_id: int
-    blocks: list[int] | None      # None: this engine cannot back the reservation
+    blocks: list[int] | None      # None: this engine cannot back the reservation, or expired
+    expired: bool = False         # refused unrun: the core reached it past its deadline
 
 
 class Cancelled(msgspec.Struct, tag=24, array_like=True):
@@ -271,11 +276,20 @@ class EngineCore:
             if self.commands in ready and not self._drain():
                 return
             if self.engine.has_unfinished():
+                started = time.monotonic()
                 outputs = self.engine.step()
                 record = self.engine.last_step
+                self._pace(started)
                 if outputs or record is not None:
                     step = StepStats.of(record) if record is not None else None
                     self.send(StepOutputs(outputs, time.monotonic(), step))
+
+    def _pace(self, started: float) -> None:
+        """A simulated step ends at its start + its modelled time (wall clock): its outputs are
+        sent then. The real engine's steps take what they take (modelled time 0)."""
+        left = started + self.engine.last_step_modelled_s - time.monotonic()
+        if left > 0:
+            time.sleep(left)
 
     def _drain(self) -> bool:
         """Run every queued command; False on Shutdown."""
@@ -324,6 +338,10 @@ class EngineCore:
         return Done(cmd.call_id)
 
     def _reserve(self, cmd: Reserve) -> Reserved:
+        if cmd.deadline_s is not None and time.monotonic() > cmd.deadline_s:
+            log.warning("%s: Reserve reached the engine %.3f s past its deadline; not reserved",
+                        cmd.request_id, time.monotonic() - cmd.deadline_s)
+            return Reserved(cmd.call_id, None, expired=True)
         blocks = self.engine.reserve_remote(cmd.prompt_token_ids, cmd.params,
                                             request_id=cmd.request_id, tenant=cmd.tenant,
                                             traffic_class=cmd.traffic_class)
@@ -373,6 +391,12 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return data
 
 
+def build_engine(config: EngineConfig, kv_alloc) -> LLMEngine:
+    """The engine this core runs: the model's, or (config.sim set) the simulated core's, which
+    loads no weights and whose steps this loop paces to their modelled time."""
+    return LLMEngine(config, kv_alloc=kv_alloc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The core process. Returns 0 after Shutdown (or the server gone), FAILED_EXIT after a
     Failure (sent to the server first)."""
@@ -395,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_config(sys.stdin.fileno())
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
-        engine = LLMEngine(config, kv_alloc=kv.alloc)
+        engine = build_engine(config, kv.alloc)
         faults.install(engine)
         data = engine.kv_cache.data
         core = EngineCore(engine, commands, replies, sys.stdin.fileno())

@@ -29,7 +29,7 @@ import grpc
 import torch
 from redis.exceptions import RedisError
 
-from services.engine.config import EngineConfig, add_engine_args
+from services.engine.config import EngineConfig, add_engine_args, add_sim_args, sim_config_from_args
 from services.engine.config_file import load_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
@@ -63,6 +63,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
     add_engine_args(p)
+    add_sim_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (the engine core is rank 0; mixed role only)")
     p.add_argument("--threads", type=int, default=0,
@@ -98,6 +99,9 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
         cfg = replace(cfg, logprobs_mode=args.logprobs_mode)
     if getattr(args, "tensor_parallel", 1) > 1:
         cfg = replace(cfg, tensor_parallel_size=args.tensor_parallel)
+    sim = sim_config_from_args(args)
+    if sim is not None:
+        cfg = replace(cfg, sim=sim)
     return cfg
 
 
@@ -145,8 +149,9 @@ async def heartbeat_forever(state: FleetState | None, servicer: WorkerServicer,
     Liveness is not step length: one stats call to the engine core is in flight at a time, and a
     beat whose answer has not come (a step still running) publishes the last answer again: the
     worker is alive and its engine busy. Only once the core has been silent for `engine_stall_s`
-    does the worker stop beating (one warning): its record expires and it leaves the fleet until
-    the core answers again (one info line; the next beat re-registers it). A dead engine core
+    does the worker stop beating (one warning) and its Health answer NOT_SERVING: its record
+    expires and it leaves the fleet until the core answers again (one info line; the next beat
+    re-registers it). A core frozen for good is the supervisor's to restart (it probes Health). A dead engine core
     ends the loop: the worker is going down.
 
     A failed beat (Redis down, or anything else) never ends the loop: it is retried with capped,
@@ -165,6 +170,7 @@ async def heartbeat_forever(state: FleetState | None, servicer: WorkerServicer,
                 silent_s = engine.silent_s()
                 fresh = await engine.take(every_s)
                 stalled = _stall_changed(config, stalled, fresh, silent_s, engine.silent_s())
+                servicer.engine_stalled = stalled      # Health answers NOT_SERVING meanwhile
                 if state is not None and engine.stats is not None and not stalled:
                     engine.stats.updated_at_unix_s = time.time()      # this beat's time
                     await redis.call(state.heartbeat, engine.stats, ttl_s)
@@ -231,6 +237,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if args.role != "mixed":          # a co-located worker moves no KV
         from services.kv_transfer import make_transport  # noqa: PLC0415 - NIXL loads only if used
         transport = make_transport(args.kv_backend, config.worker_id, port=args.kv_port)
+        if engine.config.sim is not None:   # the simulated core: writes take the target's time
+            transport = paced_transport(transport, engine.config)
         telemetry.expect_kv(args.kv_backend)
         transport.register(engine.kv_cache)
     servicer = WorkerServicer(config, engine, transport, telemetry)
@@ -271,6 +279,17 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if transport is not None:
         transport.close()
     return ENGINE_FAILED_EXIT if failed else 0
+
+
+def paced_transport(transport, config: EngineConfig):
+    """The KV transport of a simulated core's worker: each write takes the modelled time of the
+    target's real KV bytes at --sim-network-gbps (services/kv_transfer/paced.py)."""
+    from services.engine.engine import resolve_model_dir  # noqa: PLC0415
+    from services.engine.model.config import ModelConfig  # noqa: PLC0415
+    from services.engine.sim_engine import transfer_timer  # noqa: PLC0415
+    from services.kv_transfer.paced import PacedTransport  # noqa: PLC0415
+    model_config = ModelConfig.from_dir(resolve_model_dir(config.model))
+    return PacedTransport(transport, transfer_timer(config.sim, model_config))
 
 
 def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:

@@ -41,6 +41,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.transport = transport
         self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self.address = ""              # host:port, once serving (Stats names it)
+        self.engine_stalled = False    # the core has not answered for engine_stall_s (heartbeat)
         self.decode = (DecodeRole(config, engine, transport, self.telemetry)
                        if config.role == "decode" else None)
         self.prefill = (PrefillRole(config, engine, transport, self.telemetry)
@@ -144,6 +145,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.engine.failure is not None:
             return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
                                      detail=f"{self.config.role}: {self.engine.failure}")
+        if self.engine_stalled:
+            return pb.HealthResponse(
+                status=pb.HealthResponse.NOT_SERVING,
+                detail=f"{self.config.role}: the engine core has not answered for "
+                       f"{self.config.timeouts.engine_stall_s:g} s or more")
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, detail=self.config.role)
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ Where each metric comes from:
               RPC too; without Redis, serve.py refreshes on the same period), so a gauge is at
               most heartbeat_s old; tenant series are bounded by TenantLabels ("other" for the tail)
   steps       `on_step(StepStats)`: EngineClient(on_step=...) calls it once per engine step
-  requests    `ended(outcome)` once per request ended here; `queued(queue_s)` at its first token
+  requests    `ended(outcome)` once per request ended here; `queued(queue_s)` at its first token;
+              `abandoned(how)` once per decode reservation undone because its caller had gone
   KV          `kv_moved` / `kv_failed`: the prefill side counts bytes sent, the decode side bytes
               landed (direction sent | received)
 
@@ -48,6 +49,11 @@ STEP_PHASES = ("prefill", "decode")
 #   invalid     a bad request (the engine's validation)
 #   error       the engine core failed, or its KV did not move
 OUTCOMES = ("finished", "handed_off", "cancelled", "rejected", "invalid", "error")
+# Decode reservations whose caller had gone (kvfleet_reservations_abandoned{how}), each undone:
+#   expired     the engine core reached the Reserve past its deadline and refused it unrun
+#   late        the core reserved after the caller gave up: cancelled in the core
+#   unanswered  reserved, but the Reserve call ended before its answer went out: ended here
+ABANDONED = ("expired", "late", "unanswered")
 
 CHUNK_TOKENS = "kvfleet.chunk.tokens"          # a `chunk` event: the prompt tokens it computed
 TRANSFER_S = "kvfleet.transfer_s"              # decode span: HandOff sent -> KV landed (wall)
@@ -84,6 +90,7 @@ class WorkerTelemetry:
         self._prefix_queries, self._prefix_hits = child(m.prefix_queries), child(m.prefix_hits)
         self._preemptions, self._queue_time = child(m.preemptions), child(m.queue_time)
         self._outcomes = {o: child(m.requests, o) for o in OUTCOMES}
+        self._abandoned = {how: child(m.reservations_abandoned, how) for how in ABANDONED}
         self._tenants_shown: set[str] = set()   # tenant labels with a series (zeroed, not removed)
         self._prefilling: dict[str, Span] = {}  # recording prefill spans awaiting their first token
 
@@ -155,6 +162,10 @@ class WorkerTelemetry:
     # ---------------------------------------------------------------- requests
     def ended(self, outcome: str) -> None:
         self._outcomes[outcome].inc()
+
+    def abandoned(self, how: str) -> None:
+        """A decode reservation made or asked for by a caller that had gone was undone."""
+        self._abandoned[how].inc()
 
     def queued(self, queue_s: float | None) -> None:
         if queue_s is not None:

@@ -80,7 +80,7 @@ def test_sigterm_to_a_command_that_launched_a_fleet_stops_the_fleet_too(tiny_mod
     """`kvfleet demo --fleet` mid-run gets SIGTERM (as from a CI timeout or `kill`): it exits,
     and every process it started exits with it; none is left orphaned."""
     from services.cli.launcher import children, running   # noqa: PLC0415
-    from services.cli.launcher import wait_until         # noqa: PLC0415
+    from tests.waiting import wait_until         # noqa: PLC0415
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli.cli", "demo", "--fleet", "--model",
          str(tiny_model_dir), "--chats", "400", "--rate", "2", "--documents", "0"],

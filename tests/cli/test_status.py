@@ -16,19 +16,20 @@ import sys
 import httpx
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.cli.status import top_tenants
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import FleetState
 from services.state.redis_server import free_port
-from tests.up_helpers import kvfleet_up
+from services.state.redis_auth import RedisCredentials
+from tests.harness import REDIS_PASSWORD, kvfleet_up, redis_env
 
 ROLES = {"gateway", "router", "prefill", "decode"}
 
 
 def status(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli.cli", "status", *args],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=redis_env())
 
 
 def status_json(redis_url: str) -> dict:
@@ -40,11 +41,11 @@ def status_json(redis_url: str) -> dict:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
     """(redis URL, gateway URL) of a running `kvfleet up`, once every process has registered."""
-    with kvfleet_up(tiny_model_dir, "--mode", "disagg") as (_, http, lines):
-        redis_url = next(line.split()[-1] for line in lines if line.split()[:1] == ["redis"])
+    with kvfleet_up(tiny_model_dir, mode="disagg") as up:
+        redis_url = up.redis_url
         assert wait_until(lambda: {p["role"] for p in status_json(redis_url)["processes"]} == ROLES,
                           30, interval_s=0.5), status_json(redis_url)
-        yield redis_url, f"http://127.0.0.1:{http}"
+        yield redis_url, up.url
 
 
 def test_status_lists_every_process_with_a_metrics_url_that_answers(fleet):
@@ -106,7 +107,7 @@ def test_watch_refreshes_until_ctrl_c(fleet):
     # a non-interactive shell, `make test &`, inherits SIGINT ignored, and so would the child.)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.cli", "status", "--redis-url",
                              redis_url, "--watch", "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, env=redis_env(),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         views = []
@@ -138,7 +139,8 @@ def test_a_process_whose_metrics_do_not_answer_is_shown_as_such(fleet):
                              updated_at_unix_s=1.0)
 
     async def register(up: bool):
-        async with FleetState(redis_url) as state:
+        async with FleetState(redis_url, credentials=RedisCredentials(password=REDIS_PASSWORD)
+                              ) as state:
             if up:
                 await state.heartbeat_service(ghost, ttl_s=30)
             else:

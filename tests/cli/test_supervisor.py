@@ -1,7 +1,9 @@
 """`kvfleet up`'s supervisor, on real child processes and a driven clock: a child that dies is
 restarted after a backoff that doubles while it keeps dying young and resets once it has run long
 enough; a restarted child gets its pinned arguments (its port); a child that runs is left alone.
-And the launcher's stop: every child and grandchild gone within the grace, stubborn or not."""
+A child frozen by SIGSTOP is SIGKILLed and restarted once it has answered no health probe for the
+deadline. And the launcher's stop: every child and grandchild gone within the grace, stubborn or
+not."""
 from __future__ import annotations
 
 import signal
@@ -11,8 +13,11 @@ import time
 
 import pytest
 
-from services.cli.launcher import Launcher, descendants, running, wait_until
+from services.cli.launcher import Launcher, descendants, running
+from tests.waiting import wait_until
+from services.cli.health_watch import FleetProbe, HealthWatch
 from services.cli.supervisor import RestartPolicy, Supervisor
+from services.protocol.fleet_token import FleetAuth
 
 DIES_AT_ONCE = ["json.tool", "/nonexistent/kvfleet-supervisor-test"]   # exits 2 straight away
 RUNS = ["http.server", "--bind", "127.0.0.1", "0"]
@@ -84,6 +89,43 @@ def test_a_restarted_child_gets_its_pinned_arguments_once(launcher):
     assert launcher.children["flaky"].module_args == DIES_AT_ONCE + ["--indent", "2"]
 
 
+# --- a child that stops answering without exiting ------------------------------------------------
+
+HTTP = ["tests.cli.test_supervisor", "http"]    # READY gateway <address>, then serves HTTP
+
+
+def test_a_frozen_child_is_sigkilled_and_restarted_once_it_answered_no_probe_for_the_deadline(
+        launcher):
+    """The probe is the real one `kvfleet up` uses on its gateway (GET /metrics; any answer is
+    alive); the clock is driven, one second a pass, each pass waiting for its probe's answer."""
+    clock, said = Clock(), []
+    watch = HealthWatch(FleetProbe(FleetAuth(), timeout_s=0.5), every_s=1.0, clock=clock)
+    sup = Supervisor(launcher, RestartPolicy(initial_backoff_s=0.0, unresponsive_s=5.0),
+                     clock=clock, say=said.append, health=watch)
+    launcher.start("gateway", HTTP)
+    frozen = launcher.children["gateway"].proc
+
+    def one_second() -> list[str]:
+        restarted = sup.poll()
+        assert wait_until(lambda: watch.probing() == 0, 10)
+        clock.now += 1.0
+        return restarted
+
+    for _ in range(10):                          # answering: left alone however long it runs
+        assert one_second() == []
+    assert frozen.poll() is None and said == []
+    frozen.send_signal(signal.SIGSTOP)
+    stopped_at, restarted = clock.now, []
+    while not restarted:
+        restarted = one_second()
+        assert clock.now - stopped_at <= 10, said
+    assert restarted == ["gateway"] and frozen.returncode == -signal.SIGKILL
+    assert clock.now - stopped_at > 5.0          # not before unresponsive_s
+    assert "gateway has not answered its health check" in said[0]
+    assert "gateway exited with status -9" in said[1]
+    assert launcher.children["gateway"].proc is not frozen
+
+
 # --- stopping: everything, at once, within the budget --------------------------------------------
 
 STUBBORN = ["tests.cli.test_supervisor", "stubborn"]     # ignores SIGTERM; so do its two children
@@ -113,6 +155,32 @@ def test_children_that_obey_sigterm_are_not_held_for_the_grace(launcher):
     assert time.monotonic() - t0 < 2.0
 
 
+# --- dying with the launcher ---------------------------------------------------------------------
+
+PARENT = ["tests.cli.test_supervisor", "parent"]   # a launcher: starts POLITE from a thread that ends
+
+
+def test_children_outlive_the_thread_that_started_them_and_die_with_their_launcher(launcher):
+    launcher.start("parent", PARENT)
+    parent = launcher.children["parent"]
+    assert wait_until(lambda: any(line.startswith("CHILD ") for line in parent.lines), 30)
+    child = int(next(line for line in parent.lines if line.startswith("CHILD ")).split()[1])
+    assert running(child) and "polite" in open(f"/proc/{child}/cmdline").read()
+    parent.proc.send_signal(signal.SIGKILL)         # the launcher dies without stopping anything
+    assert wait_until(lambda: not running(child), 10), "the child outlived its launcher"
+
+
+def _parent() -> None:
+    import threading
+    inner = Launcher()
+    starter = threading.Thread(target=inner.start, args=("polite", POLITE))
+    starter.start()
+    starter.join()                                  # the thread that asked for the child is gone
+    print(f"CHILD {inner.children['polite'].proc.pid}", flush=True)
+    print("READY parent 127.0.0.1:0", flush=True)
+    time.sleep(60)
+
+
 def _stubborn() -> None:
     """A child that ignores SIGTERM, with one grandchild in its process group and one that left it
     (its own session): what a stop must still take down."""
@@ -128,6 +196,13 @@ def _stubborn() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["stubborn"]:
     _stubborn()
+elif __name__ == "__main__" and sys.argv[1:] == ["parent"]:
+    _parent()
+elif __name__ == "__main__" and sys.argv[1:] == ["http"]:
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+    server = HTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    print(f"READY gateway 127.0.0.1:{server.server_port}", flush=True)
+    server.serve_forever()
 elif __name__ == "__main__" and sys.argv[1:] == ["polite"]:
     print("READY polite 127.0.0.1:0", flush=True)
     time.sleep(60)

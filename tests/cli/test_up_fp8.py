@@ -6,11 +6,10 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli.launcher import wait_until
-from services.cli.up import Banner
-from tests.up_helpers import kvfleet_up
+from tests.waiting import wait_until
+from tests.harness import kvfleet_up
 
-MIB = 32                                  # tests.up_helpers.kvfleet_up's --kv-cache-mib
+MIB = 32                                  # --kv-cache-mib of this test's fleet
 FP8_BLOCKS = (MIB << 20) // (16 * 512)    # tiny model: 4 layers x 2 x 2 kv heads x 32 dims x 1 byte
 
 
@@ -21,12 +20,13 @@ def blocks_total(metrics_address: str) -> float:
 
 
 def test_a_disaggregated_fleet_serves_from_fp8_kv(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, "--mode", "disagg", "--kv-cache-dtype", "fp8") as (_, http, lines):
-        workers = {service: address for service, kind, address in Banner(lines).listeners
-                   if kind == "metrics" and service.startswith(("prefill", "decode"))}
-        assert len(workers) == 2, lines
-        url = f"http://127.0.0.1:{http}"
-        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    with kvfleet_up(tiny_model_dir, "--kv-cache-dtype", "fp8", mode="disagg",
+                    kv_cache_mib=MIB) as up:
+        workers = {name: w.metrics_url.removeprefix("http://").removesuffix("/metrics")
+                   for name, w in up.workers.items() if w.metrics_url}
+        assert sorted(w.role for w in up.workers.values()) == ["decode", "prefill"], up.lines
+        assert len(workers) == 2, up.lines
+        url, name = up.url, up.model
         prompt = "a prompt long enough to fill several KV blocks of sixteen tokens " * 3
         r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0})

@@ -8,14 +8,15 @@ import httpx
 from services.cli.launcher import descendants
 from services.cli.up import Banner
 from services.protocol.listeners import listening_sockets
-from tests.up_helpers import kvfleet_up
+from tests.harness import kvfleet_up
 
 
 def test_the_banner_names_each_workers_ucx_listener_and_nothing_listens_unnamed(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, "--kv-backend", "nixl") as (proc, http, lines):
+    with kvfleet_up(tiny_model_dir, "--kv-backend", "nixl") as up:
+        proc, lines = up.proc, up.lines
         printed = Banner(list(lines)).listeners
         ucx = {service: address for service, kind, address in printed if kind == "ucx"}
-        r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60,
+        r = httpx.post(f"{up.url}/v1/completions", timeout=60,
                        json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
         listening = listening_sockets([proc.pid, *descendants(proc.pid)])
     assert r.status_code == 200, r.text                     # the KV went through UCX

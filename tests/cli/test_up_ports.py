@@ -9,17 +9,18 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import uuid
 
 import httpx
 
 from services.cli import ports
-from services.cli.launcher import descendants, running, wait_until
-from services.cli.up import add_up_args, port_plan, read_banner
+from services.cli.launcher import running
+from tests.waiting import wait_until
+from services.cli.up import add_up_args, port_plan
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S
 from tests.cli.test_up import listening_ports, port_open
-from tests.up_helpers import kill
+from loadtests.local_fleet import up_command
+from tests.harness import KV_CACHE_MIB, kvfleet_up
 
 
 def up_args(*argv: str) -> argparse.Namespace:
@@ -51,12 +52,10 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def start_up(model: str, base: int, marker: str, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli.cli", "up", "--model", model, "--port-base",
-         str(base), "--kv-cache-mib", "32", *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "KVFLEET_TEST_MARKER": marker})
+def up_options(marker: str) -> dict:
+    """kvfleet_up's keywords for a fleet on a --port-base (no --http-port / --grpc-port:
+    the table places the gateway too), every process of it marked by `marker`."""
+    return dict(http_port=None, grpc_port=None, env={"KVFLEET_TEST_MARKER": marker})
 
 
 def test_the_table_depends_only_on_the_base_role_index_and_kind():
@@ -76,32 +75,24 @@ def test_the_table_depends_only_on_the_base_role_index_and_kind():
 def test_every_listener_is_on_its_table_port_and_printed(tiny_model_dir):
     base, plan = free_base()
     marker = uuid.uuid4().hex
-    proc = start_up(str(tiny_model_dir), base, marker, "--served-model-name", "fleet-a", "fleet-b")
-    tree: list[int] = []
-    try:
-        banner = read_banner(proc.stdout)
-        tree = [pid for pid in descendants(proc.pid) if running(pid)]
-        printed = {(service, kind): address for service, kind, address in banner.listeners}
+    with kvfleet_up(tiny_model_dir, "--port-base", str(base), "--served-model-name", "fleet-a",
+                    "fleet-b", **up_options(marker)) as up:
+        tree = [pid for pid in up.tree()[1:] if running(pid)]
+        printed = {(service, kind): address for service, kind, address in up.listeners}
         planned = {(x.service, x.kind): x.address for x in plan}
-        assert printed == planned, "\n".join(banner.lines)
-        assert all(port_open(x.port) for x in plan), "\n".join(banner.lines)
+        assert printed == planned, "\n".join(up.lines)
+        assert all(port_open(x.port) for x in plan), "\n".join(up.lines)
         # nothing of the fleet listens anywhere else
-        assert listening_ports([proc.pid, *tree]) == {x.port for x in plan}
-        assert f"http://127.0.0.1:{base}/v1" in "\n".join(banner.lines)
+        assert listening_ports([up.proc.pid, *tree]) == {x.port for x in plan}
+        assert f"http://127.0.0.1:{base}/v1" in "\n".join(up.lines)
         models = httpx.get(f"http://127.0.0.1:{base}/v1/models", timeout=10).json()["data"]
         assert [m["id"] for m in models][:2] == ["fleet-a", "fleet-b"]
         r = httpx.post(f"http://127.0.0.1:{base}/v1/completions", timeout=60, json={
             "model": "fleet-b", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text        # prefill -> KV on its table port -> decode
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=SHUTDOWN_BUDGET_S + 10) == 0
+        os.kill(up.proc.pid, signal.SIGTERM)
+        assert up.proc.wait(timeout=SHUTDOWN_BUDGET_S + 10) == 0
         assert wait_until(lambda: not any(map(port_open, (x.port for x in plan))), 5)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for pid in tree:
-            kill(pid)
 
 
 def test_a_taken_port_is_named_and_nothing_is_left_running(tiny_model_dir):
@@ -109,15 +100,15 @@ def test_a_taken_port_is_named_and_nothing_is_left_running(tiny_model_dir):
     busy = next(x for x in plan if (x.service, x.kind) == ("decode-0", "kv"))
     marker = uuid.uuid4().hex
     with socket.create_server(("127.0.0.1", busy.port)):
-        proc = start_up(str(tiny_model_dir), base, marker)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    assert proc.returncode != 0
-    assert f"port {busy.port} (decode-0 kv" in out and "already in use" in out, out
-    assert "READY" not in out
+        options = up_options(marker)
+        out = subprocess.run(up_command(str(tiny_model_dir), "--port-base", str(base),
+                                        kv_cache_mib=KV_CACHE_MIB, http_port=None,
+                                        grpc_port=None), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=60,
+                             env={**os.environ, **options["env"]})
+    assert out.returncode != 0
+    assert f"port {busy.port} (decode-0 kv" in out.stdout and "already in use" in out.stdout, \
+        out.stdout
+    assert "READY" not in out.stdout
     assert not processes_with(marker)
     assert not any(port_open(x.port) for x in plan if x != busy)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import openai
 
-from tests.up_helpers import kvfleet_up
+from tests.harness import kvfleet_up
 
 
 def test_kvfleet_up_on_smollm2_answers_a_chat_through_the_openai_client(smollm2_dir):
-    with kvfleet_up(smollm2_dir, "--kv-cache-mib", "64") as (_, http, lines):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused",
+    with kvfleet_up(smollm2_dir, kv_cache_mib=64) as up:
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused",
                                timeout=120, max_retries=0)
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
             model=model, temperature=0, max_tokens=32,
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         answer = reply.choices[0].message.content
-        assert "Paris" in answer, (answer, lines)
+        assert "Paris" in answer, (answer, up.lines)
         assert reply.choices[0].finish_reason == "stop", answer     # <|im_end|> ended it
         assert "<|im_end|>" not in answer and "<|im_start|>" not in answer

@@ -199,3 +199,23 @@ def test_n_samples_reserve_the_prompt_once_and_fork_when_the_kv_lands(tiny_model
             assert [c.finished for c in chunks].count(True) == 1 and chunks[-1].finished
             assert await eventually(lambda: _is(rig.reserved(), 0))
     asyncio.run(story())
+
+
+def test_a_reader_cancelled_while_it_waits_for_the_kv_leaves_the_start_to_the_watcher(
+        tiny_model_dir):
+    """Cancelling a Decode reader (a gateway's cancel at the first token) must not cancel the
+    reservation's `started`, which the watcher sets when the KV lands: the cancel takes effect
+    in the reader's next step, and a landing in between would find `started` cancelled
+    (InvalidStateError). The request then ends as a cancel does: its blocks go back."""
+    async def story():
+        async with Rig(str(tiny_model_dir), "tcp") as rig:
+            await rig.reserve("early-1")
+            started = rig.role._reservations["early-1"].started
+            reader = asyncio.create_task(anext(rig.role.decode("early-1")))
+            assert await eventually(lambda: rig.role._reservations["early-1"].attached.is_set())
+            reader.cancel()
+            assert not started.cancelled()              # the reader's cancel stops at its shield
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            assert await eventually(lambda: _is(rig.reserved(), 0))
+    asyncio.run(story())

@@ -21,7 +21,7 @@ from services.protocol.fleet_token import FleetAuth, FleetTokenError
 from services.cli.launcher import Launcher
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from tests.fleet.fleet_helpers import route_request, running_fleet, token_channel
+from tests.harness import route_request, running_fleet, token_channel
 
 PROMPT = list(range(1, 40))
 NO_TOKEN = FleetAuth()                       # a caller that presents none

@@ -16,12 +16,12 @@ import httpx
 import pytest
 import yaml
 
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher
+from tests.waiting import wait_until
 from services.gateway.server import LEASE_TTL_ENV
-from tests.fleet.fleet_helpers import Fleet
+from tests.harness import Fleet, Gateway, start_gateway
 from tests.faults.test_redis_outage import RedisOnOnePort, open_streams
-from tests.gateway.gateway_helpers import (Gateway, key, openai_error, start_gateway, start_worker,
-                                           write_configs)
+from tests.gateway.gateway_helpers import key, openai_error, write_configs
 
 TTL_S = 3.0
 RENEW_S = TTL_S / 5
@@ -40,7 +40,8 @@ def fleet(tiny_model_dir, tmp_path_factory):
         tmp = tmp_path_factory.mktemp("lease-config")
         engine_yaml, _ = write_configs(tmp)
         (tmp / "pair.yaml").write_text(yaml.safe_dump([PAIR]))
-        start_worker(f, str(tiny_model_dir), engine_yaml)
+        f.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
+        assert f.serving()
         f.gateway_args = ("--config", engine_yaml, "--api-keys", str(tmp / "pair.yaml"))
         yield f
     finally:

@@ -29,15 +29,16 @@ import httpx
 import pytest
 
 from services.state.fleet_state import FleetState
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher
+from tests.waiting import wait_until
 from services.state.outage import Backoff, Outage, RedisDown
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol import status
+from services.state import redis_auth
 from services.state.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
 from services.gateway.server import LEASE_TTL_ENV
-from tests.fleet.fleet_helpers import Fleet, route_request
-from tests.gateway.gateway_helpers import (Gateway, events, sse_data, start_gateway, start_worker,
-                                           write_configs)
+from tests.harness import Fleet, Gateway, route_request, start_gateway
+from tests.gateway.gateway_helpers import events, sse_data, write_configs
 
 LEASE_TTL_S = 3.0
 RECOVERY_S = 10.0          # the promise: serving again within this long of Redis coming back
@@ -48,16 +49,25 @@ ANSWER_S = 2.5             # a request while Redis is down is answered within th
 
 class RedisOnOnePort:
     """A redis-server child on 127.0.0.1 that a test can `kill()` (SIGKILL) and `start()` again on
-    the same port: with its data (append-only file, fsync on every write) or empty."""
+    the same port: with its data (append-only file, fsync on every write) or empty. It requires a
+    password, which it reads with the rest of its config from stdin (never its command line);
+    `url` carries it."""
 
     def __init__(self) -> None:
         self.port = free_port()
+        self.password = redis_auth.generate()
         self.dir = Path(tempfile.mkdtemp(prefix="kvfleet-outage-"))
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        return f"redis://:{self.password}@{HOST}:{self.port}/0"
+
+    def _config(self) -> str:
+        return "\n".join([
+            f"bind {HOST}", f"port {self.port}", 'save ""', "appendonly yes", "appendfsync always",
+            f'dir "{self.dir}"', f'logfile "{self.dir / "redis.log"}"', "daemonize no",
+            f"requirepass {self.password}", ""])
 
     def start(self, keep_data: bool = True) -> None:
         if not keep_data:
@@ -65,12 +75,12 @@ class RedisOnOnePort:
                 if path.name != "redis.log":
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server"), "--bind", HOST, "--port", str(self.port), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir),
-             "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent_hook())
-        _wait_for_ping(self.port, 10.0, alive=lambda: self.proc.poll() is None)
+            [shutil.which("redis-server"), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent_hook(), text=True)
+        self.proc.stdin.write(self._config())
+        self.proc.stdin.close()
+        _wait_for_ping(self.port, 10.0, alive=lambda: self.proc.poll() is None,
+                       password=self.password)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -116,7 +126,8 @@ def world(tiny_model_dir, tmp_path_factory):
         fleet = Fleet(launcher, redis.url)
         fleet.start_router("colocated")
         engine_yaml, keys_yaml = write_configs(tmp_path_factory.mktemp("outage-config"))
-        start_worker(fleet, str(tiny_model_dir), engine_yaml)
+        fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
+        assert fleet.serving()
         gateway = start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", engine_yaml,
                                 "--api-keys", keys_yaml)
         yield OutageFleet(redis, fleet, gateway)

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import redis
 
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import FleetState
 from services.worker.faults import ENGINE_SLOW_STEP
-from tests.fleet.fleet_helpers import Fleet, route_request
+from tests.harness import Fleet, route_request
 
 WORKER = "mixed-0"
 HEARTBEAT = ("--timeout-heartbeat-s", "0.5", "--timeout-heartbeat-ttl-s", "1.5")

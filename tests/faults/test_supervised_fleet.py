@@ -18,8 +18,9 @@ import signal
 import httpx
 import pytest
 
-from services.cli.launcher import wait_until
-from tests.faults.up_fleet import OUTPUT_CAP, engine_config, kvfleet_up, stream_chat
+from tests.waiting import wait_until
+from tests.faults.fault_fleet import OUTPUT_CAP, engine_config, stream_chat, supervised_fleet
+from tests.harness import holds_nothing, open_streams, serves
 
 CLIENT_TIMEOUT = httpx.Timeout(60.0)
 
@@ -31,15 +32,15 @@ def config(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(redis_url, tiny_model_dir, config):
-    with kvfleet_up(redis_url, str(tiny_model_dir), config) as f:
+    with supervised_fleet(redis_url, str(tiny_model_dir), config) as f:
         yield f
 
 
 @pytest.fixture
 def healthy(fleet):
     """Each test starts on a fleet that serves and holds nothing, whatever ran before it."""
-    assert fleet.serves(60), "\n".join(fleet.lines[-30:])
-    assert wait_until(fleet.holds_nothing, 30)
+    assert serves(fleet, 60), "\n".join(fleet.lines[-30:])
+    assert wait_until(lambda: holds_nothing(fleet), 30)
     return fleet
 
 
@@ -52,11 +53,11 @@ def test_max_tokens_past_the_output_cap_is_capped_and_said_so(redis_url, tiny_mo
 
     if mode == "disagg":
         responses = [ask(fleet) for _ in range(2)]
-        assert fleet.serves(10) and wait_until(fleet.holds_nothing, 30)
+        assert serves(fleet, 10) and wait_until(lambda: holds_nothing(fleet), 30)
     else:
-        with kvfleet_up(redis_url, str(tiny_model_dir), config, mode="colocated") as colocated:
+        with supervised_fleet(redis_url, str(tiny_model_dir), config, mode="colocated") as colocated:
             responses = [ask(colocated) for _ in range(2)]
-            assert colocated.serves(10) and wait_until(colocated.holds_nothing, 30)
+            assert serves(colocated, 10) and wait_until(lambda: holds_nothing(colocated), 30)
     for r in responses:
         assert r.status_code == 200, r.text
         assert r.headers["x-kvfleet-output-cap"] == str(OUTPUT_CAP)
@@ -92,9 +93,9 @@ def test_kill_9_mid_stream_is_heard_by_every_client_and_the_fleet_heals(healthy,
     assert wait_until(lambda: fleet.pid(victim) not in (None, old_pid), 30), \
         "\n".join(fleet.lines[-20:])              # the supervisor restarted it
     assert any(f"{victim} exited with status -9" in line for line in fleet.lines)
-    assert fleet.serves(60), "\n".join(fleet.lines[-30:])
-    assert wait_until(fleet.holds_nothing, 30)    # every block and reservation came back
-    assert wait_until(lambda: fleet.open_streams() == 0, 10)   # ... and every stream slot
+    assert serves(fleet, 60), "\n".join(fleet.lines[-30:])
+    assert wait_until(lambda: holds_nothing(fleet), 30)    # every block and reservation came back
+    assert wait_until(lambda: open_streams(fleet.redis_url) == 0, 10)   # ... and every stream slot
 
 
 def test_a_frozen_decode_worker_is_skipped_then_resumes_its_streams(healthy):
@@ -122,7 +123,7 @@ def test_a_frozen_decode_worker_is_skipped_then_resumes_its_streams(healthy):
     assert "no decode replica" in last.json()["error"]["message"]
     assert all(r.finish_reason == "length" and r.completion_tokens == OUTPUT_CAP
                for r in results), results
-    assert fleet.serves(30) and wait_until(fleet.holds_nothing, 30)
+    assert serves(fleet, 30) and wait_until(lambda: holds_nothing(fleet), 30)
 
 
 def test_an_engine_exception_fails_its_requests_loudly_and_the_worker_is_restarted(
@@ -130,7 +131,7 @@ def test_an_engine_exception_fails_its_requests_loudly_and_the_worker_is_restart
     """An exception inside an engine step (injected: the 25th step raises) used to kill the engine
     thread silently: Health said SERVING, clients hung. Now its streams end with an error event,
     the worker exits 70, `kvfleet up` restarts it, and the fleet serves again."""
-    with kvfleet_up(redis_url, str(tiny_model_dir), config, mode="colocated",
+    with supervised_fleet(redis_url, str(tiny_model_dir), config, mode="colocated",
                     env={"KVFLEET_FAULT_ENGINE_STEP": "25"}) as fleet:
         old_pid = fleet.pid("mixed-0")
         results = asyncio.run(_streams_then(fleet, 3, lambda: None))
@@ -140,6 +141,6 @@ def test_an_engine_exception_fails_its_requests_loudly_and_the_worker_is_restart
             assert "InjectedFault" in r.error["message"], r
         assert wait_until(lambda: fleet.pid("mixed-0") not in (None, old_pid), 30)
         assert any("mixed-0 exited with status 70" in line for line in fleet.lines), fleet.lines
-        assert fleet.serves(60)            # the new worker serves (until its own 25th step)
-        assert wait_until(fleet.holds_nothing, 30)
-        assert wait_until(lambda: fleet.open_streams() == 0, 10)
+        assert serves(fleet, 60)            # the new worker serves (until its own 25th step)
+        assert wait_until(lambda: holds_nothing(fleet), 30)
+        assert wait_until(lambda: open_streams(fleet.redis_url) == 0, 10)

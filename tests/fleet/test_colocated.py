@@ -6,11 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from tests.fleet.fleet_helpers import route_request, running_fleet
+from tests.harness import route_request, running_fleet
 
 PROMPT = [4080, 39, 72, 311, 464, 68, 500, 501, 502, 503]
 

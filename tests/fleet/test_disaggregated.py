@@ -9,13 +9,13 @@ import time
 import grpc
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from tests.fleet.fleet_helpers import listening_sockets, route_request, running_fleet
+from tests.harness import listening_sockets, route_request, running_fleet
 
 PROMPT = [4080, 39, 72, 311, 464, 68] + list(range(600, 660))   # 66 tokens: 5 blocks of 16
 
@@ -168,7 +168,7 @@ def test_a_killed_prefill_worker_is_retried_on_the_plans_fallback_before_the_fir
         redis_url, tiny_model_dir):
     # a long heartbeat TTL keeps the dead prefill-0 listed, and it is the router's first choice
     # (equal cost, lowest id): the plan names it, its call fails, the fallback serves
-    slow_ttl = ("--timeout-heartbeat-ttl-s", "30")
+    slow_ttl = ("--timeout-heartbeat-ttl-s", "20", "--timeout-engine-stall-s", "20")
     with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=2, decode=1,
                        worker_args=slow_ttl) as fleet:
         assert wait_until(lambda: serving(fleet) and len(fleet.workers) == 3, 10)

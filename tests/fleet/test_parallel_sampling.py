@@ -7,11 +7,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from tests.fleet.fleet_helpers import running_fleet
-from tests.gateway.gateway_helpers import start_gateway
+from tests.harness import running_fleet, start_gateway
 
 # 40+ tokens: two full 16-token blocks, which a repeated prompt finds in the prefix cache
 PROMPT = ("Parallel samples share the prompt's KV blocks: the full blocks once, ref-counted, "

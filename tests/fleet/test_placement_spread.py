@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from tests.fleet.fleet_helpers import route_request, running_fleet
+from tests.harness import route_request, running_fleet
 
 PROMPT = list(range(300, 340))
 STREAMS = 16

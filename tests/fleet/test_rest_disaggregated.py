@@ -9,11 +9,10 @@ import openai
 import pytest
 
 from services.state.fleet_state import FleetState
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from tests.fleet.fleet_helpers import running_fleet
-from tests.gateway.gateway_helpers import start_gateway
+from tests.harness import running_fleet, start_gateway
 
 PROMPT = "Disaggregated serving sends the prompt's KV from prefill to decode"
 

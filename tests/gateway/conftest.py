@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from services.engine.engine import LLMEngine, engine_config
-from tests.fleet.fleet_helpers import running_fleet
-from tests.gateway.gateway_helpers import start_gateway, start_worker, write_configs
+from tests.harness import running_fleet, start_gateway
+from tests.gateway.gateway_helpers import write_configs
 
 
 @pytest.fixture(scope="package")
@@ -16,7 +16,8 @@ def configs(tmp_path_factory):
 @pytest.fixture(scope="package")
 def fleet(redis_url, tiny_model_dir, configs):
     with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=0) as f:
-        start_worker(f, str(tiny_model_dir), configs[0])
+        f.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", configs[0]))
+        assert f.serving()
         yield f
 
 

@@ -1,5 +1,6 @@
-"""A real fleet for gateway tests: redis-server, router, one mixed worker and the gateway, all
-processes on 127.0.0.1, started and stopped by one Launcher (via `running_fleet`).
+"""What gateway tests share: the engine config and API keys of their fleet (started by
+tests/gateway/conftest.py through tests/harness.py), and readers of OpenAI answers, SSE bodies
+and /metrics.
 
 The worker and the gateway read the same engine config (`ENGINE_CONFIG`): the tenants the API keys
 name, a 4096-token context and an interactive class capped at 2048 prompt tokens, so the length
@@ -9,14 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 
 import httpx
 import yaml
 
-from services.cli.launcher import wait_until
-from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from tests.fleet.fleet_helpers import Fleet
 
 CONTEXT = 4096
 INTERACTIVE_MAX_PROMPT = 2048
@@ -56,39 +53,11 @@ def bearer(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[name]['key']}"}
 
 
-@dataclass(frozen=True)
-class Gateway:
-    http: str
-    grpc: str
-    model: str
-
-    def client(self, key_name: str | None = "acme", timeout: float = 30.0) -> httpx.Client:
-        return httpx.Client(base_url=f"http://{self.http}", timeout=timeout,
-                            headers=bearer(key_name) if key_name else {})
-
-
 def write_configs(tmp) -> tuple[str, str]:
     engine, keys = tmp / "engine.yaml", tmp / "keys.yaml"
     engine.write_text(yaml.safe_dump(ENGINE_CONFIG))
     keys.write_text(yaml.safe_dump(list(KEYS.values())))
     return str(engine), str(keys)
-
-
-def start_worker(fleet: Fleet, model_dir: str, engine_config: str, name: str = "mixed-0") -> None:
-    fleet.workers[name] = fleet.launcher.start(name, [
-        "services.cli.cli", "serve", "mixed", "--model", model_dir, "--worker-id", name,
-        "--redis-url", fleet.redis_url, "--kv-cache-mib", "64", "--timeout-heartbeat-s", "0.3", "--timeout-heartbeat-ttl-s", "0.9",
-        "--config", engine_config])
-    assert wait_until(lambda: fleet.router_stub().Health(pb.HealthRequest()).status ==
-                      pb.HealthResponse.SERVING, 10)
-
-
-def start_gateway(fleet: Fleet, model_dir: str, name: str = "gateway", *extra: str) -> Gateway:
-    http = fleet.launcher.start(name, ["services.gateway", "--model", model_dir, "--router",
-                                       ",".join(fleet.routers), "--redis-url", fleet.redis_url, *extra])
-    grpc_line = next(line for line in fleet.launcher.children[name].lines if line.startswith("GRPC "))
-    model = model_dir.rstrip("/").rsplit("/", 1)[-1]
-    return Gateway(http=http, grpc=grpc_line.split()[-1], model=model)
 
 
 def sse_data(response: httpx.Response) -> list[str]:
@@ -128,70 +97,3 @@ def metric(samples: dict, name: str, **labels: str) -> float:
     """The sum of `name`'s samples whose labels include `labels` (0 when none)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
-
-
-class InProcessGateway:
-    """The gateway's HTTP app and gRPC service on a thread of the test process, against a real
-    fleet: what an in-process span exporter needs to see the gateway's spans. Built as
-    services/gateway/server.py builds it, less the signals, the lease renewer and the registry."""
-
-    def __init__(self, fleet: Fleet, model_dir: str, engine_yaml: str, keys_yaml: str) -> None:
-        import asyncio  # noqa: PLC0415
-        import threading  # noqa: PLC0415
-        from services.gateway.__main__ import build_config, parse_args  # noqa: PLC0415
-        self._config = build_config(parse_args([
-            "--model", model_dir, "--router", ",".join(fleet.routers), "--redis-url",
-            fleet.redis_url, "--config", engine_yaml, "--api-keys", keys_yaml]))
-        self._fleet = fleet
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._loop.run_until_complete,
-                                        args=(self._serve(),), daemon=True)
-        self.http = self.grpc = ""
-        self.model = self._config.served_model_name
-
-    async def _serve(self) -> None:
-        import asyncio  # noqa: PLC0415
-        import grpc  # noqa: PLC0415
-        from services.gateway.app import create_app  # noqa: PLC0415
-        from services.gateway.core import GatewayCore  # noqa: PLC0415
-        from services.gateway.grpc_api import GatewayServicer, add_to_server  # noqa: PLC0415
-        from services.gateway.model import load_served_model  # noqa: PLC0415
-        from services.gateway.plan import Channels  # noqa: PLC0415
-        from services.gateway.quota import Quotas  # noqa: PLC0415
-        from services.gateway.server import _HttpServer, bind, gateway_id  # noqa: PLC0415
-        from services.state.fleet_state import FleetState  # noqa: PLC0415
-        import uvicorn  # noqa: PLC0415
-        c = self._config
-        model = load_served_model(c.model_dir, c.served_model_name, c.max_model_len,
-                                  c.quality_version)
-        state = FleetState(c.redis_url)
-        channels = Channels(self._fleet.auth)
-        self.core = GatewayCore(c, model, Quotas(state, gateway_id()), channels)
-        grpc_server = grpc.aio.server()
-        add_to_server(GatewayServicer(self.core), grpc_server)
-        self.grpc = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
-        await grpc_server.start()
-        sock = bind("127.0.0.1", 0)
-        self._http = _HttpServer(uvicorn.Config(create_app(self.core), lifespan="off",
-                                                log_level="warning", access_log=False))
-        task = asyncio.create_task(self._http.serve(sockets=[sock]))
-        while not self._http.started:
-            await asyncio.sleep(0.01)
-        self.http = f"127.0.0.1:{sock.getsockname()[1]}"
-        self._ready.set()
-        await task
-        await self.core.close()
-        await grpc_server.stop(0)
-        await channels.close()
-        await state.close()
-
-    def __enter__(self) -> "InProcessGateway":
-        self._thread.start()
-        assert self._ready.wait(30), "the in-process gateway did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._http.should_exit = True
-        self._thread.join(10)
-        self._loop.close()

@@ -10,10 +10,9 @@ import grpc
 import httpx
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from tests.gateway.gateway_helpers import (CONTEXT, INTERACTIVE_MAX_PROMPT, KEYS, bearer,
-                                           openai_error)
+from tests.gateway.gateway_helpers import CONTEXT, INTERACTIVE_MAX_PROMPT, KEYS, bearer, openai_error
 
 MODEL = "{model}"   # replaced by the served model's name
 GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 4}

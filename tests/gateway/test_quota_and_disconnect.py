@@ -9,7 +9,7 @@ import time
 import httpx
 
 from services.state.fleet_state import FleetState
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from tests.gateway.gateway_helpers import openai_error
 
 LONG = {"prompt": "Tell me a long story", "max_tokens": 2000, "ignore_eos": True, "stream": True}

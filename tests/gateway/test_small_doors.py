@@ -8,7 +8,8 @@ import pytest
 
 from services.gateway.__main__ import METRICS_KEY_ENV, metrics_key
 from services.gateway.validation import TEXT_CHARS_PER_CONTEXT_TOKEN
-from tests.gateway.gateway_helpers import CONTEXT, openai_error, start_gateway
+from tests.gateway.gateway_helpers import CONTEXT, openai_error
+from tests.harness import start_gateway
 
 TOO_LONG = "a" * (TEXT_CHARS_PER_CONTEXT_TOKEN * CONTEXT + 1)
 LIMIT = str(TEXT_CHARS_PER_CONTEXT_TOKEN * CONTEXT)

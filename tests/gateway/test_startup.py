@@ -9,7 +9,8 @@ import time
 import httpx
 import yaml
 
-from tests.gateway.gateway_helpers import key, start_gateway
+from tests.gateway.gateway_helpers import key
+from tests.harness import start_gateway
 
 
 def test_without_keys_it_refuses_a_non_loopback_address_before_binding_anything(tiny_model_dir):

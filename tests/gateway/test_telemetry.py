@@ -20,13 +20,13 @@ from openai import OpenAI
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.state.fleet_state import FleetState
 from services.telemetry import tracing
-from tests.gateway.gateway_helpers import (KEYS, InProcessGateway, bearer, metric, openai_error,
-                                           scrape, start_gateway)
+from tests.gateway.gateway_helpers import KEYS, bearer, metric, openai_error, scrape
+from tests.harness import InProcessGateway, start_gateway
 
 TIMING = ("queue_s", "prefill_s", "transfer_s", "decode_s", "ttft_s", "e2e_s")
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

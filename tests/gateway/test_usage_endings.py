@@ -17,12 +17,12 @@ import grpc
 import httpx
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.state.fleet_state import FleetState
-from tests.fleet.fleet_helpers import running_fleet
-from tests.gateway.gateway_helpers import bearer, metric, scrape, start_gateway, start_worker
+from tests.harness import running_fleet, start_gateway
+from tests.gateway.gateway_helpers import bearer, metric, scrape
 
 PROMPT = [7] * 10                 # token ids: the prompt's charge is exactly 10
 LONG = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True, "logprobs": 1}
@@ -163,7 +163,8 @@ def mortal(redis_url, tiny_model_dir, configs):
     """A fleet of its own (its worker gets killed), with a gateway that has the API keys."""
     engine_yaml, keys_yaml = configs
     with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=0) as fleet:
-        start_worker(fleet, str(tiny_model_dir), engine_yaml)
+        fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
+        assert fleet.serving()
         yield fleet, start_gateway(fleet, str(tiny_model_dir), "gateway", "--config",
                                    engine_yaml, "--api-keys", keys_yaml)
 

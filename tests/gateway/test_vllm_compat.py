@@ -9,8 +9,8 @@ import pytest
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from tests.gateway.gateway_helpers import (Gateway, bearer, events, openai_error, sse_data,
-                                           start_gateway)
+from tests.gateway.gateway_helpers import bearer, events, openai_error, sse_data
+from tests.harness import Gateway, start_gateway
 
 # Every sampling field vLLM documents for its OpenAI server, at values that do something.
 VLLM_SAMPLING = {

@@ -8,17 +8,18 @@ import httpx
 import pytest
 import redis
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from tests.fleet.fleet_helpers import running_fleet
-from tests.gateway.gateway_helpers import openai_error, start_gateway, start_worker, stream_counter
+from tests.harness import running_fleet, start_gateway
+from tests.gateway.gateway_helpers import openai_error, stream_counter
 
 
 @pytest.fixture(scope="module")
 def doomed(redis_url, tiny_model_dir, configs):
     """A fleet of its own (its worker gets killed), with an unauthenticated loopback gateway."""
     with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=0) as fleet:
-        start_worker(fleet, str(tiny_model_dir), configs[0])
+        fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", configs[0]))
+        assert fleet.serving()
         yield fleet, start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", configs[0])
 
 

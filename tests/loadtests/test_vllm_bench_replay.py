@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.up_helpers import kvfleet_up
+from tests.harness import kvfleet_up
 
 DATA = json.loads((Path(__file__).parent / "data" / "vllm_bench_requests.json").read_text())
 GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -24,8 +24,7 @@ DROPPED_HEADERS = ("host", "content-length")          # httpx writes its own
 def fleet(tiny_model_dir):
     """A disaggregated fleet serving the name the client used (`--served-model-name`)."""
     with kvfleet_up(tiny_model_dir, "--served-model-name", DATA["served_model_name"]) as up:
-        _, http, _ = up
-        yield f"http://127.0.0.1:{http}"
+        yield up.url
 
 
 def captured(run: str, paths: tuple[str, ...]) -> list[dict]:

@@ -22,13 +22,14 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.prefill.handler import ABANDONED
 from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
 from tests.waiting import eventually
-from tests.worker.test_worker_telemetry import PROMPT, params, start_worker
+from tests.harness import in_process_worker
+from tests.worker.test_worker_telemetry import PROMPT, params
 
 
 def test_a_write_past_its_reservation_is_a_deadline_failure_in_an_error_span(tiny_model_dir,
                                                                              in_memory_spans):
     async def story():
-        prefill = await start_worker(str(tiny_model_dir), "prefill")
+        prefill = await in_process_worker(str(tiny_model_dir), "prefill")
         target = make_transport("tcp", "decode-x")
         try:
             target.register(make_cache(KVLayout.of(prefill.engine.kv_cache), 16))
@@ -61,7 +62,7 @@ def test_a_write_past_its_reservation_is_a_deadline_failure_in_an_error_span(tin
 def test_a_write_whose_request_was_cancelled_is_abandoned_not_counted_as_a_failure(
         tiny_model_dir, in_memory_spans):
     async def story():
-        prefill = await start_worker(str(tiny_model_dir), "prefill")
+        prefill = await in_process_worker(str(tiny_model_dir), "prefill")
         target = make_transport("tcp", "decode-x")
         target.register(make_cache(KVLayout.of(prefill.engine.kv_cache), 16))
         prefill.telemetry.expect_kv("tcp")     # as serve.py does: the series exist at zero

@@ -13,14 +13,14 @@ import asyncio
 import grpc
 import pytest
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.service import RouterServicer
 from services.state.fleet_state import FleetState
-from tests.fleet.fleet_helpers import route_request, running_fleet
+from tests.harness import route_request, running_fleet
 
 PROMPT = list(range(100, 166))          # 66 tokens: 5 blocks of 16
 

@@ -18,16 +18,18 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli.launcher import Launcher, wait_until
+from services.cli.launcher import Launcher
+from tests.waiting import wait_until
 from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.service import RouterServicer, predicted_ttft_s
 from services.state.fleet_state import FleetState
+from services.state.records import RecordSeal
 from services.telemetry import exposition
 from services.telemetry.receiver import OtlpReceiver
-from tests.fleet.fleet_helpers import route_request, running_fleet
+from tests.harness import route_request, running_fleet
 
 PROMPT = list(range(100, 166))          # 66 tokens
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -159,7 +161,8 @@ def test_the_router_process_registers_serves_metrics_and_continues_the_callers_t
         try:
             address = launcher.start("router-tel", ["services.router", "--redis-url",
                                                     fleet.redis_url, "--router-id", "router-tel"])
-            state = FleetState(fleet.redis_url)
+            # the synthetic worker it registers must be signed with the fleet's key to be read
+            state = FleetState(fleet.redis_url, seal=RecordSeal.from_token(fleet.auth.token))
             try:
                 asyncio.run(_registered_then_traced(fleet, state, address, rx))
             finally:

@@ -120,10 +120,13 @@ def test_a_malformed_record_is_skipped_with_a_warning_not_fatal(any_redis_url, r
     async def scenario(fs: FleetState):
         for wid in ("good", "garbled", "impostor", "bad-role"):
             await fs.heartbeat(make_stats(wid), ttl_s=30)
-        await fs._raw.set(fs._worker_key("garbled"), b"\xff\x00 not protobuf")
-        await fs._raw.set(fs._worker_key("impostor"), make_stats("good").SerializeToString())
-        await fs._raw.set(fs._worker_key("bad-role"),
-                          make_stats("bad-role", role="router").SerializeToString())
+        # signed with the fleet's key (so only what is in them is wrong)
+        sealed = lambda wid, payload: fs.seal.seal("worker", wid, payload)  # noqa: E731
+        await fs._raw.set(fs._worker_key("garbled"), sealed("garbled", b"\xff\x00 not protobuf"))
+        await fs._raw.set(fs._worker_key("impostor"),
+                          sealed("impostor", make_stats("good").SerializeToString()))
+        await fs._raw.set(fs._worker_key("bad-role"), sealed(
+            "bad-role", make_stats("bad-role", role="router").SerializeToString()))
         assert [r.worker_id for r in await fs.live_workers()] == ["good"]
         assert await fs._r.smembers(fs._workers_key) == {"good", "garbled", "impostor", "bad-role"}
 

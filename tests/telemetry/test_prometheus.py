@@ -27,10 +27,10 @@ import httpx
 import pytest
 import yaml
 
-from services.cli.launcher import wait_until
+from tests.waiting import wait_until
 from services.state.redis_server import free_port
 from services.telemetry import promql
-from tests.up_helpers import kvfleet_up
+from tests.harness import kvfleet_up, redis_env
 from tests.gateway.gateway_helpers import KEYS, write_configs
 
 PROMETHEUS = shutil.which("prometheus")
@@ -42,10 +42,6 @@ SERIES_TIMEOUT_S = 45
 
 # --- the fleet and what Prometheus scrapes -------------------------------------------------------
 
-def redis_url_of(lines: list[str]) -> str:
-    return next(line.split()[-1] for line in lines if line.strip().startswith("redis "))
-
-
 def write_targets(redis_url: str, path: Path, roles: set[str]) -> list[dict]:
     """`kvfleet status --prometheus-sd`, as an operator runs it, until the file lists a process
     of every role in `roles` (a process shows up with its first heartbeat); returns its groups."""
@@ -54,7 +50,7 @@ def write_targets(redis_url: str, path: Path, roles: set[str]) -> list[dict]:
     while True:
         out = subprocess.run([sys.executable, "-m", "services.cli.cli", "status", "--redis-url",
                               redis_url, "--prometheus-sd", str(path)],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=redis_env())
         assert out.returncode == 0, out.stdout + out.stderr
         groups = json.loads(path.read_text())
         if {g["labels"]["role"] for g in groups} >= roles or time.monotonic() > deadline:
@@ -119,8 +115,8 @@ def wait_for_series(url: str, expr: str, timeout_s: float = SERIES_TIMEOUT_S) ->
 class Load:
     """Requests through the gateway's REST API, each as a client would send them."""
 
-    def __init__(self, http: int) -> None:
-        self.url = f"http://127.0.0.1:{http}"
+    def __init__(self, http: str) -> None:
+        self.url = f"http://{http}"
         models = httpx.get(f"{self.url}/v1/models", headers=_bearer("acme")).json()
         self.model = models["data"][0]["id"]
         self.open: list[threading.Thread] = []
@@ -191,12 +187,11 @@ def scraped_fleet(tiny_model_dir, tmp_path_factory):
     """(Prometheus URL, the fleet's targets) after the load, with one stream still running."""
     tmp = tmp_path_factory.mktemp("prometheus")
     engine_yaml, keys_yaml = write_configs(tmp)
-    with kvfleet_up(tiny_model_dir, "--mode", "disagg", "--config", engine_yaml,
-                    "--api-keys", keys_yaml) as (_, http, lines):
-        targets = write_targets(redis_url_of(lines), tmp / "targets" / "kvfleet.json",
+    with kvfleet_up(tiny_model_dir, mode="disagg", config=engine_yaml, api_keys=keys_yaml) as up:
+        targets = write_targets(up.redis_url, tmp / "targets" / "kvfleet.json",
                                 {"gateway", "router", "prefill", "decode"})
         with prometheus(tmp) as url:
-            load = Load(http)
+            load = Load(up.http)
             run_load(load, url)
             stop = load.long_stream("solo")
             try:

@@ -1,18 +1,16 @@
-"""A worker as the fleet runs it (`python -m services.decode`): a server process and its engine
+"""A worker as the fleet runs it (`kvfleet serve decode`): a server process and its engine
 core process. SIGTERM stops both within 3 s, exit 0; a core that dies takes the worker down with
 ENGINE_FAILED_EXIT (70) so that the supervisor restarts it ([H2])."""
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from services.worker.serve import ENGINE_FAILED_EXIT
-from tests.waiting import ready_line
+from tests.harness import worker_process
 
 START_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 3.0
@@ -21,23 +19,12 @@ STOP_DEADLINE_S = 3.0
 @pytest.fixture
 def worker(tiny_model_dir, tmp_path):
     """A decode worker on the tiny model, READY; always killed (with its core) afterwards."""
-    stderr = open(tmp_path / "worker.stderr", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.decode", "--model", str(tiny_model_dir),
-         "--kv-cache-mib", "16", "--kv-backend", "tcp", "--insecure-internal", "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        line = ready_line(proc, START_DEADLINE_S)
-        assert line.startswith("READY "), (line, _tail(stderr))
+    with open(tmp_path / "worker.stderr", "w+") as stderr, worker_process(
+            tiny_model_dir, "decode", "--kv-cache-mib", "16", "--kv-backend", "tcp",
+            stderr=stderr, ready_s=START_DEADLINE_S) as (proc, _):
         proc.core_pid = _engine_core_of(proc.pid)
         proc.stderr_file = stderr
         yield proc
-    finally:
-        for pid in (proc.pid, getattr(proc, "core_pid", None)):
-            if pid is not None and not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(10)
-        stderr.close()
 
 
 def test_sigterm_stops_the_server_and_its_engine_core_within_3_s(worker):

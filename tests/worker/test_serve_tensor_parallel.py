@@ -6,10 +6,7 @@ process of it is left."""
 from __future__ import annotations
 
 import os
-import select
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -20,6 +17,7 @@ from services.engine.sampling_params import SamplingParams
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.worker.serve import ENGINE_FAILED_EXIT
+from tests.harness import worker_process
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 MAX_TOKENS = 6
@@ -27,15 +25,11 @@ START_DEADLINE_S = 180.0
 
 
 def test_a_tp2_worker_with_an_fp8_cache_answers_like_tp1_and_fails_visibly_when_a_rank_dies(tiny_model_dir, tmp_path):
-    stderr = open(tmp_path / "worker.stderr", "w+")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.cli", "serve", "mixed", "--model", str(tiny_model_dir),
-         "--kv-cache-mib", "16", "--insecure-internal", "--threads", "1", "--tensor-parallel", "2",
-         "--kv-cache-dtype", "fp8", "--kv-cache-scales", "0.5,0.25"],
-        stdout=subprocess.PIPE, stderr=stderr)
-    pids = [worker.pid]
-    try:
-        address = _ready_address(worker, stderr)
+    with open(tmp_path / "worker.stderr", "w+") as stderr, worker_process(
+            tiny_model_dir, "mixed", "--kv-cache-mib", "16", "--tensor-parallel", "2",
+            "--kv-cache-dtype", "fp8", "--kv-cache-scales", "0.5,0.25", stderr=stderr,
+            ready_s=START_DEADLINE_S) as (worker, address):
+        pids = [worker.pid]
         core = _child(worker.pid, b"services.worker.engine_core")
         follower = _child(core, b"services.engine.tp_ranks")
         pids += [core, follower]
@@ -58,27 +52,6 @@ def test_a_tp2_worker_with_an_fp8_cache_answers_like_tp1_and_fails_visibly_when_
         while not all(_gone(pid) for pid in pids):
             assert time.monotonic() < deadline, f"still running: {[p for p in pids if not _gone(p)]}"
             time.sleep(0.05)
-    finally:
-        for pid in pids:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        worker.wait(10)
-        stderr.close()
-
-
-def _ready_address(worker: subprocess.Popen, stderr) -> str:
-    """host:port from the READY line (other announcement lines may come first). Reads the pipe
-    unbuffered: a buffered readline could hold READY while select() waits on an empty pipe."""
-    deadline, out = time.monotonic() + START_DEADLINE_S, b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([worker.stdout], [], [], deadline - time.monotonic())
-        data = os.read(worker.stdout.fileno(), 4096) if ready else b""
-        assert data, f"the worker ended or never said READY:\n{_tail(stderr)}"
-        out += data
-        for line in out.decode().split("\n")[:-1]:          # whole lines only
-            if line.startswith("READY "):
-                return line.split()[2]
-    raise AssertionError(f"no READY within {START_DEADLINE_S:g} s:\n{_tail(stderr)}")
 
 
 def _child(parent: int, marker: bytes) -> int:

@@ -19,27 +19,19 @@ target, then a DecodeStream subscription. Then:
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 
 import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.engine.engine import engine_config
-from services.kv_transfer import make_transport
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.telemetry import exposition, tracing
-from services.worker.config import WorkerConfig
-from services.worker.engine_client import EngineClient
-from tests.waiting import eventually, ready_line
-from services.worker.servicer import WorkerServicer
+from services.telemetry import tracing
+from tests.harness import Worker, in_process_worker, worker_process
+from tests.waiting import eventually
 from services.worker.telemetry import CHUNK_TOKENS, WorkerTelemetry
 from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
 
@@ -52,51 +44,6 @@ ROUTER_SPAN = "b7ad6b7169203331"         # the caller's span on the Reserve call
 
 
 # ------------------------------------------------------------------------------ the rig
-@dataclass
-class Worker:
-    """One in-process worker: engine core process, transport, servicer, gRPC server, /metrics."""
-    role: str
-    address: str
-    engine: EngineClient
-    transport: object
-    server: grpc.aio.Server
-    metrics: exposition.MetricsServer
-    channel: grpc.aio.Channel
-    stub: pb_grpc.WorkerStub
-    telemetry: WorkerTelemetry
-
-    async def close(self) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-        self.metrics.close()
-        if self.transport is not None:
-            self.transport.close()
-        await self.engine.close()
-
-
-async def start_worker(model_dir: str, role: str, **scheduler) -> Worker:
-    worker_id = f"{role}-0"
-    telemetry = WorkerTelemetry(role, worker_id)
-    engine = EngineClient(engine_config(model_dir, kv_cache_mib=8, role=role, **scheduler),
-                          on_step=telemetry.on_step)
-    await engine.start()
-    transport = None
-    if role != "mixed":
-        transport = make_transport("tcp", worker_id)
-        transport.register(engine.kv_cache)
-    servicer = WorkerServicer(WorkerConfig(worker_id, role, "tcp"), engine, transport, telemetry)
-    server = grpc.aio.server()
-    pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    servicer.address = address
-    metrics = exposition.serve(telemetry.metrics.registry, 0)
-    telemetry.metrics_url = metrics.url
-    channel = grpc.aio.insecure_channel(address)
-    return Worker(role, address, engine, transport, server, metrics, channel,
-                  pb_grpc.WorkerStub(channel), telemetry)
-
-
 def traceparent(span_id: str) -> tuple[tuple[str, str], ...]:
     return (("traceparent", f"00-{CALLER_TRACE}-{span_id}-01"),)
 
@@ -157,8 +104,8 @@ def value(samples, name: str, **labels) -> float:
 # ------------------------------------------------------------------------------ the stories
 def test_a_disaggregated_request_shows_in_both_workers_metrics_and_in_its_chunks(tiny_model_dir):
     async def story():
-        prefill = await start_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
-        decode = await start_worker(str(tiny_model_dir), "decode")
+        prefill = await in_process_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
+        decode = await in_process_worker(str(tiny_model_dir), "decode")
         try:
             # a reservation is a tenant's share of the decode worker, in its stats and /metrics
             held = await decode.stub.Reserve(pb.ReserveRequest(
@@ -211,8 +158,8 @@ def test_a_disaggregated_request_shows_in_both_workers_metrics_and_in_its_chunks
 def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_model_dir,
                                                                          in_memory_spans):
     async def story():
-        prefill = await start_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
-        decode = await start_worker(str(tiny_model_dir), "decode")
+        prefill = await in_process_worker(str(tiny_model_dir), "prefill", chunk_size=CHUNK)
+        decode = await in_process_worker(str(tiny_model_dir), "decode")
         try:
             await disaggregated(prefill, decode, "t-1")
             names = ("prefill", "kv_transfer", "decode")
@@ -254,7 +201,7 @@ def test_prefill_kv_transfer_and_decode_spans_continue_the_callers_trace(tiny_mo
 def test_a_mixed_worker_times_queue_prefill_and_decode_in_a_generate_span(tiny_model_dir,
                                                                          in_memory_spans):
     async def story():
-        mixed = await start_worker(str(tiny_model_dir), "mixed")
+        mixed = await in_process_worker(str(tiny_model_dir), "mixed")
         try:
             t0 = time.perf_counter()
             chunks = [c async for c in mixed.stub.Generate(pb.WorkRequest(
@@ -282,28 +229,18 @@ def test_a_worker_process_without_redis_keeps_its_metrics_fresh(tiny_model_dir, 
     """No Redis, so no heartbeat: its gauges are refreshed on the heartbeat's period anyway,
     before anyone calls Stats; Stats then names the same /metrics."""
     port = free_port()
-    stderr = open(tmp_path / "worker.stderr", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.prefill", "--model", str(tiny_model_dir),
-         "--kv-cache-mib", "16", "--insecure-internal", "--threads", "1",
-         "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        line = ready_line(proc, 60)
-        assert line.startswith("READY "), line
+    with open(tmp_path / "worker.stderr", "w+") as stderr, worker_process(
+            tiny_model_dir, "prefill", "--kv-cache-mib", "16", "--metrics-port", str(port),
+            stderr=stderr) as (_, address):
         url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + 10
         while not (total := blocks_total(httpx.get(url, timeout=10).text)):
             assert time.monotonic() < deadline, "the gauges were never refreshed"
             time.sleep(0.05)
-        with grpc.insecure_channel(line.split()[2]) as channel:
+        with grpc.insecure_channel(address) as channel:
             stats = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
         assert stats.metrics_url == url
         assert total == stats.kv_blocks_total
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-        stderr.close()
 
 
 def free_port() -> int:

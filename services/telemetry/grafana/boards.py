@@ -274,6 +274,12 @@ DISAGG = Board("kvfleet-disaggregation", "kvfleet: disaggregation",
               ((f"sum by (backend, reason) ({rate('kvfleet_kv_transfer_failures_total')}) or "
                 f"sum by (backend) ({rate('kvfleet_kv_transfer_bytes_total')}) * 0",
                 "{{backend}} {{reason}}"),), "short"),
+        Panel("Abandoned reservations", "Decode reservations undone per second because the "
+              "Reserve's caller (the router, after reserve_s) had gone, by how: expired (the "
+              "engine reached it past its deadline), late (reserved, then cancelled), "
+              "unanswered. A steady rate: decode engines answer slower than reserve_s.",
+              ((f"sum by (how) ({rate('kvfleet_reservations_abandoned_total')})",
+                "{{how}}"),), "short"),
     )),
     Row("Prefill and decode pools", (
         Panel("Busy fraction by role", "Mean engine busy seconds per second over a role's workers.",

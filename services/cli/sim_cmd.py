@@ -1,0 +1,134 @@
+"""`kvfleet sim calibrate` (a measured step profile of this machine's engine) and `kvfleet sim run`
+(the discrete-event fleet simulator). Arguments here; the work in services/planner/."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="tiny, a named model, or a checkpoint dir")
+    p.add_argument("--out", default="step-profile.json", help="the profile file to write")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads; default: what kvfleet up gives one worker (the cores less "
+                        "one, at least 1). Measure with the threads the fleet's workers use")
+    p.add_argument("--quick", action="store_true", help="a small grid (seconds): a smoke test")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="a step's time over its repeated runs: median (typical on a shared "
+                        "machine, default) or min (the machine unloaded)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from services.planner.calibrate import CalibrateConfig, calibrate  # noqa: PLC0415
+    if args.threads is not None and args.threads < 1:
+        print("kvfleet sim calibrate: --threads must be >= 1", file=sys.stderr)
+        return 2
+    threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1)
+    try:
+        profile = calibrate(CalibrateConfig(model=args.model, threads=threads,
+                                            quick=args.quick, seed=args.seed, stat=args.stat),
+                            progress=None if args.json else lambda m: print(m, file=sys.stderr))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvfleet sim calibrate: {e}", file=sys.stderr)
+        return 2
+    profile.save(args.out)
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+        return 0
+    fit = profile.fit
+    print(f"{profile.model} ({profile.dtype}, {profile.threads} threads): {fit.samples} steps, "
+          f"R^2 {fit.r2:.4f}, |relative error| mean {fit.mean_abs_rel_error:.1%} "
+          f"p90 {fit.p90_abs_rel_error:.1%} max {fit.max_abs_rel_error:.1%}, "
+          f"total {fit.total_rel_error:+.1%}")
+    for term, c in profile.coefficients.items():
+        print(f"  {term:24s} {c * 1e6:12.4f} us")
+    print(f"profile written to {args.out}")
+    return 0
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True,
+                   help="a spec file, or a shipped one: chat-only, mixed, noisy-neighbor, "
+                        "overload-ramp, azure-conv")
+    p.add_argument("--fleet", required=True, help="colocated:N | disagg:P:D (workers)")
+    p.add_argument("--model", default="tiny",
+                   help="the served model: its tokenizer and config (vocab, context); no weights")
+    t = p.add_argument_group("step times: a target's cost model (default) or a measured profile")
+    t.add_argument("--sim-model", default=None, help="target model (default llama-3-70b)")
+    t.add_argument("--sim-gpu", default=None, help="target GPU (default h200)")
+    t.add_argument("--sim-tp", type=int, default=None, help="target tensor parallelism (default 4)")
+    t.add_argument("--sim-dtype", default=None, help="target weights: bf16 | fp8 (default fp8)")
+    t.add_argument("--sim-kv-dtype", default=None, help="target KV cache (default: --sim-dtype)")
+    t.add_argument("--sim-profile", default=None, metavar="FILE",
+                   help="a kvfleet sim calibrate profile instead of a target (KV capacity: the "
+                        "served model's real worker's)")
+    t.add_argument("--sim-step-ms", type=float, default=None, metavar="MS",
+                   help="every step takes MS (no target, no profile)")
+    p.add_argument("--sim-network-gbps", type=float, default=None, metavar="G",
+                   help="KV transfer bandwidth in Gbit/s (default 400)")
+    p.add_argument("--sim-kv-tokens", type=int, default=None, metavar="N",
+                   help="KV capacity per worker in tokens (default: the target's; with "
+                        "--sim-profile, what --kv-cache-mib holds of the served model's KV)")
+    p.add_argument("--kv-cache-mib", type=int, default=256,
+                   help="with --sim-profile: the real worker's KV cache (kvfleet up's default 256)")
+    p.add_argument("--seed", type=int, default=None, help="override the spec's seed")
+    p.add_argument("--duration", type=float, default=None, help="override the spec's duration_s")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--rate-scale", type=float, default=None,
+                   help="override scale.rate (x arrival rates)")
+    p.add_argument("--out", default="sim-report",
+                   help="folder for run.json, summary.json, report.md, PNGs (as kvfleet bench serve)")
+    p.add_argument("--json", action="store_true", help="print summary.json's content")
+
+
+def sim_config_of(args: argparse.Namespace):
+    from services.engine.config import SimConfig  # noqa: PLC0415
+    if args.sim_profile and (args.sim_model or args.sim_gpu or args.sim_tp or args.sim_dtype):
+        raise ValueError("give a target (--sim-model/--sim-gpu/--sim-tp/--sim-dtype) or "
+                         "--sim-profile, not both")
+    given = {"target_model": args.sim_model, "gpu": args.sim_gpu, "tp": args.sim_tp,
+             "dtype": args.sim_dtype, "kv_dtype": args.sim_kv_dtype, "profile": args.sim_profile,
+             "network_gbps": args.sim_network_gbps, "kv_tokens": args.sim_kv_tokens,
+             "step_s": None if args.sim_step_ms is None else args.sim_step_ms / 1000.0}
+    return SimConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from loadtests.cli import spec_from_args  # noqa: PLC0415
+    from loadtests.distributions import SpecError  # noqa: PLC0415
+    from loadtests.report import class_table, write_report  # noqa: PLC0415
+    from services.engine.config import EngineConfig  # noqa: PLC0415
+    from services.planner.profile import ProfileError  # noqa: PLC0415
+    from services.planner.simulator import Fleet, SimRunConfig, simulate  # noqa: PLC0415
+    try:
+        spec = spec_from_args(args)
+        cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim_config_of(args), model=args.model,
+                           engine=EngineConfig(kv_cache_mib=args.kv_cache_mib))
+        outcome = simulate(spec, cfg)
+    except (SpecError, ProfileError, ValueError, KeyError) as e:
+        print(f"kvfleet sim run: {e}", file=sys.stderr)
+        return 2
+    run = outcome.run
+    run.meta["command"] = ["kvfleet", "sim", "run", *sys.argv[3:]] if sys.argv[1:3] == ["sim", "run"] \
+        else sys.argv
+    out = Path(args.out)
+    paths = write_report(run, out)
+    summary = json.loads(paths["summary"].read_text())
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(f"{spec.name} on {cfg.fleet} (simulated): {len(run.records)} requests, "
+          f"{outcome.simulated_s:.1f} simulated s in {outcome.wall_s - outcome.setup_s:.1f} wall s "
+          f"({outcome.speedup:.1f}x real time; {outcome.steps} engine steps; setup "
+          f"{outcome.setup_s:.1f} s); report in {out}/report.md\n")
+    print(class_table(summary))
+    overall = summary["overall"]
+    print(f"\ngoodput {overall['goodput_rps']:.2f} req/s, {overall['output_tokens_per_s']:.0f} "
+          f"output tok/s, errors {overall['errors']}, rejected {overall['rejected']}")
+    return 0

@@ -1,0 +1,90 @@
+"""The real engine's executor (services/engine/executor.py): loads the model, holds its paged KV
+cache, runs each planned batch through the ModelRunner and samples with the Sampler."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from services.engine.config import EngineConfig
+from services.engine.model.batch import SeqChunk
+from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape, resolve_kv_dtype
+from services.engine.model.loader import load_model
+from services.engine.model.runner import ModelRunner
+from services.engine.request import Request
+from services.engine.sampler import Sampler, TokenLogprob, prompt_logprobs
+from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.engine.tp_ranks import TPLeader, drive, start_rank0
+
+
+class ModelExecutor:
+    def __init__(self, config: EngineConfig, model_dir: str, kv_alloc=None) -> None:
+        model = load_model(model_dir, dtype=config.dtype)
+        self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
+        if config.tensor_parallel_size > 1:       # model.config becomes the rank's (its KV heads)
+            model, self.tp_leader = start_rank0(model, config.tensor_parallel_size)
+        # the cache's element type: the model's, or --kv-cache-dtype (fp8: half of bf16's bytes,
+        # so twice the blocks in the same kv_cache_mib; every block count below follows from it)
+        dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+        self.num_blocks = config.num_blocks or max(1, (config.kv_cache_mib << 20) // (
+            kv_bytes_per_token(model.config, dtype) * config.block_size))
+        kv_data = (kv_alloc(kv_cache_shape(model.config, self.num_blocks, config.block_size), dtype)
+                   if kv_alloc is not None else None)
+        k_scale, v_scale = config.kv_cache_scales
+        self.kv_cache = KVCache(model.config, self.num_blocks, config.block_size, dtype,
+                                data=kv_data, k_scale=k_scale, v_scale=v_scale)
+        self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
+        self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
+        if self.tp_leader is not None:
+            self.runner = drive(self.runner, self.tp_leader, model_dir, config)
+        self.sampler = Sampler(config.seed, config.logprobs_mode)
+        self.last_prepare_s = 0.0
+        self._table = None
+
+    def bind(self, block_table) -> None:
+        """The block pool's block_table(request_id) (the engine builds the pool after us)."""
+        self._table = block_table
+
+    def execute(self, plan: SchedulerOutput, drawers: Sequence[Request],
+                sources: Sequence[ScheduledChunk], generators: Sequence[object]
+                ) -> tuple[list[TokenLogprob], list[tuple[str, list[TokenLogprob]]]]:
+        t0 = time.perf_counter()
+        chunks = plan.chunks
+        seq_chunks = [SeqChunk(c.token_ids, c.start_pos, self._table(c.request.request_id),
+                               c.logit_rows) for c in chunks]
+        build_s = time.perf_counter() - t0
+        logits = self.runner.execute(seq_chunks)
+        self.last_prepare_s = build_s + self.runner.last_prepare_s
+        rows, row, prompt_lps = {}, 0, []
+        for c in chunks:
+            if c.num_prompt_logprob_rows:
+                prompt_lps.append((c.request.request_id,
+                                   _prompt_logprobs(c, logits[row:row + c.num_prompt_logprob_rows])))
+            row += len(c.logit_rows)
+            if c.sample:
+                rows[id(c)] = row - 1
+        sampled = self.sampler(logits[[rows[id(c)] for c in sources]], [r.params for r in drawers],
+                               list(generators), list(drawers))
+        return sampled, prompt_lps
+
+    def step_s(self, plan: SchedulerOutput, measured_s: float) -> float:
+        return measured_s
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """A forked sample's own copy of its prompt's partial last block (copy-on-write). In
+        order, one at a time: a sample that ended at its first token gave its block back, and a
+        later fork in the same step may have taken it (the later copy must win)."""
+        for src, dst in copies:
+            self.kv_cache.write_blocks([dst], self.kv_cache.read_blocks([src]))
+        if copies and self.tp_leader is not None:   # each rank's cache holds its heads of the block
+            self.tp_leader.copy_blocks(copies)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel follower ranks, if any (they also exit when this process does)."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
+
+
+def _prompt_logprobs(chunk: ScheduledChunk, logits) -> list[TokenLogprob]:
+    req = chunk.request
+    targets = req.token_ids[chunk.start_pos + 1:chunk.start_pos + 1 + len(logits)]
+    return prompt_logprobs(logits, targets, req.params.prompt_logprobs)

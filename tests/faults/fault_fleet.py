@@ -1,0 +1,103 @@
+"""The fault suite's fleet: `kvfleet up` as an operator runs it (tests/harness.py), the whole
+supervised fleet as one process tree on 127.0.0.1 with a real redis-server (a db of its own), its
+engine config and fleet token; and the SSE streams a test runs through it while breaking it."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import redis
+import yaml
+
+from tests.harness import kvfleet_up
+
+TOKEN = "fault-suite-fleet-token-0123456789"
+OUTPUT_CAP = 48           # the interactive class's output cap in these fleets
+_db = itertools.count(8)
+
+
+def engine_config(tmp_path) -> str:
+    """The workers' and the gateway's engine YAML: default classes, but a small interactive
+    output cap so that max_tokens past it is cheap to reach."""
+    path = tmp_path / "engine.yaml"
+    path.write_text(yaml.safe_dump({"scheduler": {"classes": [
+        {"name": "interactive", "priority": 2, "ttft_target_s": 1.0, "itl_target_s": 0.1,
+         "max_prompt_tokens": 8192, "output_cap": OUTPUT_CAP, "predicted_output_tokens": 32,
+         "aging_s": 10.0},
+        {"name": "document", "priority": 1, "ttft_target_s": 10.0, "itl_target_s": 0.1,
+         "max_prompt_tokens": 32768, "output_cap": 1024, "predicted_output_tokens": 256,
+         "aging_s": 10.0, "share_while_interactive_waits": 0.5}]}}))
+    return str(path)
+
+
+@contextmanager
+def supervised_fleet(redis_url: str, model_dir: str, config: str, mode: str = "disagg",
+                     env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+    """`kvfleet up` (tests/harness.py) on a Redis db of its own (flushed), with this suite's fleet
+    token, engine config and 3-s stream leases (`args` added to its command line); yields its
+    UpFleet."""
+    db_url = f"{redis_url.rsplit('/', 1)[0]}/{next(_db) % 16}"
+    redis.Redis.from_url(db_url).flushdb()
+    with kvfleet_up(model_dir, *args, mode=mode, redis_url=db_url, config=config, token=TOKEN,
+                    env={"KVFLEET_STREAM_LEASE_TTL_S": "3", **(env or {})}) as fleet:
+        yield fleet
+
+
+# ------------------------------------------------------------------------------- streams
+@dataclass
+class StreamResult:
+    """How one SSE stream ended: its finish reason, or the error event, or that the connection
+    broke; tokens received; seconds it took."""
+    tokens: int = 0               # content deltas received
+    completion_tokens: int = 0    # the final usage event's count
+    finish_reason: str | None = None
+    error: dict | None = None
+    broken: str | None = None
+    done: bool = False            # [DONE] arrived
+    status: int = 0
+    seconds: float = 0.0
+
+
+async def stream_chat(client: httpx.AsyncClient, model: str,
+                      first_token: asyncio.Event | None = None, max_tokens: int = OUTPUT_CAP,
+                      prompt: str = "tell me a long story") -> StreamResult:
+    result, started = StreamResult(), time.monotonic()
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = json.loads(await r.aread())["error"]
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    result.done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = event["error"]
+                    continue
+                if event.get("usage"):
+                    result.completion_tokens = event["usage"]["completion_tokens"]
+                if not event["choices"]:
+                    continue
+                choice = event["choices"][0]
+                if choice["delta"].get("content"):
+                    result.tokens += 1
+                    if first_token is not None:
+                        first_token.set()
+                result.finish_reason = choice["finish_reason"] or result.finish_reason
+    except httpx.HTTPError as e:
+        result.broken = f"{type(e).__name__}: {e}"
+    finally:
+        result.seconds = time.monotonic() - started
+    return result

@@ -1,0 +1,56 @@
+"""A test double of a Router, named as one: a real gRPC server on 127.0.0.1 that records every
+WorkRequest a gateway sends to Router.Admit, refuses the next `refusals[class]` requests of a class
+as the router refuses a request that would miss its TTFT target (OVERLOADED, with a retry hint),
+and forwards everything else to the fleet's real router."""
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent import futures
+
+import grpc
+
+from services.protocol import status
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from tests.harness import Fleet
+
+
+class RouterProxy(pb_grpc.RouterServicer):
+    def __init__(self, fleet: Fleet, retry_after_s: float = 0.2) -> None:
+        self.retry_after_s = retry_after_s
+        self.received: list[pb.WorkRequest] = []
+        self.refusals: collections.Counter[str] = collections.Counter()   # class -> to refuse
+        self._lock = threading.Lock()
+        self._channel = fleet.channel(fleet.router)
+        self._router = pb_grpc.RouterStub(self._channel)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pb_grpc.add_RouterServicer_to_server(self, self._server)
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+
+    def classes(self) -> list[str]:
+        with self._lock:
+            return [r.traffic_class for r in self.received]
+
+    def Admit(self, request: pb.WorkRequest, context) -> pb.Plan:
+        with self._lock:
+            self.received.append(request)
+            refuse = self.refusals[request.traffic_class] > 0
+            self.refusals[request.traffic_class] -= refuse
+        if refuse:
+            st = status.failed(pb.OVERLOADED, "predicted TTFT misses the document target",
+                               retry_after_s=self.retry_after_s)
+            context.set_trailing_metadata(status.trailing(st))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, st.message)
+        return self._router.Admit(request, timeout=10)
+
+    def Health(self, request, context) -> pb.HealthResponse:
+        return self._router.Health(request, timeout=5)
+
+    def __enter__(self) -> RouterProxy:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.stop(0).wait(5)
+        self._channel.close()

@@ -1,0 +1,56 @@
+"""The harness every fleet test starts kvfleet with (tests/harness.py, loadtests/local_fleet.py):
+`kvfleet up` as a real subprocess, its banner read into a typed UpFleet, and on exit nothing of
+it left: no process of its tree, no port it listened on."""
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from loadtests.local_fleet import up_command
+from services.cli.launcher import running
+from tests.harness import ENGINE, holds_nothing, kvfleet_up, serves
+
+
+def port_open(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def test_a_disaggregated_fleet_is_typed_from_its_banner_serves_and_leaves_nothing(tiny_model_dir):
+    with kvfleet_up(tiny_model_dir, mode="disagg", routers=2, token="harness-token-0123456789") \
+            as up:
+        assert sorted(up.routers) == ["router-0", "router-1"]
+        assert {name: w.role for name, w in up.workers.items()} == {"prefill-0": "prefill",
+                                                                     "decode-0": "decode"}
+        for service in (*up.routers.values(), *up.workers.values()):
+            assert service.pid == up.pid(service.name) and running(service.pid), service
+            assert port_open(service.address), service
+            assert httpx.get(service.metrics_url, timeout=10).status_code == 200, service
+        assert up.redis_url.startswith("redis://") and port_open(up.grpc)
+        assert up.model and serves(up, 60) and holds_nothing(up)    # the token reaches Stats
+        tree = up.tree()
+        listening = [address for _, _, address in up.listeners]
+        assert len(tree) >= 6 and all(map(port_open, listening)), (tree, listening)
+    assert up.proc.returncode is not None
+    assert not [pid for pid in tree if running(pid)]
+    assert not [address for address in listening if port_open(address)]
+
+
+def test_a_fleet_that_cannot_start_is_an_error_naming_its_output_and_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError, match="exited before READY"):
+        with kvfleet_up(tmp_path / "no-such-model", mode="colocated", ready_s=120):
+            pass
+
+
+def test_the_engine_flag_is_passed_only_when_asked():
+    assert ENGINE == "real"
+    real = up_command("tiny", mode="colocated")
+    assert "--engine" not in real and real[real.index("--mode") + 1] == "colocated"
+    sim = up_command("tiny", "--routers", "2", engine="sim", sim_args=("--sim-kv-tokens", "4096"))
+    assert sim[sim.index("--engine"):][:4] == ["--engine", "sim", "--sim-kv-tokens", "4096"]
+    with pytest.raises(ValueError, match="need engine='sim'"):
+        up_command("tiny", sim_args=("--sim-kv-tokens", "4096"))
