@@ -22,6 +22,7 @@ from services.engine.workload import random_prompt
 
 def _engine(model: str, **kw) -> LLMEngine:
     kw.setdefault("reject_late", False)
+    kw.setdefault("protect_itl", False)     # it measures the batch sizes it asks for
     kw.setdefault("enable_prefix_caching", False)
     return LLMEngine(engine_config(model, **kw))
 

@@ -211,6 +211,10 @@ class SchedulerConfig:
     reject_late: bool = True      # reject queued requests predicted to clearly miss their TTFT target
     reject_late_factor: float = 2.0   # ... clearly: predicted TTFT over this many times the target
     interactive_class: str = "interactive"
+    # Decode protection (docs/engine.md): a sequence joins the decode batch only while the
+    # predicted step time stays within itl_headroom x the tightest ITL target in the batch
+    protect_itl: bool = True
+    itl_headroom: float = 0.9
     classes: tuple[TrafficClass, ...] = (INTERACTIVE, DOCUMENT, BATCH)
     tenants: tuple[Tenant, ...] = (Tenant("default"),)
     default_tenant: str = "default"
@@ -223,6 +227,8 @@ class SchedulerConfig:
             raise ValueError("chunk_size and max_running must be >= 1")
         if not self.reject_late_factor >= 1.0:
             raise ValueError(f"reject_late_factor must be >= 1, got {self.reject_late_factor}")
+        if not 0.0 < self.itl_headroom <= 1.0:
+            raise ValueError(f"itl_headroom must be in (0, 1], got {self.itl_headroom}")
         if self.max_prefill_attention < 0:
             raise ValueError("max_prefill_attention must be >= 0 (0 = no cap)")
         if self.admission not in ("reserve", "predict"):

@@ -29,6 +29,7 @@ from services.engine.request import Request, Status
 from services.engine.sampler import make_generator
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.step_model import StepModel
 from services.engine.tokenizer import Tokenizer
 from services.engine.validation import RequestValidator
 
@@ -56,6 +57,7 @@ class EngineStats:
     last_schedule_s: float       # schedule() alone
     last_prepare_s: float        # building the chunks, the flat batch and attention metadata
     oldest_queued_s: float = 0.0  # age of the longest-waiting request not yet admitted; 0 if none
+    num_waiting_for_decode_slot: int = 0  # held back by decode protection (ITL), reservations kept
     # (tenant, sequences holding KV, KV blocks held or reserved), largest KV first
     tenants: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -107,8 +109,10 @@ class LLMEngine:
         num_blocks = self.executor.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        timer = getattr(self.executor, "timer", None)   # a simulated core's: the step model's prior
         self.scheduler = Scheduler(config.scheduler, self.pool, max_model_len=self.max_model_len,
-                                   enable_prefix_caching=config.enable_prefix_caching, clock=clock)
+                                   enable_prefix_caching=config.enable_prefix_caching, clock=clock,
+                                   step_model=StepModel.from_timer(timer) if timer else None)
         self.validator = RequestValidator(config.scheduler, self.model_config, self.tokenizer,
                                           self.pool, self.max_model_len)
         self.executor.bind(self.pool.block_table)
@@ -166,6 +170,8 @@ class LLMEngine:
         self._decode_rate.observe(len(plan.decodes), elapsed)
         self._count(plan, elapsed, t1 - t0)
         self._record(plan, start, gap, ran or bool(plan.preempted), self.last_step_modelled_s)
+        if self.last_step is not None:   # the step model (decode protection) learns its time
+            self.scheduler.observe_step(plan, self.last_step.duration_s)
         return outputs
 
     def cancel(self, request_id: str) -> bool:
@@ -223,6 +229,7 @@ class LLMEngine:
             decode_tokens_per_s=self._decode_rate.rate or 0.0, last_step_s=self._last[0],
             last_schedule_s=self._last[1], last_prepare_s=self._last[2],
             oldest_queued_s=self._oldest_queued_s(), tenants=self.scheduler.tenant_shares(),
+            num_waiting_for_decode_slot=self.scheduler.num_waiting_for_decode_slot,
             **self._counters)
 
     def _oldest_queued_s(self) -> float:

@@ -19,13 +19,14 @@ class Status(enum.IntEnum):
 
     WAITING = 0          # queued; holds no KV
     WAITING_FOR_KV = 1   # decode role: reservation made, KV arriving from a prefill worker
-    RUNNING = 2          # admitted: holds its reservation and blocks
-    PREEMPTED = 3        # `predict` policy: blocks taken back, will recompute from scratch
-    FINISHED_STOPPED = 4   # EOS, stop token or stop string
-    FINISHED_LENGTH = 5    # max_tokens or the context limit
-    FINISHED_ABORTED = 6   # cancelled
-    FINISHED_REJECTED = 7  # refused by admission (predicted TTFT past the class target)
-    PREFILLED = 8          # prefill role: first token sampled, blocks kept for export until released
+    WAITING_FOR_SLOT = 2  # decode role: KV arrived, waits for room in the decode batch (ITL)
+    RUNNING = 3          # admitted: holds its reservation and blocks
+    PREEMPTED = 4        # `predict` policy: blocks taken back, will recompute from scratch
+    FINISHED_STOPPED = 5   # EOS, stop token or stop string
+    FINISHED_LENGTH = 6    # max_tokens or the context limit
+    FINISHED_ABORTED = 7   # cancelled
+    FINISHED_REJECTED = 8  # refused by admission (predicted TTFT past the class target)
+    PREFILLED = 9          # prefill role: first token sampled, blocks kept for export until released
 
 
 FINISH_REASONS = {

@@ -10,10 +10,15 @@ Each iteration, with token budget B:
   4. admission reserves KV blocks for prompt + bounded output and respects per-tenant caps;
   5. EOS, stop, limit or cancel frees the pages in the same iteration (`finish`);
   6. a queued request predicted to miss its TTFT target by far (`reject_late_factor`) is rejected.
+Decode protection (`protect_itl`): a sequence joins the batch (mixed role: at admission, before its
+first chunk; decode role: once its KV has arrived) only while the step model's predicted step time
+stays inside the ITL targets of the batch's classes (decode_protection.py); the rest wait in order.
 
 Lifecycle (who changes what):
   add -> queue[class][tenant] (WAITING) -> _admit: pool.reserve, RUNNING -> chunks until the known
   tokens are computed -> sample -> decoding, one token per iteration -> finish: pool.free.
+  Decode role: add_remote: pool.reserve, WAITING_FOR_KV -> kv_arrived: WAITING_FOR_SLOT ->
+  _admit_decodes: RUNNING -> decoding as above.
   `schedule()` makes admission, allocation and preemption decisions and returns a plain plan;
   `update()` is the one place token counters move. The block pool owns block tables.
 """
@@ -30,10 +35,13 @@ from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, l
                                        sample_blocks, samples_to_fork, tenant_allows)
 from services.engine.block_pool import BlockPool, hash_full_blocks, usable_prefix_blocks
 from services.engine.config import SchedulerConfig
+from services.engine.decode_protection import Seat, decode_admissions
 from services.engine.errors import UnknownRequestError
 from services.engine.fairness import (DeficitRoundRobin, class_budget, effective_priority,
                                      priority_slot)
 from services.engine.request import Request, Status
+from services.engine.step_model import StepModel
+from services.planner.step_time import BatchShape
 
 
 class ReservationOverrun(RuntimeError):
@@ -71,6 +79,8 @@ class SchedulerOutput:
     attention_left: float = math.inf   # (query, key) pairs prefill chunks may still attend over
     prefix_queries: int = 0   # tokens of the requests admitted this iteration looked up in ...
     prefix_hits: int = 0      # ... the prefix cache, and how many of them it held
+    held_for_itl: set[str] = field(default_factory=set)  # ids of queued requests (tenant heads)
+                              # refused admission for decode ITL
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks that
                               # update() forked (a sample's copy of a partial prompt block)
 
@@ -85,6 +95,12 @@ class SchedulerOutput:
     def prefill_of(self, req: Request) -> ScheduledChunk | None:
         return next((c for c in self.prefills if c.request is req), None)
 
+    @property
+    def shape(self) -> BatchShape:
+        """The iteration's work as a step timer sees it (a decode attends over start_pos + 1)."""
+        return BatchShape(prefill_chunks=tuple((c.num_tokens, c.start_pos) for c in self.prefills),
+                          decode_contexts=tuple(c.start_pos + 1 for c in self.decodes))
+
 
 MIN_CHUNK = 16   # tokens a prompt advances per iteration at least, whatever the attention cap
 
@@ -98,7 +114,8 @@ def attention_pairs(start: int, n: int) -> int:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, *, max_model_len: int,
                  enable_prefix_caching: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 step_model: StepModel | None = None) -> None:
         self.config = config
         self.pool = pool
         self.block_size = pool.block_size
@@ -111,6 +128,9 @@ class Scheduler:
         self.holding: dict[str, set[str]] = {}          # tenant -> ids of its requests holding KV
         self.drr = {c.name: DeficitRoundRobin(config.drr_quantum) for c in config.classes}
         self.prefill_rate = RateEstimator()
+        self.step_model = step_model or StepModel()     # predicts step time for decode protection
+        self.slot_waiting: list[Request] = []           # decode role: KV here, waiting to join
+        self.held_for_itl = 0                           # the latest schedule()'s held_for_itl
         self._admit_seq = itertools.count()
         self._admit_order: dict[str, int] = {}
 
@@ -128,6 +148,7 @@ class Scheduler:
         need = blocks_to_reserve(req, self.config, self.block_size, self.max_model_len)
         awaiting = sum(samples_to_fork(r, self.config) for r in self.requests.values()
                        if r.status == Status.WAITING_FOR_KV)
+        awaiting += len(self.slot_waiting)
         if len(self.running) + awaiting + samples_to_fork(req, self.config) > self.config.max_running:
             return None
         if not self._tenant_allows(req, need) or not self.pool.reserve(req.request_id, need):
@@ -138,9 +159,11 @@ class Scheduler:
 
     def kv_arrived(self, request_id: str, first_token: int,
                    samples: Sequence[tuple[Request, int]] = ()) -> list[tuple[int, int]]:
-        """Decode role: the prompt's KV is in the reserved blocks; start decoding. `samples`: the
-        request's other n - 1 samples with their first tokens (sampled by the prefill worker),
-        forked here. Returns the KV block copies the forks need, (src, dst), for the caller."""
+        """Decode role: the prompt's KV is in the reserved blocks; start decoding, at once if the
+        decode batch has room for it (decode protection), else in order as room frees up
+        (WAITING_FOR_SLOT, keeping its reservation). `samples`: the request's other n - 1 samples
+        with their first tokens (sampled by the prefill worker), forked here. Returns the KV
+        block copies the forks need, (src, dst), for the caller."""
         req = self.requests.get(request_id)
         if req is None or req.status != Status.WAITING_FOR_KV:
             raise UnknownRequestError(f"{request_id} has no reservation awaiting KV")
@@ -148,15 +171,27 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running[request_id] = req
         copies = self._fork(req, first_token, samples)
+        for r in (req, *(child for child, _ in samples)):
+            if not r.is_finished:
+                self.running.pop(r.request_id, None)
+                r.status = Status.WAITING_FOR_SLOT
+                self.slot_waiting.append(r)
+        self._admit_decodes()
         return copies
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         out = SchedulerOutput(rejected=self._reject_late(now))
+        self._admit_decodes()
         self._schedule_decodes(out)
         self._schedule_prefills(out, self.config.token_budget - len(out.decodes), now)
+        self.held_for_itl = len(out.held_for_itl)
         return out
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine measured the step that ran `out`: the step model learns from it."""
+        self.step_model.observe(out.shape, seconds)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """Step 1: every running decode sequence gets its token, before any prefill."""
@@ -232,6 +267,9 @@ class Scheduler:
         again next iteration)."""
         if len(self.running) + samples_to_fork(req, self.config) > self.config.max_running:
             return False
+        if not self._decode_room([self._seat(req)]):
+            out.held_for_itl.add(req.request_id)
+            return False
         hits = self._prefix_hits(req)
         need = blocks_to_reserve(req, self.config, self.block_size, self.max_model_len)
         if not self._tenant_allows(req, need):
@@ -305,6 +343,30 @@ class Scheduler:
         queue = self._queue(req)
         if req not in queue:
             queue.appendleft(req)
+
+    # ------------------------------------------------------- decode protection
+    def _admit_decodes(self) -> None:
+        """Decode role: sequences whose KV arrived join the batch while it has room, in order
+        (class priority, then arrival); the rest keep waiting with their reservations."""
+        if not self.slot_waiting:
+            return
+        self.slot_waiting.sort(key=lambda r: (-r.traffic_class.priority, r.arrival_time))
+        n = self._decode_room([self._seat(r) for r in self.slot_waiting])
+        joining, self.slot_waiting = self.slot_waiting[:n], self.slot_waiting[n:]
+        for req in joining:
+            req.status = Status.RUNNING
+            self.running[req.request_id] = req
+
+    def _decode_room(self, candidates: list[Seat]) -> int:
+        """How many of `candidates` may join the batch now (all when protection is off)."""
+        if not self.config.protect_itl:
+            return len(candidates)
+        batch = [self._seat(r) for r in self.running.values()]
+        return decode_admissions(self.step_model, batch, candidates, self.config.itl_headroom)
+
+    def _seat(self, req: Request) -> Seat:
+        return Seat(req.num_tokens, req.traffic_class.itl_target_s,
+                    samples_to_fork(req, self.config))
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, sampled: Sequence[int],
@@ -396,6 +458,8 @@ class Scheduler:
         queue = self.queues[req.traffic_class.name].get(req.tenant)
         if queue and req in queue:
             queue.remove(req)
+        if req.status == Status.WAITING_FOR_SLOT:
+            self.slot_waiting.remove(req)
         req.status = status
         req.stop_reason = stop_reason
         self.running.pop(req.request_id, None)
@@ -507,7 +571,15 @@ class Scheduler:
     # ------------------------------------------------------------------- stats
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or any(q for qs in self.queues.values() for q in qs.values())
+        return bool(self.running or self.slot_waiting) or any(
+            q for qs in self.queues.values() for q in qs.values())
+
+    @property
+    def num_waiting_for_decode_slot(self) -> int:
+        """Sequences decode protection holds back: decode role, those whose KV arrived and wait
+        to join the batch; mixed role, the queued requests the latest schedule() refused to admit
+        for ITL (each tenant's first; those behind it wait for it in FCFS)."""
+        return len(self.slot_waiting) + self.held_for_itl
 
     def queued_prefill_tokens(self) -> int:
         return sum(r.num_uncomputed_tokens for qs in self.queues.values() for q in qs.values()

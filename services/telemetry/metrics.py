@@ -190,6 +190,10 @@ class WorkerMetrics(_Metrics):
                              "Sequences in the engine's running batch (vllm:num_requests_running)")
         self.waiting = gauge("kvfleet_num_requests_waiting",
                              "Sequences queued in the engine (vllm:num_requests_waiting)")
+        self.waiting_for_decode_slot = gauge(
+            "kvfleet_num_requests_waiting_for_decode_slot",
+            "Sequences decode protection holds out of the decode batch (ITL); decode role: "
+            "their KV reservations kept")
         self.queued_prefill_tokens = gauge(
             "kvfleet_queued_prefill_tokens", "Prompt tokens not yet computed (the prompt backlog)")
         self.queue_age = gauge("kvfleet_queue_age_seconds",

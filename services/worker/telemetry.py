@@ -77,6 +77,7 @@ class WorkerTelemetry:
         self.tenant_labels = tenant_labels or TenantLabels()
         child = m.labels
         self._running, self._waiting = child(m.running), child(m.waiting)
+        self._waiting_for_slot = child(m.waiting_for_decode_slot)
         self._queued_tokens, self._queue_age = child(m.queued_prefill_tokens), child(m.queue_age)
         self._kv_blocks = {s: child(m.kv_blocks, s) for s in KV_STATES}
         self._kv_usage = child(m.kv_usage)
@@ -97,6 +98,7 @@ class WorkerTelemetry:
     def refresh(self, s: EngineStats, *, writes_in_flight: int = 0, held_blocks: int = 0) -> None:
         self._running.set(s.num_running)
         self._waiting.set(s.num_queued)
+        self._waiting_for_slot.set(s.num_waiting_for_decode_slot)
         self._queued_tokens.set(s.queued_prefill_tokens)
         self._queue_age.set(s.oldest_queued_s)
         for state, n in zip(KV_STATES, (s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_reserved,

@@ -3,19 +3,23 @@ decode. No chat misses a single decode iteration while the document is chunked i
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
-from services.engine.config import Tenant
+from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 
 CONTEXT = 8192   # the engine's context (max_model_len), scaled from 32K+ for CI time
+# The story needs all 64 chats in one decode batch: ITL targets loose enough that decode
+# protection admits them on a loaded CI core (what is checked is that none stalls).
+LOOSE = (replace(INTERACTIVE, itl_target_s=60.0), replace(DOCUMENT, itl_target_s=60.0), BATCH)
 
 
 def test_chats_keep_decoding_while_a_full_context_document_prefills(tiny_model_dir):
     tenants = (Tenant("chat-a"), Tenant("chat-b"), Tenant("docs"))
     engine = LLMEngine(engine_config(str(tiny_model_dir), max_model_len=CONTEXT,
                                      token_budget=512, chunk_size=256, max_running=128,
-                                     tenants=tenants, default_tenant="chat-a",
+                                     tenants=tenants, default_tenant="chat-a", classes=LOOSE,
                                      reject_late=False, kv_cache_mib=256))
     rng = random.Random(0)
     chat = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
