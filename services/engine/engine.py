@@ -31,7 +31,7 @@ from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
 from services.engine.request import Request, Status
 from services.engine.sampler import Sampler, make_generator, prompt_logprobs
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.scheduler import Scheduler, SchedulerOutput, attention_pairs
 from services.engine.tokenizer import Tokenizer
 from services.engine.tp_ranks import TPLeader, drive, start_rank0
 from services.engine.validation import RequestValidator
@@ -80,6 +80,7 @@ class StepRecord:
     prefix_hits: int              # cache, and the tokens it held
     preemptions: int
     prefill_chunks: list[tuple[str, int]]   # (request id, tokens) per prefill chunk
+    attention_pairs: int = 0      # (query, key) pairs: prefill chunks' and decodes' (contexts)
 
 
 def resolve_model_dir(model: str) -> str:
@@ -425,6 +426,8 @@ class LLMEngine:
             prefix_queries=plan.prefix_queries, prefix_hits=plan.prefix_hits,
             preemptions=len(plan.preempted),
             prefill_chunks=[(c.request.request_id, c.num_tokens) for c in plan.prefills],
+            attention_pairs=sum(attention_pairs(c.start_pos, c.num_tokens) for c in plan.prefills)
+            + sum(c.start_pos + 1 for c in plan.decodes),
         ) if ran else None
         if not self.has_unfinished():
             self._ready_since = None

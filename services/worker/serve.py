@@ -41,6 +41,7 @@ from services.state.outage import UNREACHABLE, Backoff, Outage
 from services.telemetry import exposition, tracing
 from services.worker.engine_client import EngineClient, EngineFailed
 from services.worker.config import WorkerConfig
+from services.worker.rates import WorkerRates, prior_for
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
 
@@ -62,6 +63,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--step-profile", default=None, metavar="FILE",
+                   help="a measured step profile (kvfleet sim calibrate): the prefill cost prior "
+                        "this worker publishes until it has measured its own")
     add_engine_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over N processes (the engine core is rank 0; mixed role only)")
@@ -214,6 +218,12 @@ async def serve(args: argparse.Namespace) -> int:
     engine = EngineClient(engine_config, on_failure=lambda _: stop.set(),
                           on_step=telemetry.on_step, torch_threads=args.threads)
     await engine.start()
+    kv_bytes_per_token = engine.kv_cache.bytes_per_block // engine.block_size
+    sched = engine_config.scheduler
+    telemetry.rates = WorkerRates(
+        prior_for(kv_bytes_per_token, profile=args.step_profile, budget=sched.token_budget),
+        token_budget=sched.token_budget, chunk_size=sched.chunk_size,
+        kv_bytes_per_token=kv_bytes_per_token)
     try:
         # its thread (a daemon) serves until the process exits: closing it would wait out its
         # poll interval inside the stop budget

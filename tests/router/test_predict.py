@@ -1,10 +1,13 @@
-"""The router's TTFT prediction: its terms, and a cold worker predicted from the prior, not as 0."""
+"""The router's TTFT prediction: its terms, from what the workers publish of themselves; a cold
+worker (its prior) is never predicted as 0."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.predict import Prior, predict
+from services.router.predict import Prior, decode_wait_s, kv_bytes_of, predict
+from services.worker.rates import TINY, WorkerRates
 
 
 def test_a_cold_worker_is_predicted_from_the_prior():
@@ -33,3 +36,45 @@ def test_longer_prompts_and_longer_queues_never_predict_sooner(queued, prompt, e
     longer = pb.WorkerStats(queued_prefill_tokens=queued + extra)
     assert predict(w, prompt, prior=prior).total_s <= predict(w, prompt + extra, prior=prior).total_s
     assert predict(w, prompt, prior=prior).total_s <= predict(longer, prompt, prior=prior).total_s
+
+
+def cold_worker(queued: int = 0, **fields) -> pb.WorkerStats:
+    """A prefill worker's first heartbeat: its prior, nothing measured yet."""
+    rates = WorkerRates(TINY, token_budget=2048, chunk_size=512, kv_bytes_per_token=2048)
+    return pb.WorkerStats(worker_id="p0", role="prefill", queued_prefill_tokens=queued,
+                          **{**rates.fields(), **fields})
+
+
+@given(st.integers(0, 10**6), st.integers(1, 10**5), st.integers(1, 10**5))
+def test_a_cold_fleet_predicts_more_than_0_and_more_behind_a_longer_queue(queued, prompt, extra):
+    now, later = predict(cold_worker(queued), prompt), predict(cold_worker(queued + extra), prompt)
+    assert now.total_s > 0 and now.prefill_s > 0
+    assert later.wait_s > now.wait_s and later.total_s > now.total_s
+
+
+def test_the_fitted_cost_prices_the_prompt_in_chunks_and_the_queue_at_the_drain_rate():
+    w = cold_worker(4000, prefill_drain_tokens_per_s=2000.0)
+    p = predict(w, 1024, cached_tokens=0)
+    steps = 2                                            # 1024 tokens in 512-token chunks
+    assert p.wait_s == pytest.approx(2.0)
+    assert p.prefill_s == pytest.approx(steps * TINY.step_s + 1024 * TINY.s_per_token
+                                        + (1024 * 1025 // 2) * TINY.s_per_pair)
+
+
+def test_a_class_waits_behind_the_tokens_ahead_of_it_when_the_worker_says():
+    w = cold_worker(9000, prefill_drain_tokens_per_s=1000.0)
+    w.queued_prefill_tokens_ahead["interactive"] = 1000
+    assert predict(w, 10, traffic_class="interactive").wait_s == pytest.approx(1.0)
+    assert predict(w, 10, traffic_class="batch").wait_s == pytest.approx(9.0)   # not published
+
+
+def test_the_transfer_is_the_prompts_kv_at_the_measured_bandwidth():
+    w = cold_worker(kv_transfer_bytes_per_s=1e6)
+    assert predict(w, 1000, kv_bytes=kv_bytes_of(w, 1000)).transfer_s == pytest.approx(2.048)
+
+
+def test_the_decode_wait_is_0_with_free_blocks_else_the_missing_ones_at_the_drain_rate():
+    d = pb.WorkerStats(worker_id="d0", role="decode", kv_blocks_free=100, kv_blocks_reserved=40,
+                       kv_blocks_freed_per_s=20.0)
+    assert decode_wait_s(d, 60) == 0.0
+    assert decode_wait_s(d, 100) == pytest.approx(2.0)

@@ -23,7 +23,8 @@ from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.router.service import RouterServicer, predicted_ttft_s
+from services.router.predict import predict
+from services.router.service import RouterServicer
 from services.state.fleet_state import FleetState
 from services.state.records import RecordSeal
 from services.telemetry import exposition
@@ -102,8 +103,8 @@ def too_big_for_the_pool(fleet) -> list[int]:
 
 
 def test_the_prediction_is_the_backlog_and_the_prompt_at_the_measured_rate():
-    assert predicted_ttft_s(synthetic_prefill(rate=1000.0, queued=500), 66) == pytest.approx(0.566)
-    assert predicted_ttft_s(synthetic_prefill(rate=0.0, queued=500), 66) == 0.0   # unknown
+    assert predict(synthetic_prefill(rate=1000.0, queued=500), 66).total_s == pytest.approx(0.566)
+    assert predict(synthetic_prefill(rate=0.0, queued=500), 66).total_s > 0   # the prior: not 0
 
 
 def test_metrics_count_an_admission_and_a_refusal_by_decision_reason_and_stage(decode_only):
