@@ -142,14 +142,17 @@ def test_metrics_count_an_admission_and_a_refusal_by_decision_reason_and_stage(d
     assert value(page, "kvfleet_placements_total", role="prefill", worker="prefill-synthetic") == 1
 
 
-def test_a_worker_with_no_measured_rate_gives_no_prediction(decode_only):
+def test_a_worker_with_no_measured_rate_is_predicted_from_a_prior_not_as_0(decode_only):
     async def story(router, metrics_url):
         plan = await router.Admit(ask("tel-3", PROMPT), timeout=10)
         await cancel(decode_only, plan)
         return plan, samples(metrics_url)
     plan, page = asyncio.run(with_router(decode_only, story, prefill_rate=0.0))
-    assert plan.predicted_ttft_s == 0.0                      # 0 = unknown, not "instant"
-    assert not value(page, "kvfleet_predicted_ttft_seconds_count", traffic_class="interactive")
+    assert plan.predicted_ttft_s > 0 and plan.predicted_wait_s > 0   # 500 tokens queued
+    assert plan.predicted_ttft_s == pytest.approx(
+        plan.predicted_wait_s + plan.predicted_prefill_s + plan.predicted_transfer_s
+        + plan.predicted_decode_wait_s)
+    assert value(page, "kvfleet_predicted_ttft_seconds_count", traffic_class="interactive") == 1
     assert value(page, "kvfleet_admissions_total", decision="admitted", reason="OK",
                  stage="S0_NORMAL", traffic_class="interactive") == 1
 
