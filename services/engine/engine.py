@@ -62,6 +62,8 @@ class EngineStats:
     oldest_queued_s: float = 0.0  # age of the longest-waiting request not yet admitted; 0 if none
     # (tenant, sequences holding KV, KV blocks held or reserved), largest KV first
     tenants: list[tuple[str, int, int]] = field(default_factory=list)
+    # per class, the prompt tokens a new request of it waits behind (Scheduler.prefill_tokens_ahead)
+    prefill_tokens_ahead: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +235,7 @@ class LLMEngine:
             decode_tokens_per_s=self._decode_rate.rate or 0.0, last_step_s=self._last[0],
             last_schedule_s=self._last[1], last_prepare_s=self._last[2],
             oldest_queued_s=self._oldest_queued_s(), tenants=self.scheduler.tenant_shares(),
+            prefill_tokens_ahead=self.scheduler.prefill_tokens_ahead(),
             **self._counters)
 
     def _oldest_queued_s(self) -> float:

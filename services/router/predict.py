@@ -92,15 +92,23 @@ def queued_ahead(w: pb.WorkerStats, traffic_class: str = "") -> int:
 
 
 def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior) -> float:
-    """Seconds to prefill `tokens` new tokens after `cached` ones on `w`, alone."""
+    """Seconds to prefill `tokens` new tokens after `cached` ones on `w`: its chunks through the
+    fitted cost (with a mixed worker's running decodes in every step), and at least, while other
+    prompts are queued there, a busy step each (the others' chunks share its steps: a step of
+    min(budget, all queued) tokens at the drain rate)."""
     if tokens <= 0:
         return 0.0
     pairs = attention_pairs(cached, tokens)
-    if w.prefill_s_per_token > 0 or w.prefill_step_s > 0:
-        steps = math.ceil(tokens / w.chunk_size) if w.chunk_size else 1
-        return (steps * w.prefill_step_s + tokens * w.prefill_s_per_token
-                + pairs * w.prefill_s_per_pair)
-    return tokens / prefill_rate(w, prior) + pairs * prior.attention_s_per_pair
+    if not (w.prefill_s_per_token > 0 or w.prefill_step_s > 0):
+        return tokens / prefill_rate(w, prior) + pairs * prior.attention_s_per_pair
+    steps = math.ceil(tokens / w.chunk_size) if w.chunk_size else 1
+    decodes = w.num_running if w.role == "mixed" else 0
+    alone = (steps * (w.prefill_step_s + decodes * w.prefill_s_per_token)
+             + tokens * w.prefill_s_per_token + pairs * w.prefill_s_per_pair)
+    if not w.queued_prefill_tokens or not w.token_budget:
+        return alone
+    busy_step = min(w.token_budget, w.queued_prefill_tokens + tokens) / prefill_rate(w, prior)
+    return max(alone, steps * busy_step)
 
 
 def kv_bytes_of(w: pb.WorkerStats, prompt_tokens: int) -> int:

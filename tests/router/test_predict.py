@@ -53,12 +53,16 @@ def test_a_cold_fleet_predicts_more_than_0_and_more_behind_a_longer_queue(queued
 
 
 def test_the_fitted_cost_prices_the_prompt_in_chunks_and_the_queue_at_the_drain_rate():
-    w = cold_worker(4000, prefill_drain_tokens_per_s=2000.0)
-    p = predict(w, 1024, cached_tokens=0)
+    idle = predict(cold_worker(0, prefill_drain_tokens_per_s=2000.0), 1024, cached_tokens=0)
     steps = 2                                            # 1024 tokens in 512-token chunks
-    assert p.wait_s == pytest.approx(2.0)
-    assert p.prefill_s == pytest.approx(steps * TINY.step_s + 1024 * TINY.s_per_token
-                                        + (1024 * 1025 // 2) * TINY.s_per_pair)
+    assert idle.wait_s == 0
+    assert idle.prefill_s == pytest.approx(steps * TINY.step_s + 1024 * TINY.s_per_token
+                                           + (1024 * 1025 // 2) * TINY.s_per_pair)
+    # behind 4,000 queued tokens: they drain at 2,000 tokens/s, and while they are there each of
+    # the prompt's steps is a full one (2,048 tokens at the drain rate)
+    busy = predict(cold_worker(4000, prefill_drain_tokens_per_s=2000.0), 1024)
+    assert busy.wait_s == pytest.approx(2.0)
+    assert busy.prefill_s == pytest.approx(steps * 2048 / 2000.0)
 
 
 def test_a_class_waits_behind_the_tokens_ahead_of_it_when_the_worker_says():
