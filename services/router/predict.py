@@ -32,6 +32,8 @@ from services.router.placement import free_unreserved_blocks
 
 # A decode worker that has freed nothing recently: how long a missing block is assumed to take.
 UNKNOWN_DRAIN_S_PER_BLOCK = 1.0
+# A request reaching a busy worker waits for the step in flight: half a step on average.
+IN_FLIGHT_STEP = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +96,9 @@ def queued_ahead(w: pb.WorkerStats, traffic_class: str = "") -> int:
 def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior) -> float:
     """Seconds to prefill `tokens` new tokens after `cached` ones on `w`: its chunks through the
     fitted cost (with a mixed worker's running decodes in every step), and at least, while other
-    prompts are queued there, a busy step each (the others' chunks share its steps: a step of
-    min(budget, all queued) tokens at the drain rate)."""
+    prompts are queued there, a busy step each (the others' chunks share its steps: the worker's
+    recent prefill step time, else a step of min(budget, all queued) tokens at the drain rate)
+    plus what is left of the step in flight when it arrives."""
     if tokens <= 0:
         return 0.0
     pairs = attention_pairs(cached, tokens)
@@ -105,10 +108,12 @@ def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior) -> 
     decodes = w.num_running if w.role == "mixed" else 0
     alone = (steps * (w.prefill_step_s + decodes * w.prefill_s_per_token)
              + tokens * w.prefill_s_per_token + pairs * w.prefill_s_per_pair)
-    if not w.queued_prefill_tokens or not w.token_budget:
+    if not w.queued_prefill_tokens:
         return alone
-    busy_step = min(w.token_budget, w.queued_prefill_tokens + tokens) / prefill_rate(w, prior)
-    return max(alone, steps * busy_step)
+    busy_step = w.prefill_recent_step_s or (
+        min(w.token_budget or w.chunk_size or tokens, w.queued_prefill_tokens + tokens)
+        / prefill_rate(w, prior))
+    return max(alone, (steps + IN_FLIGHT_STEP) * busy_step)
 
 
 def kv_bytes_of(w: pb.WorkerStats, prompt_tokens: int) -> int:

@@ -75,7 +75,8 @@ MAX_WINDOW_TTL_MS = (2 * WINDOW_S + 5) * 1000
 # The measured rates and cost coefficients a heartbeat carries (the router divides by them).
 RATE_FIELDS = ("prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prior_step_s",
                "prior_s_per_token", "prior_s_per_pair", "prefill_drain_tokens_per_s",
-               "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s")
+               "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s",
+               "prefill_recent_step_s")
 
 
 def stats_problems(stats: pb.WorkerStats) -> list[str]:

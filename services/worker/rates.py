@@ -10,6 +10,8 @@ published in its stats heartbeat (WorkerStats):
                   (decode share included), plus the gaps before them while work waited. It is how
                   fast a burst's queue really drains, which is what the wait term needs. Until
                   measured: the prior's rate at a full token budget
+  recent step     the mean duration of its last RECENT_STEPS steps that ran prefill: what a
+                  prompt's own step costs while others share it
   KV bandwidth    prefill: bytes / seconds of its recent KV writes
   decode drain    decode / mixed: sequences finished per second and the KV blocks they freed
 
@@ -175,6 +177,7 @@ class Window:
 
 
 MIN_DRAIN_STEPS = 4     # prefill steps in the window before the drain rate replaces the prior's
+RECENT_STEPS = 8        # prefill steps the recent step time is the mean of
 
 
 class WorkerRates:
@@ -192,6 +195,7 @@ class WorkerRates:
         self._kv = Window(clock=clock)
         self._finished = Window(clock=clock)
         self._freed = Window(clock=clock)
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
 
     def on_step(self, prefill_tokens: int, decode_tokens: int, pairs: int, duration_s: float,
                 gap_s: float) -> None:
@@ -200,6 +204,7 @@ class WorkerRates:
             return
         self.fit.observe(prefill_tokens + decode_tokens, pairs, duration_s)
         self._drain.add(prefill_tokens, duration_s + max(0.0, gap_s))
+        self._recent.append(duration_s)
 
     def kv_written(self, nbytes: int, seconds: float | None) -> None:
         if nbytes > 0 and seconds is not None and seconds > 0:
@@ -223,6 +228,8 @@ class WorkerRates:
                     prefill_fit_steps=self.fit.steps, prior_step_s=p.step_s,
                     prior_s_per_token=p.s_per_token, prior_s_per_pair=p.s_per_pair,
                     prior_source=p.source, prefill_drain_tokens_per_s=self.drain_rate(),
+                    prefill_recent_step_s=(sum(self._recent) / len(self._recent)
+                                           if self._recent else 0.0),
                     token_budget=self.token_budget, chunk_size=self.chunk_size,
                     kv_bytes_per_token=self.kv_bytes_per_token,
                     kv_transfer_bytes_per_s=self._kv.rate(),
