@@ -15,7 +15,8 @@ admission) + the engine queue the prefill (or mixed) worker reports; prefill_s, 
 decode_s as the workers report them; ttft_s = received -> first token sent; e2e_s = received ->
 now (the final chunk). The phases are disjoint intervals inside [received, final chunk], so
 queue + prefill + transfer + decode <= e2e and ttft <= e2e.
-Once admitted with a prediction, `timing` also has predicted_ttft_s and, from the first token on,
+Once admitted with a prediction, `timing` also has predicted_ttft_s (the gateway's own time until
+the plan came, known then, plus the router's predicted_ttft_s) and, from the first token on,
 ttft_prediction_error = (predicted - actual) / actual TTFT (negative: slower than predicted), which
 the metrics (kvfleet_ttft_prediction_{relative,abs_relative}_error, by class) and the request
 span (kvfleet.ttft_prediction_error) carry too.
@@ -183,8 +184,11 @@ class RequestTelemetry:
         if self.admitted_at is not None or at is None:
             return
         self.admitted_at = at
+        if plan is not None and plan.predicted_ttft_s > 0:
+            # the router predicts from its Admit on; the time spent here before the plan came
+            # (auth, validation, quota, admission) is known by now
+            self.predicted_ttft_s = (at - self.received) + plan.predicted_ttft_s
         if plan is not None:
-            self.predicted_ttft_s = plan.predicted_ttft_s
             self.stage = pb.OverloadStage.Name(plan.stage)
             if self.span is not None:
                 self._attrs.update({tracing.STAGE: self.stage,

@@ -1,6 +1,7 @@
 """Predicted time to first token for a placement (DESIGN.md section 3, router):
 
-    TTFT = wait        prefill tokens queued ahead on the chosen prefill worker / its drain rate
+    TTFT = path        the hops from the plan to the gateway's first token (PATH_S, a constant)
+         + wait        prefill tokens queued ahead on the chosen prefill worker / its drain rate
          + prefill     this prompt's uncached tokens through the worker's fitted prefill cost model
          + transfer    the prompt's KV bytes / the KV path's measured bandwidth (disaggregated only)
          + decode wait  until the decode worker has a slot for it (0 while it has free KV)
@@ -32,8 +33,15 @@ from services.router.placement import free_unreserved_blocks
 
 # A decode worker that has freed nothing recently: how long a missing block is assumed to take.
 UNKNOWN_DRAIN_S_PER_BLOCK = 1.0
-# A request reaching a busy worker waits for the step in flight: half a step on average.
-IN_FLIGHT_STEP = 0.5
+# A request reaching a busy worker waits for the rest of the step in flight first: half a step
+# were steps alike, more as they are not (a long step is likelier to be the one hit, and a
+# document's steps grow as its chunks go deeper). One step: what the `mixed` load test measured
+# (docs/benchmarks.md).
+IN_FLIGHT_STEP = 1.0
+# From the plan to the first token at the gateway, besides the engine's work: the Prefill call,
+# the worker's IPC to its engine core and back, the first token's relay (docs/benchmarks.md: the
+# hops of an idle fleet's TTFT, ~10 ms on the 2-core CPU machine).
+PATH_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +62,7 @@ class Prediction:
 
     @property
     def total_s(self) -> float:
-        return self.wait_s + self.prefill_s + self.transfer_s + self.decode_wait_s
+        return PATH_S + self.wait_s + self.prefill_s + self.transfer_s + self.decode_wait_s
 
     def dominant(self) -> str:
         """The term that costs the most, for a refusal's message."""

@@ -6,14 +6,15 @@ import pytest
 from hypothesis import given, strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.predict import Prior, decode_wait_s, kv_bytes_of, predict
+from services.router.predict import (IN_FLIGHT_STEP, PATH_S, Prior, decode_wait_s, kv_bytes_of,
+                                     predict)
 from services.worker.rates import TINY, WorkerRates
 
 
 def test_a_cold_worker_is_predicted_from_the_prior():
     cold = pb.WorkerStats(worker_id="p0", queued_prefill_tokens=1000)
     p = predict(cold, 1000, prior=Prior(prefill_tokens_per_s=500.0))
-    assert (p.wait_s, p.prefill_s) == (2.0, 2.0) and p.total_s == 4.0
+    assert (p.wait_s, p.prefill_s) == (2.0, 2.0) and p.total_s == pytest.approx(4.0 + PATH_S)
 
 
 def test_a_measured_rate_wins_over_the_prior_and_cached_tokens_cost_nothing():
@@ -59,13 +60,13 @@ def test_the_fitted_cost_prices_the_prompt_in_chunks_and_the_queue_at_the_drain_
     assert idle.prefill_s == pytest.approx(steps * TINY.step_s + 1024 * TINY.s_per_token
                                            + (1024 * 1025 // 2) * TINY.s_per_pair)
     # behind 4,000 queued tokens: they drain at 2,000 tokens/s, and while they are there each of
-    # the prompt's steps is a full one (2,048 tokens at the drain rate), after half of the one in
-    # flight; or of the worker's recent prefill step time, when it says
+    # the prompt's steps is a full one (2,048 tokens at the drain rate), after the one in flight;
+    # or of the worker's recent prefill step time, when it says
     busy = predict(cold_worker(4000, prefill_drain_tokens_per_s=2000.0), 1024)
     assert busy.wait_s == pytest.approx(2.0)
-    assert busy.prefill_s == pytest.approx((steps + 0.5) * 2048 / 2000.0)
+    assert busy.prefill_s == pytest.approx((steps + IN_FLIGHT_STEP) * 2048 / 2000.0)
     recent = cold_worker(4000, prefill_drain_tokens_per_s=2000.0, prefill_recent_step_s=0.4)
-    assert predict(recent, 1024).prefill_s == pytest.approx((steps + 0.5) * 0.4)
+    assert predict(recent, 1024).prefill_s == pytest.approx((steps + IN_FLIGHT_STEP) * 0.4)
 
 
 def test_a_class_waits_behind_the_tokens_ahead_of_it_when_the_worker_says():
