@@ -1,4 +1,4 @@
-"""The TTFT prediction error of a workload on a fresh local fleet (docs/benchmarks.md, [A3]):
+"""The TTFT prediction error of a workload on a fresh local fleet (docs/benchmarks.md, "TTFT prediction error"):
 
     python -m loadtests.prediction_error WORKLOAD MODE DURATION_S OUT
 

@@ -164,6 +164,9 @@ class Window:
             self._events.popleft()
         return list(self._events)
 
+    def __len__(self) -> int:
+        return len(self._live())
+
     def rate(self) -> float:
         """Sum of amounts over sum of seconds; 0 while there is none."""
         live = self._live()
@@ -216,7 +219,7 @@ class WorkerRates:
         self._freed.add(max(0, blocks_freed))
 
     def drain_rate(self) -> float:
-        if len(self._drain._live()) >= MIN_DRAIN_STEPS:
+        if len(self._drain) >= MIN_DRAIN_STEPS:
             return self._drain.rate()
         return self.prior.drain_rate(self.token_budget, self.chunk_size)
 

@@ -188,6 +188,8 @@ def test_a_traced_request_continues_the_clients_trace_and_names_it_in_the_respon
     assert attrs[tracing.OUTPUT_TOKENS] == 3 and attrs[tracing.MAX_TOKENS] == 3
     assert tuple(attrs[tracing.FINISH_REASONS]) == ("length",)
     assert attrs[tracing.RESPONSE_ID].startswith("cmpl-")
+    # how far the router's TTFT prediction was off, as the response's timing says it
+    assert attrs[tracing.PREDICTED_TTFT] > 0 and attrs[tracing.PREDICTION_ERROR] > -1
 
 
 def test_a_refused_request_has_an_error_span_and_still_names_its_trace(traced_gateway):
