@@ -96,6 +96,16 @@ def phase_breakdown(records: list[RequestRecord]) -> dict | None:
     return out
 
 
+def prediction_error(records: list[RequestRecord]) -> dict | None:
+    """How far the router's TTFT prediction was off, from the server's timing: p50 and p90 of
+    |predicted - actual| / actual TTFT over the ok requests that reported it (None: none did)."""
+    errors = [abs(r.timing["ttft_prediction_error"]) for r in records
+              if r.ok and r.timing and "ttft_prediction_error" in r.timing]
+    if not errors:
+        return None
+    return {"requests": len(errors), "p50": percentile(errors, 50), "p90": percentile(errors, 90)}
+
+
 def class_summary(records: list[RequestRecord], slo: ClassSLO, duration_s: float) -> dict:
     """Counts, latency stats, SLO attainment, goodput and token throughput of one class."""
     good = [r for r in records if r.ok]
@@ -116,6 +126,7 @@ def class_summary(records: list[RequestRecord], slo: ClassSLO, duration_s: float
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / duration_s,
         "phases": phase_breakdown(records),
+        "prediction_error": prediction_error(records),
     }
 
 
@@ -198,8 +209,11 @@ def summarize(run: RunResult) -> dict:
                        goodput_rps output_tokens output_tokens_per_s,
                        phases (None, or requests and {queue_s prefill_s transfer_s decode_s}:
                                {p50 p95 p99 mean share_p50})
+                       prediction_error (None, or {requests p50 p90} of |predicted - actual|
+                                         / actual TTFT, from the server's timing)
         overall: requests ok errors rejected met goodput_rps output_tokens output_tokens_per_s
                  request_throughput_rps
+        prediction_error: overall, as the classes' (None when no request reported it)
         tenants[name]: requests ok output_tokens output_tokens_per_s share weight demand_served
         jain_index, errors_by_reason{reason: count}, retry_after_s{count median}
         timeline: [{t_s sent ok ttft_p50_s completed}, ...]
@@ -245,4 +259,5 @@ def summarize(run: RunResult) -> dict:
                                                 if r.error is not None).items())),
         "retry_after_s": {"count": len(retry_after), "median": percentile(retry_after, 50)},
         "timeline": timeline(run.records),
+        "prediction_error": prediction_error(run.records),
     }

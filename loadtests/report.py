@@ -109,6 +109,8 @@ def render_markdown(summary: dict, plots: Mapping[str, str] | None = None) -> st
              f"{_num(o['output_tokens_per_s'])} output tok/s.",
              *(["", "## Phases (server-reported)", "", phases] if (phases := phase_table(summary))
                else []),
+             *(["", "## TTFT prediction error (server-reported)", "", errors]
+               if (errors := prediction_table(summary)) else []),
              "", "## Tenants", "", _tenant_table(summary), "",
              f"Jain's fairness index (service against each tenant's weighted max-min fair share): "
              f"{_num(summary['jain_index'], digits=3)}",
@@ -125,6 +127,17 @@ def render_markdown(summary: dict, plots: Mapping[str, str] | None = None) -> st
         lines += ["", "## Plots", ""]
         lines += [f"![{title}]({path})" for title, path in plots.items()]
     return "\n".join(lines) + "\n"
+
+
+def prediction_table(summary: dict) -> str | None:
+    """Per class and overall, p50 / p90 of |predicted - actual| / actual TTFT (%); None when no
+    request reported a prediction."""
+    rows = ["| class | requests | p50 (%) | p90 (%) |", "|---|---:|---:|---:|"]
+    parts = [(n, c.get("prediction_error")) for n, c in summary["classes"].items()]
+    parts.append(("all", summary.get("prediction_error")))
+    rows += [f"| {n} | {e['requests']} | {_num(e['p50'], 100)} | {_num(e['p90'], 100)} |"
+             for n, e in parts if e]
+    return "\n".join(rows) if summary.get("prediction_error") else None
 
 
 # --- plots -----------------------------------------------------------------------------------

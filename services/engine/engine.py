@@ -28,7 +28,7 @@ from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
 from services.engine.request import Request, Status
 from services.engine.sampler import make_generator
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.scheduler import Scheduler, SchedulerOutput, attention_pairs
 from services.engine.step_model import StepModel
 from services.engine.tokenizer import Tokenizer
 from services.engine.validation import RequestValidator
@@ -60,6 +60,8 @@ class EngineStats:
     num_waiting_for_decode_slot: int = 0  # held back by decode protection (ITL), reservations kept
     # (tenant, sequences holding KV, KV blocks held or reserved), largest KV first
     tenants: list[tuple[str, int, int]] = field(default_factory=list)
+    # per class, the prompt tokens a new request of it waits behind (Scheduler.prefill_tokens_ahead)
+    prefill_tokens_ahead: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class StepRecord:
     prefix_hits: int              # cache, and the tokens it held
     preemptions: int
     prefill_chunks: list[tuple[str, int]]   # (request id, tokens) per prefill chunk
+    attention_pairs: int = 0      # (query, key) pairs: prefill chunks' and decodes' (contexts)
 
 
 def resolve_model_dir(model: str) -> str:
@@ -230,6 +233,7 @@ class LLMEngine:
             last_schedule_s=self._last[1], last_prepare_s=self._last[2],
             oldest_queued_s=self._oldest_queued_s(), tenants=self.scheduler.tenant_shares(),
             num_waiting_for_decode_slot=self.scheduler.num_waiting_for_decode_slot,
+            prefill_tokens_ahead=self.scheduler.prefill_tokens_ahead(),
             **self._counters)
 
     def _oldest_queued_s(self) -> float:
@@ -402,6 +406,8 @@ class LLMEngine:
             prefix_queries=plan.prefix_queries, prefix_hits=plan.prefix_hits,
             preemptions=len(plan.preempted),
             prefill_chunks=[(c.request.request_id, c.num_tokens) for c in plan.prefills],
+            attention_pairs=sum(attention_pairs(c.start_pos, c.num_tokens) for c in plan.prefills)
+            + sum(c.start_pos + 1 for c in plan.decodes),
         ) if ran else None
         if not self.has_unfinished():
             self._ready_since = None

@@ -585,6 +585,16 @@ class Scheduler:
         return sum(r.num_uncomputed_tokens for qs in self.queues.values() for q in qs.values()
                    for r in q)
 
+    def prefill_tokens_ahead(self) -> dict[str, int]:
+        """Per class, the prompt tokens not yet computed that a new request of it would wait
+        behind: those of its own and higher class priorities (prefill goes by class priority)."""
+        by_priority: dict[int, int] = {}
+        for c in self.config.classes:
+            tokens = sum(r.num_uncomputed_tokens for q in self.queues[c.name].values() for r in q)
+            by_priority[c.priority] = by_priority.get(c.priority, 0) + tokens
+        return {c.name: sum(n for p, n in by_priority.items() if p >= c.priority)
+                for c in self.config.classes}
+
     def num_queued(self) -> int:
         return sum(1 for qs in self.queues.values() for q in qs.values() for r in q
                    if r.status != Status.RUNNING)

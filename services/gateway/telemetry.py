@@ -15,6 +15,11 @@ admission) + the engine queue the prefill (or mixed) worker reports; prefill_s, 
 decode_s as the workers report them; ttft_s = received -> first token sent; e2e_s = received ->
 now (the final chunk). The phases are disjoint intervals inside [received, final chunk], so
 queue + prefill + transfer + decode <= e2e and ttft <= e2e.
+Once admitted with a prediction, `timing` also has predicted_ttft_s (the gateway's own time until
+the plan came, known then, plus the router's predicted_ttft_s) and, from the first token on,
+ttft_prediction_error = (predicted - actual) / actual TTFT (negative: slower than predicted), which
+the metrics (kvfleet_ttft_prediction_{relative,abs_relative}_error, by class) and the request
+span (kvfleet.ttft_prediction_error) carry too.
 
 Outcomes (kvfleet_requests_total): finished (its last chunk, stop or length, was sent);
 cancelled (the client cancelled or went away); error (a failure after a token was sent, or
@@ -81,6 +86,8 @@ class _Children:
         self.itl = m.itl.labels(cls)
         self.active = m.active.labels(tenant, cls)
         self.ttft_error = m.ttft_error.labels(cls)
+        self.ttft_rel_error = m.ttft_rel_error.labels(cls)
+        self.ttft_abs_rel_error = m.ttft_abs_rel_error.labels(cls)
 
 
 class RequestTelemetry:
@@ -177,8 +184,11 @@ class RequestTelemetry:
         if self.admitted_at is not None or at is None:
             return
         self.admitted_at = at
+        if plan is not None and plan.predicted_ttft_s > 0:
+            # the router predicts from its Admit on; the time spent here before the plan came
+            # (auth, validation, quota, admission) is known by now
+            self.predicted_ttft_s = (at - self.received) + plan.predicted_ttft_s
         if plan is not None:
-            self.predicted_ttft_s = plan.predicted_ttft_s
             self.stage = pb.OverloadStage.Name(plan.stage)
             if self.span is not None:
                 self._attrs.update({tracing.STAGE: self.stage,
@@ -207,6 +217,11 @@ class RequestTelemetry:
             self._children.ttft.observe(ttft)
             if self.predicted_ttft_s > 0:
                 self._children.ttft_error.observe(ttft - self.predicted_ttft_s)
+                error = self.prediction_error()
+                self._children.ttft_rel_error.observe(error)
+                self._children.ttft_abs_rel_error.observe(abs(error))
+                if self.span is not None:
+                    self._attrs[tracing.PREDICTION_ERROR] = error
         else:
             gap = now - self.last_at
             self.gaps.append(gap)
@@ -220,9 +235,19 @@ class RequestTelemetry:
         now = time.monotonic() if now is None else now
         own_queue = (self.admitted_at if self.admitted_at is not None else now) - self.received
         q, p, t, d = self.phases
-        return {"queue_s": own_queue + q, "prefill_s": p, "transfer_s": t, "decode_s": d,
-                "ttft_s": (self.first_at if self.first_at is not None else now) - self.received,
-                "e2e_s": now - self.received}
+        out = {"queue_s": own_queue + q, "prefill_s": p, "transfer_s": t, "decode_s": d,
+               "ttft_s": (self.first_at if self.first_at is not None else now) - self.received,
+               "e2e_s": now - self.received}
+        if self.predicted_ttft_s > 0:
+            out["predicted_ttft_s"] = self.predicted_ttft_s
+            if self.first_at is not None:
+                out["ttft_prediction_error"] = self.prediction_error()
+        return out
+
+    def prediction_error(self) -> float:
+        """(predicted - actual) / actual TTFT, once the first token was sent."""
+        actual = max(self.first_at - self.received, 1e-9)
+        return (self.predicted_ttft_s - actual) / actual
 
     @staticmethod
     def timing_pb(t: dict[str, float]) -> pb.RequestTiming:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from services.engine.admission import blocks_for_samples
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.predict import Prior, predict
+from services.router.predict import Prior, free_unreserved_blocks, predict
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,6 @@ def prefill_cost(w: pb.WorkerStats, prompt_tokens: int, cached_tokens: int = 0,
                  prior: Prior = Prior()) -> float:
     """Predicted seconds to the prompt's first token on `w`, its `cached_tokens` not recomputed."""
     return predict(w, prompt_tokens, cached_tokens=cached_tokens, prior=prior).total_s
-
-
-def free_unreserved_blocks(w: pb.WorkerStats) -> int:
-    return max(0, w.kv_blocks_free - w.kv_blocks_reserved - w.kv_blocks_held)
 
 
 def kv_blocks_needed(w: pb.WorkerStats, prompt_tokens: int, params: pb.SamplingParams) -> int:

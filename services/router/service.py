@@ -20,11 +20,9 @@ count every decision (admitted / rejected, reason, stage, class), its time, the 
 live workers by role and placements by worker. Overload stages are not implemented yet: every
 decision is taken in S0_NORMAL and says so (Plan.stage, CallStatus.stage, the stage gauge is 0).
 
-Predicted TTFT (Plan.predicted_ttft_s): the chosen prefill (co-located: mixed) worker's prompt
-backlog plus this prompt, over its measured prefill rate,
-    (queued_prefill_tokens + prompt tokens) / prefill_tokens_per_s,
-and 0 (unknown) while the worker has measured no rate yet. It ignores the decode hand-off and
-prefix hits: a first-order model, whose error the gateway measures.
+Predicted TTFT (Plan.predicted_ttft_s, its terms in Plan.predicted_*_s): services/router/predict.py,
+from what the chosen workers measured of themselves (a cold worker publishes its prior: never 0).
+Prefix hits are not known to the router yet (cached_tokens = 0).
 
 A Reserve whose answer came too late (the worker was slow, not dead) leaves no reservation: the
 call carries its deadline, and the decode worker undoes whatever its engine reserved for a caller
@@ -51,6 +49,7 @@ from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, 
                                        rank_mixed, rank_prefill)
 from services.router.placements import PlacementLedger
 from services.router.prefix_index import PrefixIndex
+from services.router.predict import decode_wait_s, kv_bytes_of, predict
 from services.state.fleet_state import ROLES, FleetState
 from services.state.outage import UNREACHABLE, Outage
 from services.telemetry import tracing
@@ -77,13 +76,6 @@ CLASS_LABELS = 16               # distinct traffic-class label values kept (the 
 WORKER_ATTR = "kvfleet.worker_id"           # router.reserve: the decode worker asked
 ACCEPTED_ATTR = "kvfleet.reserve.accepted"
 KV_BLOCKS_ATTR = "kvfleet.kv_blocks_needed"  # router.admit: the reservation's KV pages (n-aware)
-
-
-def predicted_ttft_s(w: pb.WorkerStats, prompt_tokens: int) -> float:
-    """Seconds until `w` computes this prompt's first token: its backlog and the prompt at its
-    measured prefill rate; 0 (unknown) while it has none."""
-    rate = w.prefill_tokens_per_s
-    return (w.queued_prefill_tokens + prompt_tokens) / rate if rate > 0 else 0.0
 
 
 def overloaded(message: str) -> status.CallFailed:
@@ -214,8 +206,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         m.admissions.labels(decision, reason, STAGE_NAME, cls).inc()
         m.admit_seconds.labels(cls).observe(time.perf_counter() - started)
         if plan is not None:
-            if plan.predicted_ttft_s > 0:             # 0 = unknown: not a prediction
-                m.predicted_ttft.labels(cls).observe(plan.predicted_ttft_s)
+            m.predicted_ttft.labels(cls).observe(plan.predicted_ttft_s)
             if plan.mode == pb.Plan.COLOCATED:
                 m.placements.labels("mixed", plan.prefill[0].worker_id).inc()
             else:
@@ -231,28 +222,35 @@ class RouterServicer(pb_grpc.RouterServicer):
         placed = await self.placements.read(mixed)
         prompt = len(request.prompt_token_ids)
         needed = kv_blocks_needed(mixed[0], prompt, request.params) if mixed else 0
-        candidates = rank_mixed(mixed, needed, placed, self.placements.turn,
-                                self._cached(request, mixed))
+        cached = self._cached(request, mixed)
+        candidates = rank_mixed(mixed, needed, placed, self.placements.turn, cached)
         if not candidates:
             raise unhealthy("no healthy mixed worker")
-        await self.placements.add(candidates[0], kv_blocks_needed(candidates[0], prompt, request.params))
-        return pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
-                       prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
-                       router_id=self.router_id,
-                       predicted_ttft_s=predicted_ttft_s(candidates[0],
-                                                         len(request.prompt_token_ids)))
+        blocks = kv_blocks_needed(candidates[0], prompt, request.params)
+        await self.placements.add(candidates[0], blocks)
+        prediction = predict(candidates[0], prompt, traffic_class=request.traffic_class,
+                             cached_tokens=cached.get(candidates[0].worker_id, 0),
+                             decode_wait_s=decode_wait_s(candidates[0], blocks))
+        return prediction.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
+                                       prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
+                                       router_id=self.router_id))
 
     async def _disaggregated(self, request: pb.WorkRequest, workers) -> pb.Plan:
-        prefill = rank_prefill(workers, len(request.prompt_token_ids), self.placements.turn,
-                               self._cached(request, [w for w in workers if w.role == "prefill"]))
+        prompt = len(request.prompt_token_ids)
+        cached = self._cached(request, [w for w in workers if w.role == "prefill"])
+        prefill = rank_prefill(workers, prompt, self.placements.turn, cached)
         if not prefill:
             raise unhealthy("no healthy prefill worker")
         decode, reservation = await self._reserve(request, workers)
-        return pb.Plan(request_id=request.request_id, mode=pb.Plan.DISAGGREGATED,
-                       prefill=[_ref(w) for w in prefill[:PREFILL_CHOICES]], decode=_ref(decode),
-                       target=reservation.target, deadline_unix_s=reservation.expires_at_unix_s,
-                       router_id=self.router_id,
-                       predicted_ttft_s=predicted_ttft_s(prefill[0], len(request.prompt_token_ids)))
+        prediction = predict(prefill[0], prompt, traffic_class=request.traffic_class,
+                             cached_tokens=cached.get(prefill[0].worker_id, 0),
+                             kv_bytes=kv_bytes_of(prefill[0], prompt), decode_wait_s=decode_wait_s(
+                                 decode, kv_blocks_needed(decode, prompt, request.params)))
+        return prediction.fill(pb.Plan(
+            request_id=request.request_id, mode=pb.Plan.DISAGGREGATED,
+            prefill=[_ref(w) for w in prefill[:PREFILL_CHOICES]], decode=_ref(decode),
+            target=reservation.target, deadline_unix_s=reservation.expires_at_unix_s,
+            router_id=self.router_id))
 
     def _cached(self, request: pb.WorkRequest, workers) -> dict[str, int]:
         """Leading prompt tokens each worker holds in its prefix cache ({}: no index)."""

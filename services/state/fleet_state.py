@@ -73,6 +73,13 @@ WINDOW_S = 60
 MAX_WINDOW_TTL_MS = (2 * WINDOW_S + 5) * 1000
 
 
+# The measured rates and cost coefficients a heartbeat carries (the router divides by them).
+RATE_FIELDS = ("prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prior_step_s",
+               "prior_s_per_token", "prior_s_per_pair", "prefill_drain_tokens_per_s",
+               "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s",
+               "prefill_recent_step_s")
+
+
 def stats_problems(stats: pb.WorkerStats) -> list[str]:
     """What makes a heartbeat unusable (empty: none). Unsigned fields are >= 0 by construction;
     the doubles must be finite and >= 0."""
@@ -83,7 +90,8 @@ def stats_problems(stats: pb.WorkerStats) -> list[str]:
         out.append(f"role {stats.role!r} not in {ROLES}")
     if stats.kv_backend not in KV_BACKENDS:
         out.append(f"kv_backend {stats.kv_backend!r} not in {KV_BACKENDS}")
-    for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "updated_at_unix_s"):
+    for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "updated_at_unix_s",
+                 *RATE_FIELDS):
         value = getattr(stats, name)
         if not (math.isfinite(value) and value >= 0):
             out.append(f"{name} {value!r} is not finite and >= 0")

@@ -32,6 +32,8 @@ ERROR_BUCKETS = (-10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 
 TOKENS_PER_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 GAP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 BYTES_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 12))     # 4 KiB .. 4 GiB
+REL_ERROR_BUCKETS = (-0.9, -0.75, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+ABS_REL_ERROR_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 PHASES = ("queue", "prefill", "transfer", "decode")
 
@@ -133,6 +135,14 @@ class GatewayMetrics(_Metrics):
             "kvfleet_ttft_prediction_error_seconds",
             "Actual minus the router's predicted TTFT (positive: slower than predicted)",
             ["traffic_class"], buckets=ERROR_BUCKETS, registry=r)
+        self.ttft_rel_error = Histogram(
+            "kvfleet_ttft_prediction_relative_error",
+            "(predicted - actual) / actual TTFT (negative: slower than predicted)",
+            ["traffic_class"], buckets=REL_ERROR_BUCKETS, registry=r)
+        self.ttft_abs_rel_error = Histogram(
+            "kvfleet_ttft_prediction_abs_relative_error",
+            "|predicted - actual| / actual TTFT", ["traffic_class"],
+            buckets=ABS_REL_ERROR_BUCKETS, registry=r)
 
 
 class RouterMetrics(_Metrics):

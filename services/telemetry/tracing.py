@@ -53,6 +53,7 @@ QUALITY_VERSION = "kvfleet.quality_version"
 REQUEST_ID = "kvfleet.request_id"
 STAGE = "kvfleet.overload_stage"                # S0_NORMAL ... S4_REJECT
 PREDICTED_TTFT = "kvfleet.predicted_ttft_s"
+PREDICTION_ERROR = "kvfleet.ttft_prediction_error"   # (predicted - actual) / actual TTFT
 QUEUE_WAIT = "kvfleet.queue_wait_s"
 DECISION = "kvfleet.admission.decision"         # admitted | rejected
 REASON = "kvfleet.reason"                       # a CallStatus reason name

@@ -42,12 +42,24 @@ from services.telemetry import exposition, tracing
 from services.worker.engine_client import EngineClient, EngineFailed
 from services.worker.config import WorkerConfig
 from services.worker.kv_events import KVEventPublisher, PublisherConfig
+from services.worker.rates import WorkerRates, prior_for, prior_from_timer
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
 ENGINE_FAILED_EXIT = 70     # EX_SOFTWARE: the engine core died; the supervisor restarts the worker
+
+
+def _prior(engine_config: EngineConfig, profile: str | None, kv_bytes_per_token: int,
+           budget: int):
+    """What this worker publishes as its costs before it has measured any: a simulated engine's
+    own step timer (its target's cost model, profile or fixed step), else --step-profile, else
+    the real CPU engine's default (services/worker/rates.py)."""
+    if engine_config.sim is not None and not profile:
+        from services.engine.sim_engine import step_timer  # noqa: PLC0415
+        return prior_from_timer(step_timer(engine_config.sim), "sim engine", budget)
+    return prior_for(kv_bytes_per_token, profile=profile, budget=budget)
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None:
@@ -63,6 +75,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
     p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--step-profile", default=None, metavar="FILE",
+                   help="a measured step profile (kvfleet sim calibrate): the prefill cost prior "
+                        "this worker publishes until it has measured its own")
     add_engine_args(p)
     add_sim_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -221,6 +236,12 @@ async def serve(args: argparse.Namespace) -> int:
     engine = EngineClient(engine_config, on_failure=lambda _: stop.set(),
                           on_step=telemetry.on_step, torch_threads=args.threads)
     await engine.start()
+    kv_bytes_per_token = engine.kv_cache.bytes_per_block // engine.block_size
+    sched = engine_config.scheduler
+    telemetry.rates = WorkerRates(
+        _prior(engine_config, args.step_profile, kv_bytes_per_token, sched.token_budget),
+        token_budget=sched.token_budget, chunk_size=sched.chunk_size,
+        kv_bytes_per_token=kv_bytes_per_token)
     try:
         # its thread (a daemon) serves until the process exits: closing it would wait out its
         # poll interval inside the stop budget

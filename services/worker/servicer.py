@@ -139,7 +139,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             model=self.engine.model, max_model_len=self.engine.max_model_len,
             metrics_url=self.telemetry.metrics_url,
             tenants=[pb.TenantShare(tenant=t, sequences=n, kv_blocks=b)
-                     for t, n, b in s.tenants])          # the engine's order: largest KV first
+                     for t, n, b in s.tenants],          # the engine's order: largest KV first
+            queued_prefill_tokens_ahead=s.prefill_tokens_ahead,
+            **(self.telemetry.rates.fields() if self.telemetry.rates else {}))
 
     async def Health(self, request, context) -> pb.HealthResponse:
         if self.engine.failure is not None:

@@ -37,6 +37,7 @@ from services.telemetry.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from services.engine.engine import EngineStats
+    from services.worker.rates import WorkerRates
     from services.worker.engine_core import StepStats
 
 KV_STATES = ("total", "used", "reserved", "free", "cached", "held")
@@ -93,6 +94,10 @@ class WorkerTelemetry:
         self._abandoned = {how: child(m.reservations_abandoned, how) for how in ABANDONED}
         self._tenants_shown: set[str] = set()   # tenant labels with a series (zeroed, not removed)
         self._prefilling: dict[str, Span] = {}  # recording prefill spans awaiting their first token
+        # what the heartbeat publishes for the router's TTFT prediction (worker/rates.py); set
+        # once the engine has started and its model and KV layout are known
+        self.rates: WorkerRates | None = None
+        self._blocks_per_seq = 0.0              # KV blocks a running sequence holds, at the last beat
 
     # ------------------------------------------------------------------ gauges
     def refresh(self, s: EngineStats, *, writes_in_flight: int = 0, held_blocks: int = 0) -> None:
@@ -110,6 +115,7 @@ class WorkerTelemetry:
         self._rates["decode"].set(s.decode_tokens_per_s)
         self._writes.set(writes_in_flight)
         self._refresh_tenants(s.tenants)
+        self._blocks_per_seq = (s.kv_blocks_used + s.kv_blocks_reserved) / max(1, s.num_running)
 
     def _refresh_tenants(self, tenants: Iterable[tuple[str, int, int]]) -> None:
         """Per-tenant gauges, summed under each tenant's bounded label; a label seen before and
@@ -131,6 +137,8 @@ class WorkerTelemetry:
         """One engine step (on the asyncio loop): batch composition, busy time split by phase in
         proportion to the step's tokens, the scheduler's idle gap, prefix cache, preemptions."""
         p, d = step.prefill_tokens, step.decode_tokens
+        if self.rates is not None:
+            self.rates.on_step(p, d, step.attention_pairs, step.duration_s, step.gap_s)
         if p:
             self._iteration["prefill"].observe(p)
             self._tokens["prefill"].inc(p)
@@ -162,6 +170,9 @@ class WorkerTelemetry:
     # ---------------------------------------------------------------- requests
     def ended(self, outcome: str) -> None:
         self._outcomes[outcome].inc()
+        if outcome == "finished" and self.rates is not None:
+            # the blocks it freed: a running sequence's mean share at the last beat (an estimate)
+            self.rates.finished(round(self._blocks_per_seq))
 
     def abandoned(self, how: str) -> None:
         """A decode reservation made or asked for by a caller that had gone was undone."""
@@ -175,6 +186,8 @@ class WorkerTelemetry:
     def kv_moved(self, backend: str, direction: str, nbytes: int, seconds: float | None) -> None:
         m = self.metrics
         m.labels(m.kv_transfer_bytes, backend, direction).inc(nbytes)
+        if direction == "sent" and self.rates is not None:
+            self.rates.kv_written(nbytes, seconds)
         if seconds is not None:
             m.labels(m.kv_transfer_seconds, backend).observe(max(0.0, seconds))
 

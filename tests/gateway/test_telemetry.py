@@ -29,6 +29,7 @@ from tests.gateway.gateway_helpers import KEYS, bearer, metric, openai_error, sc
 from tests.harness import InProcessGateway, start_gateway
 
 TIMING = ("queue_s", "prefill_s", "transfer_s", "decode_s", "ttft_s", "e2e_s")
+PREDICTION = ("predicted_ttft_s", "ttft_prediction_error")
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN}-01"
@@ -40,8 +41,10 @@ def openai_client(gateway, key: str = "acme") -> OpenAI:
 
 def assert_consistent(timing: dict) -> None:
     """Every phase measured, none negative, and together inside the end-to-end time."""
-    assert set(timing) == set(TIMING), timing
-    assert all(v >= 0 for v in timing.values()), timing
+    assert set(TIMING) <= set(timing) <= {*TIMING, *PREDICTION}, timing
+    assert all(timing[k] >= 0 for k in TIMING), timing
+    if "ttft_prediction_error" in timing:               # (predicted - actual) / actual
+        assert timing["ttft_prediction_error"] > -1 and timing["predicted_ttft_s"] > 0
     phases = timing["queue_s"] + timing["prefill_s"] + timing["transfer_s"] + timing["decode_s"]
     assert phases <= timing["e2e_s"] and timing["ttft_s"] <= timing["e2e_s"], timing
     assert timing["queue_s"] > 0 and timing["e2e_s"] > 0
@@ -185,6 +188,8 @@ def test_a_traced_request_continues_the_clients_trace_and_names_it_in_the_respon
     assert attrs[tracing.OUTPUT_TOKENS] == 3 and attrs[tracing.MAX_TOKENS] == 3
     assert tuple(attrs[tracing.FINISH_REASONS]) == ("length",)
     assert attrs[tracing.RESPONSE_ID].startswith("cmpl-")
+    # how far the router's TTFT prediction was off, as the response's timing says it
+    assert attrs[tracing.PREDICTED_TTFT] > 0 and attrs[tracing.PREDICTION_ERROR] > -1
 
 
 def test_a_refused_request_has_an_error_span_and_still_names_its_trace(traced_gateway):

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.router.predict import PATH_S
 from services.router.placement import (Placed, can_ever_hold, free_unreserved_blocks,
                                        kv_blocks_needed, prefill_cost, rank_decode, rank_mixed, rank_prefill,
                                        room_after)
@@ -73,14 +74,15 @@ def test_a_worker_promised_past_its_free_blocks_has_no_room_not_negative_room():
 def test_prefill_prefers_the_shortest_queue_and_counts_the_prompt_at_the_prefill_rate():
     p0 = make_stats("p0", "prefill", queued_prefill_tokens=4096, prefill_tokens_per_s=1000)
     p1 = make_stats("p1", "prefill", queued_prefill_tokens=0, prefill_tokens_per_s=1000)
-    assert prefill_cost(p1, 33) == 33 / 1000                              # the prompt, no queue
+    # the prompt at the rate, no queue, plus the fixed hops to a first token
+    assert prefill_cost(p1, 33) == pytest.approx(PATH_S + 33 / 1000)
     assert ids(rank_prefill([p0, p1], 33)) == ["p1", "p0"]
 
 
 def test_prefill_counts_only_the_tokens_a_worker_does_not_hold():
     busy = make_stats("p0", "prefill", queued_prefill_tokens=300, prefill_tokens_per_s=1000)
     idle = make_stats("p1", "prefill", queued_prefill_tokens=0, prefill_tokens_per_s=1000)
-    assert prefill_cost(busy, 1000, cached_tokens=960) == pytest.approx((300 + 40) / 1000)
+    assert prefill_cost(busy, 1000, cached_tokens=960) == pytest.approx(PATH_S + (300 + 40) / 1000)
     # busy holds 960 of the prompt's 1000 tokens: waiting 300 beats computing 1000
     assert ids(rank_prefill([busy, idle], 1000, cached={"p0": 960})) == ["p0", "p1"]
     # a prefix worth less than the queue ahead of it does not win

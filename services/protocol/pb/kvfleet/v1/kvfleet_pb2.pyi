@@ -275,7 +275,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage")
+    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage", "predicted_wait_s", "predicted_prefill_s", "predicted_transfer_s", "predicted_decode_wait_s")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[Plan.Mode]
@@ -293,6 +293,10 @@ class Plan(_message.Message):
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_DECODE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Plan.Mode
     prefill: _containers.RepeatedCompositeFieldContainer[WorkerRef]
@@ -302,7 +306,11 @@ class Plan(_message.Message):
     router_id: str
     predicted_ttft_s: float
     stage: OverloadStage
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ...) -> None: ...
+    predicted_wait_s: float
+    predicted_prefill_s: float
+    predicted_transfer_s: float
+    predicted_decode_wait_s: float
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_transfer_s: _Optional[float] = ..., predicted_decode_wait_s: _Optional[float] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype", "tensor_parallel_size", "k_scale", "v_scale")
@@ -479,7 +487,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held", "prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prefill_fit_steps", "prior_step_s", "prior_s_per_token", "prior_s_per_pair", "prior_source", "prefill_drain_tokens_per_s", "token_budget", "chunk_size", "prefill_recent_step_s", "kv_bytes_per_token", "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s", "queued_prefill_tokens_ahead")
+    class QueuedPrefillTokensAheadEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -502,6 +517,23 @@ class WorkerStats(_message.Message):
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_PAIR_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_S_PER_PAIR_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DRAIN_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RECENT_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREED_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FINISHED_PER_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -524,7 +556,24 @@ class WorkerStats(_message.Message):
     metrics_url: str
     tenants: _containers.RepeatedCompositeFieldContainer[TenantShare]
     kv_blocks_held: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ...) -> None: ...
+    prefill_step_s: float
+    prefill_s_per_token: float
+    prefill_s_per_pair: float
+    prefill_fit_steps: int
+    prior_step_s: float
+    prior_s_per_token: float
+    prior_s_per_pair: float
+    prior_source: str
+    prefill_drain_tokens_per_s: float
+    token_budget: int
+    chunk_size: int
+    prefill_recent_step_s: float
+    kv_bytes_per_token: int
+    kv_transfer_bytes_per_s: float
+    kv_blocks_freed_per_s: float
+    sequences_finished_per_s: float
+    queued_prefill_tokens_ahead: _containers.ScalarMap[str, int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ..., prefill_step_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_s_per_pair: _Optional[float] = ..., prefill_fit_steps: _Optional[int] = ..., prior_step_s: _Optional[float] = ..., prior_s_per_token: _Optional[float] = ..., prior_s_per_pair: _Optional[float] = ..., prior_source: _Optional[str] = ..., prefill_drain_tokens_per_s: _Optional[float] = ..., token_budget: _Optional[int] = ..., chunk_size: _Optional[int] = ..., prefill_recent_step_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_blocks_freed_per_s: _Optional[float] = ..., sequences_finished_per_s: _Optional[float] = ..., queued_prefill_tokens_ahead: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TenantShare(_message.Message):
     __slots__ = ("tenant", "sequences", "kv_blocks")

@@ -1,0 +1,240 @@
+"""What a worker measures of itself for the router's TTFT prediction (DESIGN.md section 3, router),
+published in its stats heartbeat (WorkerStats):
+
+  prefill cost    step seconds = step_s + s_per_token x tokens + s_per_pair x attention pairs,
+                  fitted online (`CostFit`: recursive least squares with a forgetting factor) on
+                  the steps that ran prefill, started from a `Prior`; tokens and pairs count the
+                  step's decodes too (a decode token goes through the same layers and attends over
+                  its context), so a mixed worker's fit prices its decode share
+  drain rate      prefill tokens computed per busy second: the steps that ran prefill, whole
+                  (decode share included), plus the gaps before them while work waited. It is how
+                  fast a burst's queue really drains, which is what the wait term needs. Until
+                  measured: the prior's rate at a full token budget
+  recent step     the mean duration of its last RECENT_STEPS steps that ran prefill: what a
+                  prompt's own step costs while others share it
+  KV bandwidth    prefill: bytes / seconds of its recent KV writes
+  decode drain    decode / mixed: sequences finished per second and the KV blocks they freed
+
+The rates are over a sliding window of recent events (`Window`), so they follow load changes and
+forget an idle spell's last burst no faster than the window.
+
+Priors (`prior_for`), in order: a measured step profile file (`--step-profile`: services/planner
+/profile.py's StepProfile when that module exists), the capacity model's roofline for a simulated
+engine core, else `default_prior` by model size: figures derived from docs/benchmarks.md's
+in-process engine measurements on this 2-core CPU, made ~1.5x slower so that a cold fleet errs
+towards refusing rather than admitting blindly.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.engine.scheduler import attention_pairs
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """Step-time coefficients assumed before a worker has measured its own, and their source."""
+
+    step_s: float
+    s_per_token: float
+    s_per_pair: float
+    source: str
+
+    def step_time(self, tokens: int, pairs: int) -> float:
+        return self.step_s + self.s_per_token * tokens + self.s_per_pair * pairs
+
+    def drain_rate(self, budget: int, chunk: int) -> float:
+        """Prefill tokens/s of back-to-back full-budget steps, each of budget / chunk prompts'
+        first chunks (a burst of short prompts)."""
+        chunk = max(1, min(chunk, budget))
+        pairs = budget // chunk * attention_pairs(0, chunk)
+        return budget / self.step_time(budget, pairs)
+
+
+# docs/benchmarks.md, "Engine, in process" (2-core CPU, fp32), made ~1.5x slower. The tiny model
+# (2,048 KV bytes a token): batch-1 decode step 2.4 ms, +0.09 ms a token at batch 32, a 4,096-token
+# prefill in 512-token chunks at 7,413 tok/s (the rest of its time is attention: ~2e-8 s a pair);
+# the fleet achieved 3.7-4.1K tok/s in bursts. SmolLM2-135M (46,080 KV bytes a token): batch-1
+# step 78.5 ms, +4.1 ms a decode token, prefill 236 tok/s (4.2 ms a token).
+TINY = Prior(3.6e-3, 1.5e-4, 3e-8, "default:torch-cpu tiny (docs/benchmarks.md, x1.5)")
+SMOLLM2 = Prior(0.12, 6.3e-3, 1e-6, "default:torch-cpu smollm2-135m (docs/benchmarks.md, x1.5)")
+SMOLLM2_KV_BYTES = 46080
+
+
+def default_prior(kv_bytes_per_token: int) -> Prior:
+    """The real engine on this CPU, by model size (its KV bytes a token stand for it): the tiny
+    model's measured costs up to its size, past it SmolLM2's, scaled by KV bytes a token (never
+    below the tiny model's)."""
+    if kv_bytes_per_token <= 2 * 2048:
+        return TINY
+    f = kv_bytes_per_token / SMOLLM2_KV_BYTES
+    return Prior(max(TINY.step_s, SMOLLM2.step_s * f), max(TINY.s_per_token, SMOLLM2.s_per_token * f),
+                 max(TINY.s_per_pair, SMOLLM2.s_per_pair * f),
+                 f"default:torch-cpu, SmolLM2-135M's costs x{f:.2g} (its KV bytes a token; "
+                 "docs/benchmarks.md, x1.5)")
+
+
+def prior_from_timer(timer, source: str, budget: int = 512) -> Prior:
+    """A prior fitted to any step timer with `step_s(BatchShape)` (the capacity model's CostModel,
+    a measured StepProfile) over a grid of prefill chunks, least squares on the three terms."""
+    from services.planner.step_time import BatchShape  # noqa: PLC0415 - planner only when used
+    rows, times = [], []
+    for n in (budget // 8, budget // 4, budget // 2, budget):
+        for cached in (0, budget, 4 * budget):
+            rows.append((1.0, n, attention_pairs(cached, n)))
+            times.append(timer.step_s(BatchShape(prefill_chunks=((n, cached),))))
+    coef, *_ = np.linalg.lstsq(np.array(rows, float), np.array(times), rcond=None)
+    a, b, c = (max(0.0, float(x)) for x in coef)
+    return Prior(a, b, c, source)
+
+
+def prior_for(kv_bytes_per_token: int, *, profile: str | None = None, cost_model=None,
+              budget: int = 512) -> Prior:
+    """The prior of a worker (module docstring: the order)."""
+    if profile:
+        from services.planner.profile import StepProfile  # noqa: PLC0415 - not in every build
+        return prior_from_timer(StepProfile.load(profile), f"profile:{profile}", budget)
+    if cost_model is not None:
+        t = cost_model.target
+        return prior_from_timer(cost_model, f"cost-model:{t.model.name}/{t.gpu.name}/tp{t.tp}",
+                                budget)
+    return default_prior(kv_bytes_per_token)
+
+
+class CostFit:
+    """Recursive least squares of step seconds on x = (1, tokens, pairs), with forgetting factor
+    `forget` (the weight of a step `k` steps old is forget**k), started from `prior` with
+    confidence `prior_weight` (in steps' worth of evidence). The features are scaled so that the
+    three coefficients are of similar size. Coefficients are published clipped at 0 (a time only
+    adds up)."""
+
+    def __init__(self, prior: Prior, forget: float = 0.98, prior_weight: float = 4.0,
+                 scale: tuple[float, float, float] = (1.0, 1e-3, 1e-6)) -> None:
+        if not 0 < forget <= 1:
+            raise ValueError(f"forgetting factor must be in (0, 1], got {forget!r}")
+        self.prior = prior
+        self.forget = forget
+        self._scale = np.array(scale, float)
+        self._theta = np.array([prior.step_s, prior.s_per_token, prior.s_per_pair]) / self._scale
+        # the inverse information: small = confident. Sized so the prior counts as ~prior_weight
+        # steps of each feature's typical magnitude (1 after scaling)
+        self._p = np.eye(3) / prior_weight
+        self.steps = 0
+
+    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
+        if tokens <= 0 or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        x = np.array([1.0, tokens, pairs], float) * self._scale
+        px = self._p @ x
+        gain = px / (self.forget + x @ px)
+        self._theta = self._theta + gain * (seconds - x @ self._theta)
+        self._p = (self._p - np.outer(gain, px)) / self.forget
+        self.steps += 1
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(step_s, s_per_token, s_per_pair), each >= 0."""
+        a, b, c = (max(0.0, float(v)) for v in self._theta * self._scale)
+        return a, b, c
+
+    def step_time(self, tokens: int, pairs: int) -> float:
+        a, b, c = self.coefficients
+        return a + b * tokens + c * pairs
+
+
+class Window:
+    """Sums of (amount, seconds) over the events of the last `span_s` seconds (at most `cap`
+    events): rate = sum amount / sum seconds, or over the window's wall time (`per_wall`)."""
+
+    def __init__(self, span_s: float = 30.0, cap: int = 256, clock=time.monotonic) -> None:
+        self.span_s, self.clock = span_s, clock
+        self._events: deque[tuple[float, float, float]] = deque(maxlen=cap)   # (at, amount, s)
+
+    def add(self, amount: float, seconds: float = 0.0) -> None:
+        self._events.append((self.clock(), amount, seconds))
+
+    def _live(self) -> list[tuple[float, float, float]]:
+        horizon = self.clock() - self.span_s
+        while self._events and self._events[0][0] < horizon:
+            self._events.popleft()
+        return list(self._events)
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+    def rate(self) -> float:
+        """Sum of amounts over sum of seconds; 0 while there is none."""
+        live = self._live()
+        seconds = sum(s for _, _, s in live)
+        return sum(a for _, a, _ in live) / seconds if seconds > 0 else 0.0
+
+    def per_wall_s(self) -> float:
+        """Sum of amounts per second of the window (events / span_s): 0 while there is none."""
+        live = self._live()
+        return sum(a for _, a, _ in live) / self.span_s if live else 0.0
+
+
+MIN_DRAIN_STEPS = 4     # prefill steps in the window before the drain rate replaces the prior's
+RECENT_STEPS = 8        # prefill steps the recent step time is the mean of
+
+
+class WorkerRates:
+    """Everything above for one worker; `on_step`, `kv_written` and `finished` feed it,
+    `fields()` is what its heartbeat publishes."""
+
+    def __init__(self, prior: Prior, token_budget: int = 512, chunk_size: int = 256,
+                 kv_bytes_per_token: int = 0, clock=time.monotonic) -> None:
+        self.prior = prior
+        self.token_budget = token_budget
+        self.chunk_size = chunk_size
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.fit = CostFit(prior)
+        self._drain = Window(clock=clock)
+        self._kv = Window(clock=clock)
+        self._finished = Window(clock=clock)
+        self._freed = Window(clock=clock)
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+
+    def on_step(self, prefill_tokens: int, decode_tokens: int, pairs: int, duration_s: float,
+                gap_s: float) -> None:
+        """One engine step; only steps that ran prefill feed the fit and the drain rate."""
+        if prefill_tokens <= 0 or duration_s <= 0:
+            return
+        self.fit.observe(prefill_tokens + decode_tokens, pairs, duration_s)
+        self._drain.add(prefill_tokens, duration_s + max(0.0, gap_s))
+        self._recent.append(duration_s)
+
+    def kv_written(self, nbytes: int, seconds: float | None) -> None:
+        if nbytes > 0 and seconds is not None and seconds > 0:
+            self._kv.add(nbytes, seconds)
+
+    def finished(self, blocks_freed: int) -> None:
+        """A sequence finished here, freeing `blocks_freed` KV blocks."""
+        self._finished.add(1)
+        self._freed.add(max(0, blocks_freed))
+
+    def drain_rate(self) -> float:
+        if len(self._drain) >= MIN_DRAIN_STEPS:
+            return self._drain.rate()
+        return self.prior.drain_rate(self.token_budget, self.chunk_size)
+
+    def fields(self) -> dict:
+        """The WorkerStats fields this publishes."""
+        a, b, c = self.fit.coefficients
+        p = self.prior
+        return dict(prefill_step_s=a, prefill_s_per_token=b, prefill_s_per_pair=c,
+                    prefill_fit_steps=self.fit.steps, prior_step_s=p.step_s,
+                    prior_s_per_token=p.s_per_token, prior_s_per_pair=p.s_per_pair,
+                    prior_source=p.source, prefill_drain_tokens_per_s=self.drain_rate(),
+                    prefill_recent_step_s=(sum(self._recent) / len(self._recent)
+                                           if self._recent else 0.0),
+                    token_budget=self.token_budget, chunk_size=self.chunk_size,
+                    kv_bytes_per_token=self.kv_bytes_per_token,
+                    kv_transfer_bytes_per_s=self._kv.rate(),
+                    kv_blocks_freed_per_s=self._freed.per_wall_s(),
+                    sequences_finished_per_s=self._finished.per_wall_s())

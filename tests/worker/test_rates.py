@@ -1,0 +1,101 @@
+"""What a worker measures of itself for the router's prediction (services/worker/rates.py): the
+online prefill cost fit finds the coefficients its steps were timed with, forgets an old regime,
+and starts from (and publishes) its prior; the drain rate is tokens over busy seconds."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from services.engine.scheduler import attention_pairs
+from services.planner.capacity import CostModel
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.worker.rates import (TINY, CostFit, Prior, WorkerRates, default_prior,
+                                   prior_from_timer)
+
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def synthetic_steps(seed: int, n: int):
+    """(tokens, pairs) of chunks of 16..512 tokens at positions 0..8K, in a fixed order."""
+    import random
+    rnd = random.Random(seed)
+    for _ in range(n):
+        tokens, start = rnd.randint(16, 512), rnd.randint(0, 8192)
+        yield tokens, attention_pairs(start, tokens)
+
+
+@settings(max_examples=30, deadline=None)
+@given(step_s=st.floats(1e-4, 0.1), per_token=st.floats(1e-6, 1e-2),
+       per_pair=st.floats(1e-10, 1e-6), seed=st.integers(0, 1000))
+def test_the_fit_converges_to_the_coefficients_the_steps_were_timed_with(step_s, per_token,
+                                                                          per_pair, seed):
+    fit = CostFit(TINY)             # a prior far from the truth: the steps win
+    for tokens, pairs in synthetic_steps(seed, 1000):
+        fit.observe(tokens, pairs, step_s + per_token * tokens + per_pair * pairs)
+    a, b, c = fit.coefficients
+    for tokens, pairs in ((64, attention_pairs(0, 64)), (512, attention_pairs(4096, 512))):
+        truth = step_s + per_token * tokens + per_pair * pairs
+        assert abs(fit.step_time(tokens, pairs) - truth) <= 0.02 * truth
+    assert abs(b - per_token) <= 0.05 * per_token + 0.05 * step_s / 512
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 1000), slow=st.floats(2.0, 5.0))
+def test_the_fit_forgets_an_old_regime(seed, slow):
+    fit = CostFit(TINY)
+    for tokens, pairs in synthetic_steps(seed, 200):
+        fit.observe(tokens, pairs, TINY.step_time(tokens, pairs))
+    for tokens, pairs in synthetic_steps(seed + 1, 400):      # the machine got `slow` times slower
+        fit.observe(tokens, pairs, slow * TINY.step_time(tokens, pairs))
+    probe = (256, attention_pairs(1024, 256))
+    assert abs(fit.step_time(*probe) - slow * TINY.step_time(*probe)) <= 0.05 * slow * TINY.step_time(*probe)
+
+
+def test_a_cold_worker_publishes_its_prior_and_a_drain_rate_from_it():
+    rates = WorkerRates(TINY, token_budget=512, chunk_size=256, kv_bytes_per_token=2048)
+    stats = pb.WorkerStats(**rates.fields())
+    assert (stats.prefill_step_s, stats.prefill_s_per_token, stats.prefill_s_per_pair) == (
+        TINY.step_s, TINY.s_per_token, TINY.s_per_pair)
+    assert stats.prefill_fit_steps == 0 and stats.prior_source.startswith("default:")
+    assert stats.prefill_drain_tokens_per_s == TINY.drain_rate(512, 256) > 0
+    assert stats.kv_bytes_per_token == 2048 and stats.kv_transfer_bytes_per_s == 0
+
+
+def test_the_drain_rate_is_prefill_tokens_over_busy_seconds_gaps_and_decode_share_included():
+    clock = FakeClock()
+    rates = WorkerRates(TINY, clock=clock)
+    for _ in range(4):
+        rates.on_step(prefill_tokens=400, decode_tokens=100, pairs=0, duration_s=0.09, gap_s=0.01)
+        rates.on_step(prefill_tokens=0, decode_tokens=100, pairs=0, duration_s=0.5, gap_s=0.0)
+        clock.t += 1.0
+    assert rates.drain_rate() == pytest.approx(4 * 400 / (4 * 0.1))
+    clock.t += 60.0                                  # the window forgot them: the prior again
+    assert rates.drain_rate() == TINY.drain_rate(512, 256)
+
+
+def test_kv_bandwidth_and_the_decode_drain_are_measured_over_the_window():
+    clock = FakeClock()
+    rates = WorkerRates(TINY, clock=clock)
+    rates.kv_written(10**6, 0.01)
+    rates.kv_written(3 * 10**6, 0.01)
+    rates.kv_written(5, None)                        # a write with no time is not a measurement
+    for _ in range(6):
+        rates.finished(blocks_freed=5)
+    f = rates.fields()
+    assert f["kv_transfer_bytes_per_s"] == pytest.approx(4 * 10**6 / 0.02)
+    assert f["sequences_finished_per_s"] == 6 / 30.0 and f["kv_blocks_freed_per_s"] == 30 / 30.0
+
+
+def test_priors_from_a_cost_model_and_by_model_size_are_positive():
+    prior = prior_from_timer(CostModel.for_target("llama-3-8b", "h200", 1, "bf16"), "cost-model")
+    assert prior.step_s > 0 and prior.s_per_token > 0 and prior.drain_rate(2048, 512) > 1000
+    assert default_prior(2048) == TINY
+    bigger = default_prior(46080)
+    assert bigger.s_per_token > TINY.s_per_token and bigger.drain_rate(512, 256) < TINY.drain_rate(512, 256)
