@@ -40,8 +40,8 @@ def openai_client(gateway, key: str = "acme") -> OpenAI:
 
 def assert_consistent(timing: dict) -> None:
     """Every phase measured, none negative, and together inside the end-to-end time."""
-    assert set(timing) == set(TIMING), timing
-    assert all(v >= 0 for v in timing.values()), timing
+    assert set(timing) == {*TIMING, "pool"} and timing["pool"] == "primary", timing
+    assert all(timing[k] >= 0 for k in TIMING), timing
     phases = timing["queue_s"] + timing["prefill_s"] + timing["transfer_s"] + timing["decode_s"]
     assert phases <= timing["e2e_s"] and timing["ttft_s"] <= timing["e2e_s"], timing
     assert timing["queue_s"] > 0 and timing["e2e_s"] > 0
