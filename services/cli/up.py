@@ -56,6 +56,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny (default), smollm2 (SmolLM2-135M-Instruct, "
                    "made into the cache on first use), or a checkpoint directory")
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--fallback-model", default=None, metavar="DIR",
+                   help="a second, smaller or quantized checkpoint served by the fallback pool "
+                        "(overload stage S3 sends degradable classes there); it must have the "
+                        "primary's tokenizer. Default: no fallback pool")
+    p.add_argument("--fallback-workers", type=int, default=1, metavar="N",
+                   help="the fallback pool's size: N mixed workers (colocated) or N prefill + N "
+                        "decode workers (disagg); default 1. Only with --fallback-model")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--placement", choices=["prefix", "load"], default="prefix",
@@ -104,9 +111,48 @@ def worker_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
             else [("prefill", args.prefill), ("decode", args.decode)])
 
 
+def fallback_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The fallback pool's workers: none without --fallback-model."""
+    if not getattr(args, "fallback_model", None):
+        return []
+    n = args.fallback_workers
+    return [("mixed", n)] if args.mode == "colocated" else [("prefill", n), ("decode", n)]
+
+
 def worker_threads(args: argparse.Namespace) -> int:
     """Torch threads per worker: the host's cores less one, split between the workers."""
-    return max(1, ((os.cpu_count() or 1) - 1) // sum(n for _, n in worker_roles(args)))
+    workers = sum(n for _, n in worker_roles(args) + fallback_roles(args))
+    return max(1, ((os.cpu_count() or 1) - 1) // workers)
+
+
+def check_fallback(args: argparse.Namespace) -> str | None:
+    """The fallback checkpoint's directory (None: no fallback pool), refused before anything
+    starts unless it has the primary's tokenizer: the gateway tokenizes and detokenizes every
+    request with one tokenizer, whichever pool serves it."""
+    if not getattr(args, "fallback_model", None):
+        return None
+    if args.fallback_workers < 1:
+        raise SystemExit(f"kvfleet up: --fallback-workers must be >= 1, got {args.fallback_workers}")
+    from services.gateway.model import CheckpointFacts  # noqa: PLC0415
+    primary, fallback = model_dir(args.model), model_dir(args.fallback_model)
+    try:
+        vocab = {d: CheckpointFacts.from_dir(d).vocab_size for d in (primary, fallback)}
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"kvfleet up: --fallback-model: {e}") from None
+    if vocab[primary] != vocab[fallback] or _tokenizer(primary) != _tokenizer(fallback):
+        raise SystemExit(
+            f"kvfleet up: --fallback-model {fallback} has another tokenizer than --model {primary} "
+            f"(vocab {vocab[fallback]} vs {vocab[primary]}, or tokenizer.json differs): the "
+            "gateway detokenizes with one tokenizer, so the fallback must share the primary's")
+    return fallback
+
+
+def _tokenizer(model: str) -> bytes | None:
+    path = os.path.join(model, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def gateway_ports(args: argparse.Namespace) -> tuple[int, int]:
@@ -141,7 +187,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     config = ["--config", args.config] if args.config else []
     limit_args = limits.as_args()
     # split the host's cores between the workers, leaving one for the gateway and the routers
-    common = ["--model", model, "--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
+    common = ["--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
               "--threads", str(worker_threads(args)), *config, *limit_args]
     for flag in ("attention_backend", "kv_cache_dtype", "logprobs_mode"):   # the workers' flags
         if getattr(args, flag, None):
@@ -150,9 +196,15 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
         common += ["--kv-cache-scales", ",".join(map(repr, args.kv_cache_scales))]
     common += sim_args(args)
     specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
-                             "--kv-backend", args.kv_backend, *common,
+                             "--kv-backend", args.kv_backend, "--model", model, *common,
                              *ports.child_args(plan, f"{role}-{i}")]
              for role, count in worker_roles(args) for i in range(count)}
+    fallback = check_fallback(args)     # its workers take free ports, --port-base or not
+    for role, count in fallback_roles(args):
+        for i in range(count):
+            name = f"{FALLBACK_PREFIX}{role}-{i}"
+            specs[name] = ["services.cli.cli", "serve", role, "--worker-id", name, "--pool",
+                           "fallback", "--kv-backend", args.kv_backend, "--model", fallback, *common]
     routers = [f"router-{k}" for k in range(getattr(args, "routers", 1))]
     for name in routers:
         specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
@@ -299,6 +351,7 @@ def _up(args: argparse.Namespace) -> int:
     limits = timeouts.from_args(args)       # SystemExit naming every contradiction
     check_routers(args)
     check_keys(args)
+    check_fallback(args)
     plan = check_ports(args)
     launcher = Launcher(env=allowed_networks_env(args))
     password, redis_env, redis_origin = redis_credentials(args, launcher.log_dir)
@@ -346,6 +399,7 @@ def _up(args: argparse.Namespace) -> int:
 # --- reading `kvfleet up`'s banner (loadtests/local_fleet.py: tests and benches start it as a program)
 
 READY_PREFIX = "READY up "
+FALLBACK_PREFIX = "fallback-"   # the fallback pool's workers: fallback-mixed-0, fallback-decode-0
 LISTEN_PREFIX = "listen"     # `  listen  <service> <kind> <host:port>`, one line per listener
 WORKER_ROLES = ("prefill", "decode", "mixed")
 
@@ -359,7 +413,8 @@ class Banner:
     def workers(self) -> dict[str, str]:
         """Each worker's name -> gRPC address (its `  decode-0   127.0.0.1:PORT` line)."""
         return {parts[0]: parts[1] for parts in (line.split() for line in self.lines)
-                if len(parts) == 2 and parts[0].split("-")[0] in WORKER_ROLES}
+                if len(parts) == 2 and parts[0].removeprefix(FALLBACK_PREFIX).split("-")[0]
+                in WORKER_ROLES}
 
     @property
     def listeners(self) -> list[tuple[str, str, str]]:

@@ -213,6 +213,8 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
     streaming = False
     try:
         first = await _until_disconnect(request, session.first())
+        if telemetry.quality_version:     # the worker that serves (the fallback pool's, at S3)
+            shaper.quality_version = headers["x-kvfleet-quality-version"] = telemetry.quality_version
         if plan.stream:
             streaming = True      # from here the stream's own close (and its background) owns it
             # a client that disconnects cancels the stream (Starlette's disconnect listener),

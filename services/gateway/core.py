@@ -224,13 +224,19 @@ class GatewayCore:
             self._opening.discard(rid)
         run = PlanRun(pb.WorkRequest(
             request_id=rid, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
-            prompt_token_ids=gen.prompt_ids, params=gen.params), self.routers, self.channels,
+            prompt_token_ids=gen.prompt_ids, params=gen.params,
+            degradable=self._degradable(gen)), self.routers, self.channels,
             self.timeouts, telemetry.context)
         # invariant: a live session's lease is in _leases until _ended gives it back
         self._leases[rid] = lease
         session = self._live[rid] = Session(self, gen, run, telemetry)
         telemetry.opened()
         return session
+
+    def _degradable(self, gen: Generation) -> bool:
+        """Its class may degrade (S3: the fallback pool) and its tenant is not critical."""
+        tenant = self.config.scheduler.tenant(gen.key.tenant)
+        return gen.traffic_class.degradable and not (tenant is not None and tenant.critical)
 
     def cancel(self, request_id: str, tenant: str) -> bool:
         """Only the tenant that owns a request may cancel it; `request_id` as the client knows it."""

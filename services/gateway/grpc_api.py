@@ -107,8 +107,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             telemetry.end("cancelled", 0)
             raise
         try:
-            await context.send_initial_metadata(self._served_by(gen, telemetry.trace_id))
-            chunk = await session.first()
+            chunk = await session.first()       # the plan names the quality version that serves
+            await context.send_initial_metadata(self._served_by(gen, telemetry.trace_id,
+                                                                telemetry.quality_version))
             while chunk is not None:
                 chunk.request_id = request.request_id or gen.request_id
                 if chunk.finished:
@@ -181,11 +182,15 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         v.check_params(params)
         return Generation(rid, key, cls, tuple(ids), params, requested)
 
-    def _served_by(self, gen: Generation, trace_id: str | None) -> tuple[tuple[str, str], ...]:
+    def _served_by(self, gen: Generation, trace_id: str | None,
+                   quality_version: str = "") -> tuple[tuple[str, str], ...]:
+        """The response's initial metadata; `quality_version`: the serving worker's (its pool's
+        model), else the gateway's own model's."""
         m = self.core.model
         cap = (("x-kvfleet-output-cap", str(gen.output_cap)),) if gen.output_cap else ()
         traced = ((TRACE_HEADER, trace_id),) if trace_id else ()
-        return (("x-kvfleet-model", m.name), ("x-kvfleet-quality-version", m.quality_version),
+        return (("x-kvfleet-model", m.name), ("x-kvfleet-quality-version",
+                                               quality_version or m.quality_version),
                 ("x-request-id", gen.request_id), (CLASS_HEADER, gen.traffic_class.name), *cap,
                 *traced)
 

@@ -171,8 +171,9 @@ class JobRunner:
                 chunk = None if chunk.finished else await session.next()
         finally:
             session.close()
-        body = Shaper(plan, self.core.model, gen.prompt_ids).body(
-            collected, session.prompt_tokens, session.sent_tokens)
+        shaper = Shaper(plan, self.core.model, gen.prompt_ids)
+        shaper.quality_version = telemetry.quality_version or shaper.quality_version
+        body = shaper.body(collected, session.prompt_tokens, session.sent_tokens)
         return {**body, "timing": telemetry.timing()}
 
     # ---------------------------------------------------------------- leases

@@ -3,6 +3,8 @@
 The quality version names what produced the outputs (DESIGN section 6, S3: every response carries
 the model and quality version that served it): `--quality-version`, or the checkpoint's dtype plus
 a hash of its config.json, so two gateways in front of the same weights report the same version.
+Responses carry the serving worker's quality version when the router's plan names one (a fallback
+pool's worker, services/engine/quality_version.py); this one is the model card's and the default.
 
 Free of torch (the gateway never imports it): config.json is read here for the three facts the
 gateway needs, not through services.engine.model.config (which imports torch for its dtypes).

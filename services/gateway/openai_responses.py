@@ -58,6 +58,7 @@ class Shaper:
     def __init__(self, plan: ResponsePlan, model: ServedModel, prompt_ids: tuple[int, ...]) -> None:
         self.plan = plan
         self.model = model
+        self.quality_version = model.quality_version   # the serving worker's, once known
         self.prompt_ids = prompt_ids     # prompt logprobs name their token by position
         self._offset = 0                 # completions' text_offset, across stream events
         self._offsets: dict[int, int] = {}   # ... per sample index (n > 1)
@@ -137,7 +138,7 @@ class Shaper:
                 ("completion", False): "text_completion", ("completion", True): "text_completion"}
         return {"id": self.plan.request_id, "object": kind[(self.plan.kind, stream)],
                 "created": self.plan.created, "model": self.plan.model,
-                "system_fingerprint": self.model.quality_version}
+                "system_fingerprint": self.quality_version}
 
     def _event(self, choice: dict) -> dict:
         event = {**self._head(stream=True), "choices": [choice]}

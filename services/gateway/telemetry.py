@@ -114,6 +114,8 @@ class RequestTelemetry:
         self.admitted_at: float | None = None
         self.predicted_ttft_s = 0.0
         self.stage = NO_STAGE
+        self.pool = ""                 # the pool that serves it, once the router planned it
+        self.quality_version = ""      # ... and the quality version of its worker
         self.first_at: float | None = None        # first token sent
         self.last_at: float | None = None         # last token sent
         self.gaps: list[float] = []               # between consecutive chunks sent
@@ -189,6 +191,10 @@ class RequestTelemetry:
             # (auth, validation, quota, admission) is known by now
             self.predicted_ttft_s = (at - self.received) + plan.predicted_ttft_s
         if plan is not None:
+            self.pool = plan.pool or "primary"
+            self.quality_version = plan.quality_version
+            if self.span is not None and plan.quality_version:
+                self._attrs[tracing.QUALITY_VERSION] = plan.quality_version
             self.stage = pb.OverloadStage.Name(plan.stage)
             if self.span is not None:
                 self._attrs.update({tracing.STAGE: self.stage,
@@ -230,14 +236,14 @@ class RequestTelemetry:
         self.tokens += tokens
 
     # ----------------------------------------------------------------- timing
-    def timing(self, now: float | None = None) -> dict[str, float]:
-        """The response's `timing` object (module docstring)."""
+    def timing(self, now: float | None = None) -> dict[str, float | str]:
+        """The response's `timing` object (module docstring), with the pool that served."""
         now = time.monotonic() if now is None else now
         own_queue = (self.admitted_at if self.admitted_at is not None else now) - self.received
         q, p, t, d = self.phases
         out = {"queue_s": own_queue + q, "prefill_s": p, "transfer_s": t, "decode_s": d,
                "ttft_s": (self.first_at if self.first_at is not None else now) - self.received,
-               "e2e_s": now - self.received}
+               "e2e_s": now - self.received, "pool": self.pool}
         if self.predicted_ttft_s > 0:
             out["predicted_ttft_s"] = self.predicted_ttft_s
             if self.first_at is not None:
@@ -250,13 +256,14 @@ class RequestTelemetry:
         return (self.predicted_ttft_s - actual) / actual
 
     @staticmethod
-    def timing_pb(t: dict[str, float]) -> pb.RequestTiming:
+    def timing_pb(t: dict[str, float | str]) -> pb.RequestTiming:
         return pb.RequestTiming(queue_s=t["queue_s"], prefill_s=t["prefill_s"],
-                                transfer_s=t["transfer_s"], decode_s=t["decode_s"])
+                                transfer_s=t["transfer_s"], decode_s=t["decode_s"], pool=t["pool"])
 
     @staticmethod
-    def timing_json(t: dict[str, float]) -> str:
-        return json.dumps({k: round(v, 6) for k, v in t.items()}, separators=(",", ":"))
+    def timing_json(t: dict[str, float | str]) -> str:
+        return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in t.items()},
+                          separators=(",", ":"))
 
     # ----------------------------------------------------------------- end
     def rejected(self, error) -> None:

@@ -48,10 +48,12 @@ from services.protocol.timeouts import Timeouts
 from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, rank_decode,
                                        rank_mixed, rank_prefill)
 from services.router.placements import PlacementLedger
+from services.router.pools import StageView, choose_pool, in_pool, served_by
 from services.router.prefix_index import PrefixIndex
 from services.router.predict import decode_wait_s, kv_bytes_of, predict
 from services.state.fleet_state import ROLES, FleetState
 from services.state.outage import UNREACHABLE, Outage
+from services.state.stage_record import StageStore
 from services.telemetry import tracing
 from services.telemetry.labels import TenantLabels
 from services.telemetry.metrics import RouterMetrics
@@ -109,6 +111,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.redis = Outage("router worker list", log)
         self.placements = PlacementLedger(state, self.redis)
         self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
+        self.stage_view = StageView(StageStore(state.redis, state.ns), self.redis)   # the fallback pool's cue
 
     async def live_workers(self) -> list[pb.WorkerStats]:
         """Live workers from Redis, at most one read per WORKERS_TTL_S and none on a request's
@@ -195,9 +198,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         span = trace.get_current_span()
         if workers and span.is_recording():     # one model per fleet: any worker names it
             span.set_attribute(tracing.REQUEST_MODEL, workers[0].model)
+        pool = choose_pool(workers, await self.stage_view.current(), request.degradable,
+                           self._needed_roles)
+        workers = in_pool(workers, pool)      # one pool per request: KV layouts differ
         if self.mode == "colocated":
-            return await self._colocated(request, workers)
-        return await self._disaggregated(request, workers)
+            return served_by(await self._colocated(request, workers), workers, pool)
+        return served_by(await self._disaggregated(request, workers), workers, pool)
 
     def _decided(self, span, cls: str, started: float, reason: str, plan: pb.Plan | None = None):
         """Count one decision and describe it on its span: admitted (with its plan) or rejected."""

@@ -358,6 +358,11 @@ class FleetState:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The client for plain (str) records, e.g. the stage record's StageStore."""
+        return self._r
+
     async def ping(self) -> None:
         await self._r.ping()
 

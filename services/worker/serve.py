@@ -31,6 +31,8 @@ from redis.exceptions import RedisError
 
 from services.engine.config import EngineConfig, add_engine_args, add_sim_args, sim_config_from_args
 from services.engine.config_file import load_engine_config
+from services.engine.model_zoo import resolve as resolve_model
+from services.engine.quality_version import of_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -40,7 +42,7 @@ from services.state.fleet_state import FleetState
 from services.state.outage import UNREACHABLE, Backoff, Outage
 from services.telemetry import exposition, tracing
 from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.config import WorkerConfig
+from services.worker.config import POOLS, WorkerConfig
 from services.worker.kv_events import KVEventPublisher, PublisherConfig
 from services.worker.rates import WorkerRates, prior_for, prior_from_timer
 from services.worker.servicer import WorkerServicer
@@ -74,6 +76,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
+    p.add_argument("--pool", default="primary", choices=list(POOLS),
+                   help="the pool this worker serves in (the router's fallback pool: DESIGN 6, S3)")
     p.add_argument("--kv-cache-mib", type=int, default=None)
     p.add_argument("--step-profile", default=None, metavar="FILE",
                    help="a measured step profile (kvfleet sim calibrate): the prefill cost prior "
@@ -95,6 +99,11 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
 # A prefill worker runs no decodes, so its iterations protect no inter-token latency: without a
 # config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts).
 PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)
+
+
+def worker_quality_version(cfg: EngineConfig) -> str:
+    """The quality version this worker's outputs carry (its model resolved to a directory)."""
+    return of_engine_config(replace(cfg, model=resolve_model(cfg.model)))
 
 
 def engine_config_for(args: argparse.Namespace) -> EngineConfig:
@@ -229,7 +238,8 @@ async def serve(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     engine_config = engine_config_for(args)
     config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args),
-                          tensor_parallel_size=engine_config.tensor_parallel_size)
+                          tensor_parallel_size=engine_config.tensor_parallel_size,
+                          pool=args.pool, quality_version=worker_quality_version(engine_config))
     tracing.setup(args.role, worker_id)
     telemetry = WorkerTelemetry(args.role, worker_id)
     stop = asyncio.Event()       # SIGTERM / SIGINT, or the engine core died (engine.failure)

@@ -138,6 +138,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             grpc_address=self.address, kv_backend=self.config.kv_backend,
             model=self.engine.model, max_model_len=self.engine.max_model_len,
             metrics_url=self.telemetry.metrics_url,
+            pool=self.config.pool, quality_version=self.config.quality_version,
             tenants=[pb.TenantShare(tenant=t, sequences=n, kv_blocks=b)
                      for t, n, b in s.tenants],          # the engine's order: largest KV first
             queued_prefill_tokens_ahead=s.prefill_tokens_ahead,

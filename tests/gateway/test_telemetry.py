@@ -41,7 +41,8 @@ def openai_client(gateway, key: str = "acme") -> OpenAI:
 
 def assert_consistent(timing: dict) -> None:
     """Every phase measured, none negative, and together inside the end-to-end time."""
-    assert set(TIMING) <= set(timing) <= {*TIMING, *PREDICTION}, timing
+    assert set(TIMING) | {"pool"} <= set(timing) <= {*TIMING, "pool", *PREDICTION}, timing
+    assert timing["pool"] == "primary", timing
     assert all(timing[k] >= 0 for k in TIMING), timing
     if "ttft_prediction_error" in timing:               # (predicted - actual) / actual
         assert timing["ttft_prediction_error"] > -1 and timing["predicted_ttft_s"] > 0

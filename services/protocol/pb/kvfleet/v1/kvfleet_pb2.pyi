@@ -149,16 +149,18 @@ class TokenChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., served_by: _Optional[str] = ..., timing: _Optional[_Union[RequestTiming, _Mapping]] = ..., index: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestTiming(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "transfer_s", "decode_s")
+    __slots__ = ("queue_s", "prefill_s", "transfer_s", "decode_s", "pool")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     transfer_s: float
     decode_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ...) -> None: ...
+    pool: str
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class CallStatus(_message.Message):
     __slots__ = ("reason", "code", "param", "message", "retry_after_s", "stage")
@@ -253,18 +255,20 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params")
+    __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params", "degradable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    DEGRADABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     traffic_class: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    degradable: bool
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., degradable: _Optional[bool] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "address")
@@ -275,7 +279,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage", "predicted_wait_s", "predicted_prefill_s", "predicted_transfer_s", "predicted_decode_wait_s")
+    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage", "predicted_wait_s", "predicted_prefill_s", "predicted_transfer_s", "predicted_decode_wait_s", "pool", "model", "quality_version")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[Plan.Mode]
@@ -297,6 +301,9 @@ class Plan(_message.Message):
     PREDICTED_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_DECODE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Plan.Mode
     prefill: _containers.RepeatedCompositeFieldContainer[WorkerRef]
@@ -310,7 +317,10 @@ class Plan(_message.Message):
     predicted_prefill_s: float
     predicted_transfer_s: float
     predicted_decode_wait_s: float
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_transfer_s: _Optional[float] = ..., predicted_decode_wait_s: _Optional[float] = ...) -> None: ...
+    pool: str
+    model: str
+    quality_version: str
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_transfer_s: _Optional[float] = ..., predicted_decode_wait_s: _Optional[float] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., quality_version: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype", "tensor_parallel_size", "k_scale", "v_scale")
@@ -487,7 +497,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held", "prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prefill_fit_steps", "prior_step_s", "prior_s_per_token", "prior_s_per_pair", "prior_source", "prefill_drain_tokens_per_s", "token_budget", "chunk_size", "prefill_recent_step_s", "kv_bytes_per_token", "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s", "queued_prefill_tokens_ahead")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held", "prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prefill_fit_steps", "prior_step_s", "prior_s_per_token", "prior_s_per_pair", "prior_source", "prefill_drain_tokens_per_s", "token_budget", "chunk_size", "prefill_recent_step_s", "kv_bytes_per_token", "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s", "queued_prefill_tokens_ahead", "pool", "quality_version")
     class QueuedPrefillTokensAheadEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -534,6 +544,8 @@ class WorkerStats(_message.Message):
     KV_BLOCKS_FREED_PER_S_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FINISHED_PER_S_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -573,7 +585,9 @@ class WorkerStats(_message.Message):
     kv_blocks_freed_per_s: float
     sequences_finished_per_s: float
     queued_prefill_tokens_ahead: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ..., prefill_step_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_s_per_pair: _Optional[float] = ..., prefill_fit_steps: _Optional[int] = ..., prior_step_s: _Optional[float] = ..., prior_s_per_token: _Optional[float] = ..., prior_s_per_pair: _Optional[float] = ..., prior_source: _Optional[str] = ..., prefill_drain_tokens_per_s: _Optional[float] = ..., token_budget: _Optional[int] = ..., chunk_size: _Optional[int] = ..., prefill_recent_step_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_blocks_freed_per_s: _Optional[float] = ..., sequences_finished_per_s: _Optional[float] = ..., queued_prefill_tokens_ahead: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    pool: str
+    quality_version: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ..., prefill_step_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_s_per_pair: _Optional[float] = ..., prefill_fit_steps: _Optional[int] = ..., prior_step_s: _Optional[float] = ..., prior_s_per_token: _Optional[float] = ..., prior_s_per_pair: _Optional[float] = ..., prior_source: _Optional[str] = ..., prefill_drain_tokens_per_s: _Optional[float] = ..., token_budget: _Optional[int] = ..., chunk_size: _Optional[int] = ..., prefill_recent_step_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_blocks_freed_per_s: _Optional[float] = ..., sequences_finished_per_s: _Optional[float] = ..., queued_prefill_tokens_ahead: _Optional[_Mapping[str, int]] = ..., pool: _Optional[str] = ..., quality_version: _Optional[str] = ...) -> None: ...
 
 class TenantShare(_message.Message):
     __slots__ = ("tenant", "sequences", "kv_blocks")
