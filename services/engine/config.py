@@ -57,6 +57,7 @@ class TrafficClass:
     predicted_output_tokens: int  # initial reservation under the `predict` policy
     aging_s: float                # waiting this long raises effective priority by one level
     share_while_interactive_waits: float = 1.0  # max fraction of the token budget while interactive work waits
+    degradable: bool = True       # overload stages S2/S3 may cap its output or send it to a fallback pool
 
 
 INTERACTIVE = TrafficClass("interactive", priority=2, ttft_target_s=1.0, itl_target_s=0.1,
@@ -64,7 +65,7 @@ INTERACTIVE = TrafficClass("interactive", priority=2, ttft_target_s=1.0, itl_tar
                            aging_s=10.0)
 DOCUMENT = TrafficClass("document", priority=1, ttft_target_s=10.0, itl_target_s=0.1,
                         max_prompt_tokens=131072, output_cap=1024, predicted_output_tokens=256,
-                        aging_s=10.0, share_while_interactive_waits=0.5)
+                        aging_s=10.0, share_while_interactive_waits=0.5, degradable=False)
 BATCH = TrafficClass("batch", priority=0, ttft_target_s=600.0, itl_target_s=float("inf"),
                      max_prompt_tokens=131072, output_cap=4096, predicted_output_tokens=512,
                      aging_s=30.0, share_while_interactive_waits=0.25)
@@ -79,6 +80,8 @@ class Tenant:
     classes: tuple[str, ...] = ("interactive", "document", "batch")
     max_active_seqs: int | None = None
     max_reserved_blocks: int | None = None
+    critical: bool = False        # the router admits it into the headroom kept at every stage
+    min_kv_blocks: int = 0        # guaranteed decode KV, fleet-wide: under it, ahead of borrowers
 
 
 @dataclass(frozen=True)

@@ -275,7 +275,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage")
+    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage", "output_cap")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[Plan.Mode]
@@ -293,6 +293,7 @@ class Plan(_message.Message):
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_CAP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Plan.Mode
     prefill: _containers.RepeatedCompositeFieldContainer[WorkerRef]
@@ -302,7 +303,8 @@ class Plan(_message.Message):
     router_id: str
     predicted_ttft_s: float
     stage: OverloadStage
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ...) -> None: ...
+    output_cap: int
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ..., output_cap: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype", "tensor_parallel_size", "k_scale", "v_scale")
