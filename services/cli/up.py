@@ -140,7 +140,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     routers = [f"router-{k}" for k in range(getattr(args, "routers", 1))]
     for name in routers:
         specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
-                       "--router-id", name, *limit_args, *ports.child_args(plan, name)]
+                       "--router-id", name, *config, *limit_args, *ports.child_args(plan, name)]
     endpoints = launcher.start_many(specs)
     http, grpc = gateway_ports(args)
     gateway = ["services.gateway", "--model", model,
