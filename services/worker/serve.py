@@ -37,6 +37,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
 from services.state.fleet_state import FleetState
+from services.state.wait_queue import WaitQueue
 from services.state.outage import UNREACHABLE, Backoff, Outage
 from services.telemetry import exposition, tracing
 from services.worker.engine_client import EngineClient, EngineFailed
@@ -243,6 +244,10 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     servicer.address = address
     beat = (asyncio.create_task(heartbeat_forever(state, servicer))
             if state is not None or telemetry.metrics_url else None)
+    notify = None
+    if state is not None and args.role in ("decode", "mixed"):
+        servicer.capacity.queue = WaitQueue(state.redis, state.ns)
+        notify = asyncio.create_task(servicer.capacity.run())
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     if telemetry.metrics_url:
@@ -259,6 +264,8 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
               f"{ENGINE_FAILED_EXIT}", file=sys.stderr, flush=True)
     if beat:
         beat.cancel()
+    if notify:
+        notify.cancel()
     if state is not None:
         try:
             await state.remove_worker(config.worker_id)
