@@ -56,6 +56,7 @@ from services.gateway.openai_responses import Collected, Shaper
 from services.gateway.streaming import openai_events
 from services.gateway.telemetry import TIMING_HEADER, RequestTelemetry
 from services.telemetry.tracing import TRACE_HEADER
+from services.gateway.stage_view import admission_fields, admission_headers
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
     streaming = False
     try:
         first = await _until_disconnect(request, session.first())
+        headers.update(admission_headers(session.run.plan))
         if plan.stream:
             streaming = True      # from here the stream's own close (and its background) owns it
             # a client that disconnects cancels the stream (Starlette's disconnect listener),
@@ -224,7 +226,8 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
     timing = telemetry.timing()
     headers[TIMING_HEADER] = telemetry.timing_json(timing)
     body = shaper.body(collected, session.prompt_tokens, session.sent_tokens)
-    return JSONResponse({**body, "timing": timing}, headers=headers)
+    return JSONResponse({**body, "timing": timing, **admission_fields(session.run.plan)},
+                        headers=headers)
 
 
 async def _collect(session: Session, first) -> Collected:

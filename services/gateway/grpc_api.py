@@ -41,6 +41,7 @@ from services.gateway.core import (GatewayCore, build_generation, internal_reque
 from services.gateway.telemetry import TIMING_HEADER
 from services.gateway.validation import Generation
 from services.telemetry.tracing import TRACE_HEADER
+from services.gateway.stage_view import STAGE_HEADER
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 SERVICE = "kvfleet.v1.Gateway"
@@ -197,6 +198,8 @@ async def _abort(context, e: errors.GatewayError) -> None:
     trailing = ((RETRY_AFTER, str(e.retry_after_s)),) if e.retry_after is not None else ()
     if e.trace_id:
         trailing += ((TRACE_HEADER, e.trace_id),)
+    if e.stage:
+        trailing += ((STAGE_HEADER, e.stage),)
     if trailing:
         context.set_trailing_metadata(trailing)
     await context.abort(e.grpc_code, e.message)
