@@ -143,6 +143,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                                   StageMachine(self.policy.stages), router_id, self.fleet_signals,
                                   on_stage=self.metrics.stage.set)
         self._background: list[asyncio.Task] = []
+        # prompt tokens placed on each prefill worker since its beat: {id: (beat time, tokens)}
+        self._prefill_placed: dict[str, tuple[float, int]] = {}
 
     def start(self, keeper: bool = True) -> None:
         """The capacity subscription and (unless `keeper` is False) the stage keeper, once."""
@@ -367,7 +369,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         protected = admission.protected(tenant, admission.tenant_kv(workers), blocks)
         rule = admission.stage_rule(self.policy, self.keeper.stage, cls, protected,
                                     request.params.max_tokens)
-        p = predict(prefill[0], prompt, prior=self.policy.prior)
+        p = predict(self._with_placed(prefill[0]), prompt, prior=self.policy.prior)
         if first:
             self.recent.add(p.total_s / cls.ttft_target_s)
         if rule.refuse:
@@ -399,9 +401,27 @@ class RouterServicer(pb_grpc.RouterServicer):
             if isinstance(plan, str):
                 return Miss("decode slot", p, blocks, detail=plan)
         plan.output_cap = rule.output_cap
+        self._placed_prefill(prefill[0], prompt)
         if rule.note and span.is_recording():
             span.set_attribute("kvfleet.stage_rule", rule.note)
         return plan
+
+    def _with_placed(self, w: pb.WorkerStats) -> pb.WorkerStats:
+        """`w` with the prompt tokens this router placed on it since its beat counted as queued:
+        a burst within one beat (a cold fleet's first) sees its own backlog."""
+        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
+        if beat != w.updated_at_unix_s or not tokens:
+            return w
+        out = pb.WorkerStats()
+        out.CopyFrom(w)
+        out.queued_prefill_tokens += tokens
+        return out
+
+    def _placed_prefill(self, w: pb.WorkerStats, prompt_tokens: int) -> None:
+        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
+        if beat != w.updated_at_unix_s:
+            tokens = 0
+        self._prefill_placed[w.worker_id] = (w.updated_at_unix_s, tokens + prompt_tokens)
 
     async def _colocated(self, request: pb.WorkRequest, candidates, p: Prediction) -> pb.Plan:
         prompt = len(request.prompt_token_ids)

@@ -39,14 +39,14 @@ def held(stats: pb.WorkerStats) -> int:
     return stats.kv_blocks_used + stats.kv_blocks_reserved
 
 
-async def serve_routers(fleet, n: int, mode: str = "disagg"):
+async def serve_routers(fleet, n: int, mode: str = "disagg", policy=None):
     """n routers over the fleet's Redis, each behind its own gRPC server; -> (stubs, closer)."""
-    servers, states, channels, stubs = [], [], [], []
+    servers, states, channels, stubs, servicers = [], [], [], [], []
     for i in range(n):
         state = FleetState(fleet.redis_url)
         server = grpc.aio.server()
-        pb_grpc.add_RouterServicer_to_server(RouterServicer(state, mode, f"r{i}",
-                                                             auth=fleet.auth), server)
+        servicers.append(RouterServicer(state, mode, f"r{i}", auth=fleet.auth, policy=policy))
+        pb_grpc.add_RouterServicer_to_server(servicers[-1], server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = internal_channel(f"127.0.0.1:{port}", fleet.auth)
@@ -58,6 +58,8 @@ async def serve_routers(fleet, n: int, mode: str = "disagg"):
             await c.close()
         for s in servers:
             await s.stop(0)
+        for r in servicers:
+            await r.close()
         for s in states:
             await s.close()
     return stubs, close
@@ -129,7 +131,9 @@ def test_a_full_decode_pool_is_refused_overloaded_with_a_retry_hint(workers):
     assert plans and error is not None, f"{len(plans)} reservations and no refusal"
     st = status.of(error)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and st.reason == pb.OVERLOADED
+    # an interactive request may wait for its target (1 s), no longer, then says why
     assert st.retry_after_s > 0 and "decode-0" in st.message and "blocks available" in st.message
+    assert "vs target 1 s" in st.message
     assert wait_until(lambda: held(workers.stats("decode-0")) == 0, 5)
 
 
