@@ -105,10 +105,23 @@ class StageKeeper:
         self._on_stage = on_stage
         self.record = StageRecord()
         self.last_signals = Signals()
+        self._read = False
 
     @property
     def stage(self) -> int:
         return self.record.stage
+
+    async def first_read(self) -> None:
+        """Read the record once before the first decision (a new router does not decide in S0
+        while the fleet is elsewhere); Redis down: S0 until the keeper reads it."""
+        if self._read:
+            return
+        try:
+            self.record = await self.store.read()
+            self._read = True
+        except (RedisError, OSError) as e:
+            log.warning("stage keeper: could not read the stage (%s); deciding in %s", e,
+                        stage_name(self.stage))
 
     async def tick(self) -> StageRecord:
         """One period: read the record, decide on fresh signals, write a change (CAS)."""
@@ -123,7 +136,7 @@ class StageKeeper:
                 log.warning("overload stage %s -> %s (%s)", stage_name(record.stage),
                             stage_name(won.stage), decision.why)
             record = won or await self.store.read()
-        self.record, self.last_signals = record, signals
+        self.record, self.last_signals, self._read = record, signals, True
         if self._on_stage is not None:
             self._on_stage(record.stage)
         return record

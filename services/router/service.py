@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
+from redis.exceptions import RedisError
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.protocol import status
@@ -221,6 +222,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def Admit(self, request: pb.WorkRequest, context) -> pb.Plan:
         self.start()
+        await self.keeper.first_read()
         started = time.perf_counter()
         cls = self._classes.label(request.traffic_class)
         with tracing.tracer.start_as_current_span(
@@ -274,8 +276,11 @@ class RouterServicer(pb_grpc.RouterServicer):
                 if outcome.final or now >= until:
                     raise self._refusal(outcome, cls, waited_s=now - began)
                 if not queued:
-                    await self.queue.enqueue(request.request_id, cls.name,
-                                             time.time() + (until - now), time.time())
+                    try:
+                        await self.queue.enqueue(request.request_id, cls.name,
+                                                 time.time() + (until - now), time.time())
+                    except (RedisError, OSError):     # no queue to wait in: refused now
+                        raise self._refusal(outcome, cls, waited_s=0.0) from None
                     queued = True
                 await self._wait(request.request_id, cls.name, until, outcome.from_stats)
         finally:
@@ -288,7 +293,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _leave(self, request_id: str, cls: str) -> None:
         try:
             await self.queue.leave(request_id, cls)
-        except (UNREACHABLE, OSError) as e:   # its deadline prunes it
+        except (RedisError, OSError) as e:   # its deadline prunes it
             log.warning("could not take %s off the wait queue: %s", request_id, e)
 
     async def _wait(self, request_id: str, cls: str, until: float, from_stats: bool) -> None:
@@ -302,7 +307,10 @@ class RouterServicer(pb_grpc.RouterServicer):
                 await asyncio.wait_for(self.wakeups.next().wait(), left)
             except asyncio.TimeoutError:
                 return
-            place = await self.queue.position(request_id, cls, time.time())
+            try:
+                place = await self.queue.position(request_id, cls, time.time())
+            except (RedisError, OSError):
+                return                          # the order is unknown: try
             if place is None or place < self.policy.wake_width:
                 return
 

@@ -25,6 +25,11 @@ class CapacityNotifier:
         self._pending = 0
         self._event = asyncio.Event()
 
+    @property
+    def pending(self) -> int:
+        """Blocks freed and not yet published."""
+        return self._pending
+
     def freed(self, blocks: int) -> None:
         """`blocks` KV blocks went back (a sequence ended, a reservation released)."""
         if self.queue is None:
