@@ -10,7 +10,9 @@ cancels the request everywhere.
 Telemetry: a `traceparent` in the call's metadata is continued (services/gateway/telemetry.py).
 The last chunk's `timing` holds the request's phase times (gateway queue included; earlier chunks
 carry none), and the trailing metadata `x-kvfleet-timing` the whole timing object as JSON, with
-ttft_s and e2e_s, which RequestTiming has no field for.
+ttft_s and e2e_s, which RequestTiming has no field for. The trailing metadata also names the
+overload stage the request was decided in (`x-kvfleet-stage`, refusals too) and a stage's output
+cap (`x-kvfleet-output-cap`, S2 and up).
 
 Differences from proto3 defaults, stated once: `model` empty means the served model;
 `params.max_tokens` 0 is an error (there is no "unset" for it); `params.top_p` 0 means 1.0 (off);
@@ -41,7 +43,7 @@ from services.gateway.core import (GatewayCore, build_generation, internal_reque
 from services.gateway.telemetry import TIMING_HEADER
 from services.gateway.validation import Generation
 from services.telemetry.tracing import TRACE_HEADER
-from services.gateway.stage_view import STAGE_HEADER
+from services.gateway.stage_view import STAGE_HEADER, admission_headers
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 SERVICE = "kvfleet.v1.Gateway"
@@ -113,7 +115,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     timing = telemetry.timing()
                     chunk.timing.CopyFrom(telemetry.timing_pb(timing))
                     context.set_trailing_metadata(
-                        ((TIMING_HEADER, telemetry.timing_json(timing)),))
+                        ((TIMING_HEADER, telemetry.timing_json(timing)),
+                         *admission_headers(session.run.plan).items()))
                 else:
                     chunk.ClearField("timing")
                 yield chunk

@@ -7,7 +7,8 @@ re-reads it. Every router admits by the record's stage as last read, so they agr
 period. The signals:
 
   kv_reserved    decode (mixed) KV used or reserved / total, from the live workers' stats;
-  ttft_pressure  predicted TTFT / class target over this router's recent decisions (p95);
+  ttft_pressure  predicted TTFT / class target over this router's recent decisions (p95), those
+                 admitted or queued (not those refused because their own prefill misses);
   queue_age      the oldest wait-queue entry's age / its class target, worst class;
   error_rate     refusals and failures / decisions of every router over the last two windows of
                  `COUNT_WINDOW_S`, counted in Redis (`{ns}decisions:{window}`, a hash with a

@@ -86,15 +86,6 @@ ACCEPTED_ATTR = "kvfleet.reserve.accepted"
 KV_BLOCKS_ATTR = "kvfleet.kv_blocks_needed"  # router.admit: the reservation's KV pages (n-aware)
 
 
-def predicted_ttft_s(w: pb.WorkerStats, prompt_tokens: int) -> float:
-    """Seconds until `w` computes this prompt's first token: its backlog and the prompt at its
-    measured prefill rate; 0 (unknown) while it has none. The plan's prediction is predict()'s,
-    which uses a prior for a cold worker; this first-order figure is kept for the telemetry
-    tests that read it."""
-    rate = w.prefill_tokens_per_s
-    return (w.queued_prefill_tokens + prompt_tokens) / rate if rate > 0 else 0.0
-
-
 class StageRefusal(status.CallFailed):
     """A refusal the stage itself made (S4, or a held batch request whose wait ran out): not
     counted in the error-rate signal, so that a stage does not hold itself up."""
@@ -378,7 +369,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         rule = admission.stage_rule(self.policy, self.keeper.stage, cls, protected,
                                     request.params.max_tokens)
         p = predict(self._with_placed(prefill[0]), prompt, prior=self.policy.prior)
-        if first:
+        if first and admission.best_case_s(p) <= cls.ttft_target_s:
+            # load, not a hopeless prompt: a request whose own prefill breaks its target says
+            # nothing about the fleet
             self.recent.add(p.total_s / cls.ttft_target_s)
         if rule.refuse:
             raise StageRefusal(status.failed(

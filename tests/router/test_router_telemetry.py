@@ -23,7 +23,8 @@ from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.router.service import RouterServicer, predicted_ttft_s
+from services.router.predict import Prior, predict
+from services.router.service import RouterServicer
 from services.state.fleet_state import FleetState
 from services.telemetry import exposition
 from services.telemetry.receiver import OtlpReceiver
@@ -100,9 +101,10 @@ def too_big_for_the_pool(fleet) -> list[int]:
     return list(range(stats.kv_blocks_total * stats.block_size + 32))
 
 
-def test_the_prediction_is_the_backlog_and_the_prompt_at_the_measured_rate():
-    assert predicted_ttft_s(synthetic_prefill(rate=1000.0, queued=500), 66) == pytest.approx(0.566)
-    assert predicted_ttft_s(synthetic_prefill(rate=0.0, queued=500), 66) == 0.0   # unknown
+def test_the_prediction_is_the_backlog_and_the_prompt_at_the_measured_rate_or_the_prior():
+    assert predict(synthetic_prefill(rate=1000.0, queued=500), 66).total_s == pytest.approx(0.566)
+    cold = predict(synthetic_prefill(rate=0.0, queued=500), 66, prior=Prior(2000.0))
+    assert cold.total_s == pytest.approx(0.283)          # a cold worker is not "instant"
 
 
 def test_metrics_count_an_admission_and_a_refusal_by_decision_reason_and_stage(decode_only):
@@ -140,14 +142,14 @@ def test_metrics_count_an_admission_and_a_refusal_by_decision_reason_and_stage(d
     assert value(page, "kvfleet_placements_total", role="prefill", worker="prefill-synthetic") == 1
 
 
-def test_a_worker_with_no_measured_rate_gives_no_prediction(decode_only):
+def test_a_worker_with_no_measured_rate_is_predicted_from_the_prior(decode_only):
     async def story(router, metrics_url):
         plan = await router.Admit(ask("tel-3", PROMPT), timeout=10)
         await cancel(decode_only, plan)
         return plan, samples(metrics_url)
     plan, page = asyncio.run(with_router(decode_only, story, prefill_rate=0.0))
-    assert plan.predicted_ttft_s == 0.0                      # 0 = unknown, not "instant"
-    assert not value(page, "kvfleet_predicted_ttft_seconds_count", traffic_class="interactive")
+    assert plan.predicted_ttft_s == pytest.approx((500 + len(PROMPT)) / Prior().prefill_tokens_per_s)
+    assert value(page, "kvfleet_predicted_ttft_seconds_count", traffic_class="interactive") == 1
     assert value(page, "kvfleet_admissions_total", decision="admitted", reason="OK",
                  stage="S0_NORMAL", traffic_class="interactive") == 1
 
