@@ -80,7 +80,8 @@ class DecodeRole:
         self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self._reservations: dict[str, Reservation] = {}
         self._held: dict[str, int] = {}     # ending reservations whose blocks a write may still hit
-        self.on_freed = lambda blocks: None  # told the blocks of every freed reservation (routers wake)
+        # told the blocks of every freed reservation (the worker tells waiting routers)
+        self.on_freed = lambda blocks: None
 
     @property
     def held_blocks(self) -> int:

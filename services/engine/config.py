@@ -57,7 +57,7 @@ class TrafficClass:
     predicted_output_tokens: int  # initial reservation under the `predict` policy
     aging_s: float                # waiting this long raises effective priority by one level
     share_while_interactive_waits: float = 1.0  # max fraction of the token budget while interactive work waits
-    degradable: bool = True       # overload stages S2/S3 may cap its output or send it to a fallback pool
+    degradable: bool = True       # stages S2/S3 may cap its output or send it to a fallback pool
 
 
 INTERACTIVE = TrafficClass("interactive", priority=2, ttft_target_s=1.0, itl_target_s=0.1,

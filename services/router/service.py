@@ -75,11 +75,12 @@ WORKERS_TTL_S = 0.1      # a worker list this old is re-read from Redis in the b
 WORKERS_MAX_AGE_S = 1.0  # one older than this (an idle router) is re-read before placing
 WORKERS_STALE_OK_S = 5.0  # while Redis is down, a list this young is still served
 
-# When a request refused as unavailable may try again. No healthy worker of a role: `kvfleet up` restarts a dead one within a few seconds, and a new
-# worker is placed on as soon as its first heartbeat lands.
+# When a request refused as unavailable may try again. No healthy worker of a role: `kvfleet up`
+# restarts a dead one within a few seconds, and a new worker is placed on as soon as its first
+# heartbeat lands. (Load refusals price their own: services/router/waiting.py.)
 UNHEALTHY_RETRY_S = 2.0
 
-CLOSE_S = 2.0            # close() waits this long for the background tasks to end
+CLOSE_S = 2.0                   # close() waits this long for the background tasks to end
 CLASS_LABELS = 16               # distinct traffic-class label values kept (the rest: "other")
 WORKER_ATTR = "kvfleet.worker_id"           # router.reserve: the decode worker asked
 ACCEPTED_ATTR = "kvfleet.reserve.accepted"

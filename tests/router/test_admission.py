@@ -46,8 +46,7 @@ def test_critical_tenants_and_tenants_under_their_guarantee_are_protected():
 
 def test_tenant_kv_is_summed_over_the_decode_pools_only():
     share = [pb.TenantShare(tenant="acme", kv_blocks=30)]
-    workers = [pb.WorkerStats(role="decode", tenants=share), pb.WorkerStats(role="mixed", tenants=share),
-               pb.WorkerStats(role="prefill", tenants=share)]
+    workers = [pb.WorkerStats(role=role, tenants=share) for role in ("decode", "mixed", "prefill")]
     assert admission.tenant_kv(workers) == {"acme": 60}
 
 
@@ -57,7 +56,8 @@ def test_the_headroom_is_left_to_protected_requests():
     assert admission.fits_outside_headroom(cfg, w, free_blocks=30, running=0, blocks=20)
     assert not admission.fits_outside_headroom(cfg, w, free_blocks=30, running=0, blocks=21)
     slots = AdmissionConfig(headroom_kv_fraction=0.0, headroom_slot_fraction=0.25, max_running=8)
-    assert admission.fits_outside_headroom(slots, w, 0, running=5, blocks=1)   # none kept: Reserve decides KV
+    # no KV kept: the Reserve decides the KV; the slots are still kept
+    assert admission.fits_outside_headroom(slots, w, 0, running=5, blocks=1)
     assert not admission.fits_outside_headroom(slots, w, 0, running=6, blocks=1)
 
 

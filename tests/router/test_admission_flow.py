@@ -9,10 +9,12 @@ workers are real processes (tests/router/test_admit.py's fleet)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.cli.launcher import wait_until
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant, TrafficClass
@@ -81,7 +83,8 @@ def test_a_request_waits_for_a_full_pool_and_is_admitted_when_a_reservation_free
         workers, normal_stage):  # noqa: F811
     stats = workers.stats("decode-0")
     long = list(range(100, 100 + min(stats.max_model_len - 64, 2000)))
-    fill = stats.kv_blocks_total // kv_blocks_needed(stats, len(long), pb.SamplingParams(max_tokens=32))
+    fill = stats.kv_blocks_total // kv_blocks_needed(stats, len(long),
+                                                     pb.SamplingParams(max_tokens=32))
 
     async def story():
         (router,), close = await serve_routers(workers, 1, policy=POLICY)
@@ -147,7 +150,8 @@ def test_at_s4_only_critical_tenants_are_admitted(workers, normal_stage):  # noq
     asyncio.run(story())
 
 
-def test_at_s2_a_degradable_class_is_capped_and_the_plan_says_so(workers, normal_stage):  # noqa: F811
+def test_at_s2_a_degradable_class_is_capped_and_the_plan_says_so(
+        workers, normal_stage):  # noqa: F811
     async def story():
         await set_stage(workers.redis_url, S2)
         (router,), close = await serve_routers(workers, 1, policy=POLICY)
@@ -163,7 +167,8 @@ def test_at_s2_a_degradable_class_is_capped_and_the_plan_says_so(workers, normal
     asyncio.run(story())
 
 
-def test_at_s1_batch_waits_in_the_queue_and_is_refused_when_its_wait_ends(workers, normal_stage):  # noqa: F811
+def test_at_s1_batch_waits_in_the_queue_and_is_refused_when_its_wait_ends(
+        workers, normal_stage):  # noqa: F811
     async def story():
         await set_stage(workers.redis_url, S1)
         (router,), close = await serve_routers(workers, 1, policy=POLICY)
@@ -183,7 +188,8 @@ def test_a_waiter_whose_caller_goes_away_leaves_the_queue_and_holds_nothing(
         workers, normal_stage):  # noqa: F811
     stats = workers.stats("decode-0")
     long = list(range(100, 100 + min(stats.max_model_len - 64, 2000)))
-    fill = stats.kv_blocks_total // kv_blocks_needed(stats, len(long), pb.SamplingParams(max_tokens=32))
+    fill = stats.kv_blocks_total // kv_blocks_needed(stats, len(long),
+                                                     pb.SamplingParams(max_tokens=32))
 
     async def story():
         (router,), close = await serve_routers(workers, 1, policy=POLICY)
@@ -204,5 +210,55 @@ def test_a_waiter_whose_caller_goes_away_leaves_the_queue_and_holds_nothing(
             for p in plans:
                 await cancel(workers, p)
             await close()
+    asyncio.run(story())
+    assert wait_until(lambda: held(workers.stats("decode-0")) == 0, 10)
+
+
+_ids = itertools.count()
+
+
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(endings=st.lists(st.sampled_from(["served", "caller_gone", "router_gone"]),
+                        min_size=1, max_size=3))
+def test_queue_entries_and_reservations_come_back_to_zero_however_waiters_end(
+        workers, normal_stage, endings):  # noqa: F811
+    """Waiters behind a full pool end by being served (a reservation frees), by their caller going
+    away, or by their router going away: the queue and the decode worker end empty."""
+    stats = workers.stats("decode-0")
+    long = list(range(100, 100 + min(stats.max_model_len - 64, 2000)))
+    fill = stats.kv_blocks_total // kv_blocks_needed(stats, len(long),
+                                                     pb.SamplingParams(max_tokens=32))
+    run = next(_ids)
+
+    async def story():
+        (router,), close = await serve_routers(workers, 1, policy=POLICY)
+        plans, closed = [], False
+        try:
+            for i in range(fill):
+                plans.append(await admit(router, request(f"f{run}-{i}", long, 32, "document")))
+            async with FleetState(workers.redis_url) as state:
+                queue = WaitQueue(state.redis, state.ns)
+                for i, ending in enumerate(endings):
+                    waiter = asyncio.ensure_future(
+                        admit(router, request(f"w{run}-{i}", long, 32, "document")))
+                    await until(lambda: _waiting(queue, "document", 1))
+                    if ending == "served":
+                        await cancel(workers, plans.pop(0))
+                        plans.append(await waiter)
+                    elif ending == "caller_gone":
+                        waiter.cancel()
+                    else:
+                        await close()
+                        closed = True
+                        await asyncio.gather(waiter, return_exceptions=True)
+                    await until(lambda: _waiting(queue, "document", 0))
+                    if closed:
+                        break
+        finally:
+            for p in plans:
+                await cancel(workers, p)
+            if not closed:
+                await close()
     asyncio.run(story())
     assert wait_until(lambda: held(workers.stats("decode-0")) == 0, 10)
