@@ -385,6 +385,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                             key=lambda t: t[1])[0], p, blocks, final=True)
         if p.total_s > cls.ttft_target_s:
             return Miss(p.dominant(), p, blocks, from_stats=True)
+        if first and not protected and await self._others_waiting(cls.name):
+            return Miss("queue", p, blocks, from_stats=True,
+                        detail=f"earlier {cls.name} requests are waiting")
         if rule.output_cap:
             request = _capped(request, rule.output_cap)
         if not protected:
@@ -407,6 +410,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         if rule.note and span.is_recording():
             span.set_attribute("kvfleet.stage_rule", rule.note)
         return plan
+
+    async def _others_waiting(self, cls: str) -> bool:
+        """Whether requests of `cls` wait in the queue: a newcomer queues behind them (so
+        waiters are admitted in deadline order), unless it is protected. Redis down: no."""
+        try:
+            return await self.queue.waiting(cls) > 0
+        except (RedisError, OSError):
+            return False
 
     def _with_placed(self, w: pb.WorkerStats) -> pb.WorkerStats:
         """`w` with the prompt tokens this router placed on it since its beat counted as queued:

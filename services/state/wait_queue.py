@@ -93,6 +93,10 @@ class WaitQueue:
         age = max(0.0, now_unix_s - oldest[0][1]) if oldest else 0.0
         return QueueDepth(cls, int(waiting), age)
 
+    async def waiting(self, cls: str) -> int:
+        """Members of a class, unpruned (one command: for the admission path)."""
+        return int(await self._r.zcard(self._keys(cls)[0]))
+
     async def notify(self, freed_blocks: int = 1) -> None:
         """Tell every waiting router that capacity freed (`freed_blocks` KV blocks)."""
         await self._r.publish(self.channel, str(int(freed_blocks)))
