@@ -209,7 +209,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     for name in routers:
         specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
                        "--router-id", name, "--placement", getattr(args, "placement", "prefix"),
-                       *limit_args, *ports.child_args(plan, name)]
+                       *config, *limit_args, *ports.child_args(plan, name)]
     endpoints = launcher.start_many(specs)
     http, grpc = gateway_ports(args)
     gateway = ["services.gateway", "--model", model,

@@ -86,6 +86,8 @@ class DecodeRole:
         self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self._reservations: dict[str, Reservation] = {}
         self._held: dict[str, int] = {}     # ending reservations whose blocks a write may still hit
+        # told the blocks of every freed reservation (the worker tells waiting routers)
+        self.on_freed = lambda blocks: None
 
     @property
     def held_blocks(self) -> int:
@@ -321,6 +323,7 @@ class DecodeRole:
         res.freed = True
         self._held.pop(res.request_id, None)
         self.engine.cancel_soon(res.request_id)
+        self.on_freed(res.blocks)
 
     def close(self) -> None:
         for rid in list(self._reservations):

@@ -169,7 +169,7 @@ class TrafficClass:
     predicted_output_tokens: int  # initial reservation under the `predict` policy
     aging_s: float                # waiting this long raises effective priority by one level
     share_while_interactive_waits: float = 1.0  # max fraction of the token budget while interactive work waits
-    degradable: bool = True       # overload stages S2/S3 may cap its output or send it to a fallback pool
+    degradable: bool = True       # stages S2/S3 may cap its output or send it to a fallback pool
 
 
 INTERACTIVE = TrafficClass("interactive", priority=2, ttft_target_s=1.0, itl_target_s=0.1,
@@ -192,7 +192,8 @@ class Tenant:
     classes: tuple[str, ...] = ("interactive", "document", "batch")
     max_active_seqs: int | None = None
     max_reserved_blocks: int | None = None
-    critical: bool = False        # never degraded: served by the primary pool at every stage
+    critical: bool = False        # never degraded (primary pool), admitted into the headroom kept at every stage
+    min_kv_blocks: int = 0        # guaranteed decode KV, fleet-wide: under it, ahead of borrowers
 
 
 @dataclass(frozen=True)

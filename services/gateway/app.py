@@ -60,6 +60,7 @@ from services.gateway.openai_responses import Collected, Shaper
 from services.gateway.streaming import openai_events
 from services.gateway.telemetry import TIMING_HEADER, RequestTelemetry
 from services.telemetry.tracing import TRACE_HEADER
+from services.gateway.stage_view import admission_fields, admission_headers
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
         first = await _until_disconnect(request, session.first())
         if telemetry.quality_version:     # the worker that serves (the fallback pool's, at S3)
             shaper.quality_version = headers["x-kvfleet-quality-version"] = telemetry.quality_version
+        headers.update(admission_headers(session.run.plan))
         if plan.stream:
             streaming = True      # from here the stream's own close (and its background) owns it
             # a client that disconnects cancels the stream (Starlette's disconnect listener),
@@ -238,7 +240,8 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
     timing = telemetry.timing()
     headers[TIMING_HEADER] = telemetry.timing_json(timing)
     body = shaper.body(collected, session.prompt_tokens, session.sent_tokens)
-    return JSONResponse({**body, "timing": timing}, headers=headers)
+    return JSONResponse({**body, "timing": timing, **admission_fields(session.run.plan)},
+                        headers=headers)
 
 
 async def _collect(session: Session, first) -> Collected:

@@ -22,6 +22,7 @@ import grpc
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.telemetry.tracing import TRACE_HEADER
+from services.gateway.stage_view import STAGE_HEADER
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error",
@@ -64,6 +65,8 @@ class GatewayError(Exception):
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after is not None else {}
         if self.trace_id:
             headers[TRACE_HEADER] = self.trace_id
+        if self.stage:
+            headers[STAGE_HEADER] = self.stage
         return headers
 
     @property

@@ -10,7 +10,9 @@ cancels the request everywhere.
 Telemetry: a `traceparent` in the call's metadata is continued (services/gateway/telemetry.py).
 The last chunk's `timing` holds the request's phase times (gateway queue included; earlier chunks
 carry none), and the trailing metadata `x-kvfleet-timing` the whole timing object as JSON, with
-ttft_s and e2e_s, which RequestTiming has no field for.
+ttft_s and e2e_s, which RequestTiming has no field for. The trailing metadata also names the
+overload stage the request was decided in (`x-kvfleet-stage`, refusals too) and a stage's output
+cap (`x-kvfleet-output-cap`, S2 and up).
 
 Differences from proto3 defaults, stated once: `model` empty means the served model;
 `params.max_tokens` 0 is an error (there is no "unset" for it); `params.top_p` 0 means 1.0 (off);
@@ -44,6 +46,7 @@ from services.gateway.core import (GatewayCore, build_generation, internal_reque
 from services.gateway.telemetry import TIMING_HEADER
 from services.gateway.validation import Generation
 from services.telemetry.tracing import TRACE_HEADER
+from services.gateway.stage_view import STAGE_HEADER, admission_headers
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 SERVICE = "kvfleet.v1.Gateway"
@@ -116,7 +119,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     timing = telemetry.timing()
                     chunk.timing.CopyFrom(telemetry.timing_pb(timing))
                     context.set_trailing_metadata(
-                        ((TIMING_HEADER, telemetry.timing_json(timing)),))
+                        ((TIMING_HEADER, telemetry.timing_json(timing)),
+                         *admission_headers(session.run.plan).items()))
                 else:
                     chunk.ClearField("timing")
                 yield chunk
@@ -204,6 +208,8 @@ async def _abort(context, e: errors.GatewayError) -> None:
     trailing = ((RETRY_AFTER, str(e.retry_after_s)),) if e.retry_after is not None else ()
     if e.trace_id:
         trailing += ((TRACE_HEADER, e.trace_id),)
+    if e.stage:
+        trailing += ((STAGE_HEADER, e.stage),)
     if trailing:
         context.set_trailing_metadata(trailing)
     await context.abort(e.grpc_code, e.message)

@@ -196,8 +196,8 @@ class Routers:
         for i in range(len(self.addresses)):
             address = self.addresses[(first + i) % len(self.addresses)]
             try:
-                return await self.stub(address).Admit(request, timeout=self._timeouts.admit_s,
-                                                      metadata=metadata)
+                return await self.stub(address).Admit(
+                    request, timeout=self._timeouts.admit_call_s(), metadata=metadata)
             except grpc.aio.AioRpcError as e:
                 if not _router_unreachable(e):
                     raise           # the router decided (a refusal, a bad request): final
@@ -282,6 +282,8 @@ class PlanRun:
     async def _colocated(self, plan: pb.Plan):
         worker = plan.prefill[0].address
         self._touched.add(worker)
+        if plan.output_cap and plan.output_cap < self.request.params.max_tokens:
+            self.request.params.max_tokens = plan.output_cap    # the stage capped it
         call = self.channels.worker(worker).Generate(
             self.request, timeout=self.timeouts.stream_s(self.request.params.max_tokens),
             metadata=self._metadata)

@@ -20,6 +20,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.gateway.core import Session
 from services.gateway.errors import GatewayError
 from services.gateway.openai_responses import Shaper
+from services.gateway.stage_view import admission_fields
 
 DONE = "data: [DONE]\n\n"
 
@@ -42,6 +43,7 @@ async def openai_events(session: Session, first: pb.TokenChunk, shaper: Shaper,
                 events = shaper.events(chunk)
                 if chunk.finished and events:
                     timing = events[-1]["timing"] = session.telemetry.timing()
+                    events[-1].update(admission_fields(session.run.plan))
                 for event in events:
                     yield sse(event)
                 if not await gone():

@@ -8,6 +8,9 @@ write allowed to outlive the reservation it writes into, a heartbeat slower than
 The orderings that matter, and why:
   reserve_s < admit_s              the router must be able to try a decode worker within the
                                    gateway's Admit deadline;
+  queue_s (any)                    a request waits in the router's queue at most queue_s; the
+                                   gateway's Admit deadline is queue_s + admit_s, so the router
+                                   always has admit_s left to place it after its wait;
   kv_deadline_margin_s < reservation_s
                                    the prefill worker ends its write kv_deadline_margin_s before
                                    the reservation expires; the decode worker still frees the
@@ -41,6 +44,7 @@ SHUTDOWN_BUDGET_S = 3.0      # every process of a fleet is gone this long after 
 @dataclass(frozen=True)
 class Timeouts:
     admit_s: float = 5.0               # gateway -> router Admit, placement and reservation included
+    queue_s: float = 20.0              # ... plus at most this long in the router's wait queue
     reserve_s: float = 3.0             # router -> decode Reserve: a silent worker is skipped (its
                                        # engine reserves nothing past this deadline)
     reservation_s: float = 30.0        # a decode reservation whose KV has not landed is freed after this
@@ -106,6 +110,10 @@ class Timeouts:
         if problems:
             raise SystemExit("inconsistent timeouts:\n  " + "\n  ".join(problems))
         return self
+
+    def admit_call_s(self) -> float:
+        """The gateway's deadline of an Admit call: a wait in the queue, then the placement."""
+        return self.queue_s + self.admit_s
 
     def stream_s(self, max_tokens: int) -> float:
         """The deadline of a call that streams up to `max_tokens` tokens (Decode, Generate)."""

@@ -1,5 +1,10 @@
-"""`python -m services.router --redis-url URL [--mode disagg|colocated] [--placement prefix|load] [--port P]
-[--router-id ID] [--metrics-port P] [--timeout-*-s S ...] [--fleet-token-file PATH | --insecure-internal]`.
+"""`python -m services.router --redis-url URL [--mode disagg|colocated] [--placement prefix|load]
+[--port P] [--router-id ID] [--config ENGINE_YAML] [--metrics-port P] [--timeout-*-s S ...]
+[--fleet-token-file PATH | --insecure-internal]`.
+
+--config: the engine config the workers run (its classes' TTFT targets and `degradable`, its
+tenants' `critical` and `min_kv_blocks`, its `max_running`) is what admission judges by
+(services/router/admission.py); without it, the defaults of services/engine/config.py.
 
 Several routers may serve one fleet: they keep nothing of their own that matters (all of it is in
 Redis), so the gateway may ask any of them.
@@ -25,6 +30,9 @@ from services.state.fleet_state import FleetState
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
 from services.router.prefix_index import KVEventFeed, PrefixIndex
+from services.engine.config import SchedulerConfig
+from services.engine.config_file import load_engine_config
+from services.router.admission import AdmissionConfig
 from services.router.service import RouterServicer
 from services.state.service_heartbeat import beat_forever, service_record, stop_beating
 from services.telemetry import exposition, tracing
@@ -41,7 +49,9 @@ async def serve(args: argparse.Namespace) -> int:
     tracing.setup("router", args.router_id)
     state = FleetState(args.redis_url)
     index = PrefixIndex() if args.placement == "prefix" else None
-    servicer = RouterServicer(state, args.mode, args.router_id, limits, prefix_index=index)
+    servicer = RouterServicer(state, args.mode, args.router_id, limits, prefix_index=index,
+                              policy=admission_config(args.config))
+    servicer.start()
     feed = asyncio.create_task(KVEventFeed(state, index).run()) if index is not None else None
     metrics = exposition.serve(servicer.metrics.registry, args.metrics_port, args.host)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
@@ -69,6 +79,12 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def admission_config(path: str | None) -> AdmissionConfig:
+    scheduler = load_engine_config(path).scheduler if path else SchedulerConfig()
+    return AdmissionConfig(classes=scheduler.classes, tenants=scheduler.tenants,
+                           max_running=scheduler.max_running)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvfleet router")
     p.add_argument("--redis-url", required=True)
@@ -79,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--placement", choices=["prefix", "load"], default="prefix",
                    help="prefix (default): prefill / mixed workers holding the prompt's prefix "
                         "win by the work they save (the workers' KV events); load: by load alone")
+    p.add_argument("--config", default=None,
+                   help="engine config YAML: the classes and tenants admission judges by")
     exposition.add_args(p)
     timeouts.add_args(p)
     fleet_token.add_args(p)

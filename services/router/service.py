@@ -1,28 +1,39 @@
 """The Router gRPC service: admit, place, reserve, answer with the plan (DESIGN.md section 3, step 2).
 
 The router decides and steps aside: it is on no token path and keeps nothing of a request once it
-answered. Admit(WorkRequest) -> Plan, in order:
+answered. Admit(WorkRequest) -> Plan, in order (docs/architecture.md, "The router's decision"):
   1. the live workers, from Redis (a cache of at most WORKERS_MAX_AGE_S; all state that matters
      is there, so several routers decide alike);
-  2. disaggregated: Reserve on the best decode replica that accepts (its reservations are
+  2. the class (TTFT target, degradable) and tenant (critical, min_kv_blocks), and what the
+     fleet's stage does to them (services/router/admission.py; the stage is the record in Redis
+     that every router's stage keeper maintains: services/router/keeper.py);
+  3. the predicted TTFT of the best placement (services/router/predict.py) against the class's
+     target: admit, wait in the Redis wait queue (woken by `{ns}capacity` notifications, or by
+     a timer), or refuse when even the best case misses;
+  4. disaggregated: Reserve on the best decode replica that accepts (its reservations are
      authoritative; one that does not answer within `reserve_s` is skipped; the ranking counts what
-     routers placed since each worker's beat: services/router/placements.py), then rank the
-     prefill replicas (the gateway falls back to the second if the first fails before its first
-     token); co-located: the best `mixed` worker;
-  3. the plan: prefill worker(s), decode worker, the reservation's KV target and its deadline.
-A refusal is RESOURCE_EXHAUSTED (OVERLOADED: every replica busy) or UNAVAILABLE (no healthy
-replica of a role, Redis down), with a CallStatus naming why and when to retry.
+     routers placed since each worker's beat: services/router/placements.py), the prefill
+     replicas ranked (the gateway falls back to the second if the first fails before its first
+     token); co-located: the best `mixed` worker. Unprotected requests leave the headroom kept
+     for critical tenants;
+  5. the plan: prefill worker(s), decode worker, the reservation's KV target and its deadline, the
+     stage and any output cap.
+A refusal is RESOURCE_EXHAUSTED (OVERLOADED: the best case misses the target, the wait ran out, or
+the stage refuses) or UNAVAILABLE (no healthy replica of a role, Redis down), with a CallStatus
+naming why (the term, predicted vs target seconds), the stage, and when to retry (from the
+fleet's measured drain rate: services/router/waiting.py).
 
 Telemetry (DESIGN section 7): one `router.admit` SERVER span per Admit (continuing the caller's
 trace from the call's metadata) with one `router.reserve` CLIENT span per Reserve call under it
 (its metadata carries the context on, so the decode worker's span continues it); RouterMetrics
 count every decision (admitted / rejected, reason, stage, class), its time, the predicted TTFT,
-live workers by role and placements by worker. Overload stages are not implemented yet: every
-decision is taken in S0_NORMAL and says so (Plan.stage, CallStatus.stage, the stage gauge is 0).
+live workers by role and placements by worker; the stage gauge follows the fleet's record.
 
 Predicted TTFT (Plan.predicted_ttft_s, its terms in Plan.predicted_*_s): services/router/predict.py,
-from what the chosen workers measured of themselves (a cold worker publishes its prior: never 0).
-Prefix hits are not known to the router yet (cached_tokens = 0).
+from what the chosen workers measured of themselves (a cold worker publishes its prior: never 0),
+counting only the prompt tokens the prefill worker does not hold (the prefix index). The fallback
+pool (services/router/pools.py): from S3 on a degradable request is placed on it when it has
+every role this mode needs; one request never mixes pools.
 
 A Reserve whose answer came too late (the worker was slow, not dead) leaves no reservation: the
 call carries its deadline, and the decode worker undoes whatever its engine reserved for a caller
@@ -34,9 +45,11 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
+from redis.exceptions import RedisError
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.protocol import status
@@ -45,15 +58,21 @@ from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
+from services.router import admission
+from services.router.admission import AdmissionConfig
+from services.router.keeper import DecisionCounts, RecentPredictions, StageKeeper
 from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, rank_decode,
-                                       rank_mixed, rank_prefill)
+                                       rank_mixed, rank_prefill, room_after)
 from services.router.placements import PlacementLedger
-from services.router.pools import StageView, choose_pool, in_pool, served_by
+from services.router.pools import choose_pool, in_pool, served_by
 from services.router.prefix_index import PrefixIndex
-from services.router.predict import decode_wait_s, kv_bytes_of, predict
+from services.router.predict import Prediction, decode_wait_s, kv_bytes_of, predict
+from services.router.stages import Signals, StageMachine, stage_name
+from services.router.waiting import DrainRate, Wakeups, retry_after_s
 from services.state.fleet_state import ROLES, FleetState
 from services.state.outage import UNREACHABLE, Outage
 from services.state.stage_record import StageStore
+from services.state.wait_queue import WaitQueue
 from services.telemetry import tracing
 from services.telemetry.labels import TenantLabels
 from services.telemetry.metrics import RouterMetrics
@@ -65,23 +84,33 @@ WORKERS_TTL_S = 0.1      # a worker list this old is re-read from Redis in the b
 WORKERS_MAX_AGE_S = 1.0  # one older than this (an idle router) is re-read before placing
 WORKERS_STALE_OK_S = 5.0  # while Redis is down, a list this young is still served
 
-# When a refused request may try again. A decode replica's blocks free as its sequences end, which
-# the router cannot foresee: a reservation refused for load says retry in RESERVE_RETRY_S. No
-# healthy worker of a role: `kvfleet up` restarts a dead one within a few seconds, and a new
-# worker is placed on as soon as its first heartbeat lands.
-RESERVE_RETRY_S = 1.0
+# When a request refused as unavailable may try again. No healthy worker of a role: `kvfleet up`
+# restarts a dead one within a few seconds, and a new worker is placed on as soon as its first
+# heartbeat lands. (Load refusals price their own: services/router/waiting.py.)
 UNHEALTHY_RETRY_S = 2.0
 
-STAGE = pb.S0_NORMAL            # overload stages come in a later issue: always S0 for now
-STAGE_NAME = pb.OverloadStage.Name(STAGE)
+CLOSE_S = 2.0                   # close() waits this long for the background tasks to end
 CLASS_LABELS = 16               # distinct traffic-class label values kept (the rest: "other")
 WORKER_ATTR = "kvfleet.worker_id"           # router.reserve: the decode worker asked
 ACCEPTED_ATTR = "kvfleet.reserve.accepted"
 KV_BLOCKS_ATTR = "kvfleet.kv_blocks_needed"  # router.admit: the reservation's KV pages (n-aware)
 
 
-def overloaded(message: str) -> status.CallFailed:
-    return status.CallFailed(status.failed(pb.OVERLOADED, message, retry_after_s=RESERVE_RETRY_S))
+class StageRefusal(status.CallFailed):
+    """A refusal the stage itself made (S4, or a held batch request whose wait ran out): not
+    counted in the error-rate signal, so that a stage does not hold itself up."""
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """One try that admitted nothing: why, and what the waiter does next."""
+    term: str                        # the term that broke the target, or what held it
+    prediction: Prediction
+    blocks: int                      # the KV blocks it needs (prices the Retry-After)
+    final: bool = False              # even the best case breaks the target: refuse now
+    by_stage: bool = False           # the stage held or refused it
+    from_stats: bool = False         # judged on stats: retry once a beat has refreshed them
+    detail: str = ""                 # what the workers said, for the refusal's message
 
 
 def unhealthy(message: str, retry_after_s: float = UNHEALTHY_RETRY_S) -> status.CallFailed:
@@ -92,11 +121,12 @@ class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, state: FleetState, mode: str = "disagg", router_id: str = "router",
                  timeouts: Timeouts | None = None, auth: FleetAuth | None = None,
                  metrics: RouterMetrics | None = None,
-                 prefix_index: PrefixIndex | None = None) -> None:
+                 prefix_index: PrefixIndex | None = None,
+                 policy: AdmissionConfig | None = None) -> None:
         self.state = state
         self.prefix_index = prefix_index  # None: placement by load alone (no prefix affinity)
         self.metrics = metrics or RouterMetrics()
-        self.metrics.stage.set(STAGE)
+        self.metrics.stage.set(pb.S0_NORMAL)
         # a worker record the fleet did not sign (or pointing elsewhere) is ignored and counted
         state.seal.on_rejected = lambda kind, reason: self.metrics.records_rejected.labels(
             kind, reason).inc()
@@ -105,13 +135,46 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.mode = mode
         self.router_id = router_id
         self.timeouts = timeouts or Timeouts()
+        self.policy = policy or AdmissionConfig()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._workers: tuple[float, list[pb.WorkerStats]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
         self.redis = Outage("router worker list", log)
         self.placements = PlacementLedger(state, self.redis)
         self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
-        self.stage_view = StageView(StageStore(state.redis, state.ns), self.redis)   # the fallback pool's cue
+        self.queue = WaitQueue(state.redis, state.ns)
+        self.wakeups = Wakeups(self.queue, DrainRate())
+        self.recent = RecentPredictions(self.policy.ttft_window_s)
+        self.counts = DecisionCounts(state.redis, state.ns)
+        self.keeper = StageKeeper(StageStore(state.redis, state.ns),
+                                  StageMachine(self.policy.stages), router_id, self.fleet_signals,
+                                  on_stage=self.metrics.stage.set)
+        self._background: list[asyncio.Task] = []
+        # prompt tokens placed on each prefill worker since its beat: {id: (beat time, tokens)}
+        self._prefill_placed: dict[str, tuple[float, int]] = {}
+
+    def start(self, keeper: bool = True) -> None:
+        """The capacity subscription and (unless `keeper` is False) the stage keeper, once."""
+        if self._background:
+            return
+        loop = asyncio.get_running_loop()
+        self._background.append(loop.create_task(self.wakeups.listen()))
+        if keeper:
+            self._background.append(loop.create_task(self.keeper.run(self.policy.keeper_every_s)))
+
+    async def fleet_signals(self) -> Signals:
+        """The stage signals now (services/router/keeper.py says what each is)."""
+        workers = await self._read_workers()
+        pools = [w for w in workers if w.role in ("decode", "mixed")]
+        total = sum(w.kv_blocks_total for w in pools)
+        taken = sum(w.kv_blocks_total - w.kv_blocks_free + w.kv_blocks_reserved
+                    + w.kv_blocks_held for w in pools)
+        now_unix = time.time()
+        ages = [(await self.queue.depth(c.name, now_unix)).oldest_age_s / c.ttft_target_s
+                for c in self.policy.classes]
+        return Signals(kv_reserved=min(1.0, taken / total) if total else 0.0,
+                       ttft_pressure=self.recent.quantile(), queue_age=max(ages, default=0.0),
+                       error_rate=await self.counts.flush_and_read())
 
     async def live_workers(self) -> list[pb.WorkerStats]:
         """Live workers from Redis, at most one read per WORKERS_TTL_S and none on a request's
@@ -164,6 +227,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 await self._refresh_workers()
 
     async def Admit(self, request: pb.WorkRequest, context) -> pb.Plan:
+        self.start()
+        await self.keeper.first_read()
         started = time.perf_counter()
         cls = self._classes.label(request.traffic_class)
         with tracing.tracer.start_as_current_span(
@@ -172,15 +237,17 @@ class RouterServicer(pb_grpc.RouterServicer):
             if span.is_recording():
                 span.set_attributes(self._attributes(request))
             try:
-                plan = await self._admit(request)
+                plan = await self._admit(request, context)
             except status.CallFailed as e:
                 if e.status.reason == pb.UNAVAILABLE:
                     self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
-                e.status.stage = STAGE
+                e.status.stage = self.keeper.stage
+                self.counts.count(error=not isinstance(e, StageRefusal))
                 self._decided(span, cls, started, pb.Reason.Name(e.status.reason))
                 span.set_status(Status(StatusCode.ERROR, e.status.message))
                 await status.abort(context, e.status)
-            plan.stage = STAGE
+            plan.stage = self.keeper.stage
+            self.counts.count(error=False)
             self._decided(span, cls, started, "OK", plan)
             return plan
 
@@ -190,26 +257,93 @@ class RouterServicer(pb_grpc.RouterServicer):
                 tracing.PROVIDER: tracing.PROVIDER_NAME,
                 tracing.INPUT_TOKENS: len(request.prompt_token_ids),
                 tracing.MAX_TOKENS: request.params.max_tokens,
-                tracing.QUEUE_WAIT: 0.0,                  # the router has no queue yet
-                tracing.STAGE: STAGE_NAME}
+                tracing.STAGE: stage_name(self.keeper.stage)}
 
-    async def _admit(self, request: pb.WorkRequest) -> pb.Plan:
-        workers = await self.live_workers()
-        span = trace.get_current_span()
-        if workers and span.is_recording():     # one model per fleet: any worker names it
-            span.set_attribute(tracing.REQUEST_MODEL, workers[0].model)
-        pool = choose_pool(workers, await self.stage_view.current(), request.degradable,
-                           self._needed_roles)
-        workers = in_pool(workers, pool)      # one pool per request: KV layouts differ
-        if self.mode == "colocated":
-            return served_by(await self._colocated(request, workers), workers, pool)
-        return served_by(await self._disaggregated(request, workers), workers, pool)
+    async def _admit(self, request: pb.WorkRequest, context) -> pb.Plan:
+        """Try; a miss whose best case still makes the target waits in the queue (woken by
+        capacity, or by its own timer) and tries again until its wait ends."""
+        cls = self.policy.traffic_class(request.traffic_class)
+        remaining = context.time_remaining() if context is not None else None
+        bound_s = self.timeouts.queue_s
+        if remaining is not None:     # leave the call admit_s to place it after the wait
+            bound_s = max(0.0, min(bound_s, remaining - self.timeouts.admit_s))
+        began, until, queued = time.monotonic(), None, False
+        try:
+            while True:
+                outcome = await self._try(request, cls, first=until is None)
+                if isinstance(outcome, pb.Plan):
+                    return outcome
+                now = time.monotonic()
+                if until is None:
+                    until = admission.wait_until(now, cls.ttft_target_s, outcome.prediction,
+                                                 bound_s)
+                    if outcome.by_stage:             # held by the stage: to its wait's end
+                        until = now + bound_s
+                if outcome.final or now >= until:
+                    raise self._refusal(outcome, cls, waited_s=now - began)
+                if not queued:
+                    try:
+                        await self.queue.enqueue(request.request_id, cls.name,
+                                                 time.time() + (until - now), time.time())
+                    except (RedisError, OSError):     # no queue to wait in: refused now
+                        raise self._refusal(outcome, cls, waited_s=0.0) from None
+                    queued = True
+                await self._wait(request.request_id, cls.name, until, outcome.from_stats)
+        finally:
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.set_attribute(tracing.QUEUE_WAIT, time.monotonic() - began)
+            if queued:
+                await asyncio.shield(self._leave(request.request_id, cls.name))
+
+    async def _leave(self, request_id: str, cls: str) -> None:
+        try:
+            await self.queue.leave(request_id, cls)
+        except (RedisError, OSError) as e:   # its deadline prunes it
+            log.warning("could not take %s off the wait queue: %s", request_id, e)
+
+    async def _wait(self, request_id: str, cls: str, until: float, from_stats: bool) -> None:
+        """Until a capacity notification finds this waiter among the first `wake_width` of its
+        class, its retry timer fires (one beat after a miss judged on stats, else the slow
+        safety net), or its wait ends."""
+        timer = self.timeouts.heartbeat_s if from_stats else self.policy.retry_s
+        end = min(until, time.monotonic() + timer)
+        while (left := end - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(self.wakeups.next().wait(), left)
+            except asyncio.TimeoutError:
+                return
+            try:
+                place = await self.queue.position(request_id, cls, time.time())
+            except (RedisError, OSError):
+                return                          # the order is unknown: try
+            if place is None or place < self.policy.wake_width:
+                return
+
+    def _refusal(self, miss: Miss, cls, waited_s: float) -> status.CallFailed:
+        stage = stage_name(self.keeper.stage)
+        if miss.by_stage:
+            message = f"{miss.term} (stage {stage})"
+        else:
+            message = admission.explain(miss.term, miss.prediction.total_s, cls.ttft_target_s,
+                                        stage)
+            if miss.detail:
+                message = f"{miss.detail}; {message}"
+        if waited_s > 0.01:
+            message += f"; waited {waited_s:.2f} s in the queue"
+        workers = self._workers[1]
+        prefill = [w for w in workers if w.role in ("prefill", "mixed")]
+        retry = retry_after_s(miss.blocks, self.wakeups.drain.blocks_per_s(),
+                              sum(w.queued_prefill_tokens for w in prefill),
+                              sum(w.prefill_tokens_per_s for w in prefill))
+        st = status.failed(pb.OVERLOADED, message, retry_after_s=retry)
+        return StageRefusal(st) if miss.by_stage else status.CallFailed(st)
 
     def _decided(self, span, cls: str, started: float, reason: str, plan: pb.Plan | None = None):
         """Count one decision and describe it on its span: admitted (with its plan) or rejected."""
         decision = "admitted" if plan is not None else "rejected"
         m = self.metrics
-        m.admissions.labels(decision, reason, STAGE_NAME, cls).inc()
+        m.admissions.labels(decision, reason, stage_name(self.keeper.stage), cls).inc()
         m.admit_seconds.labels(cls).observe(time.perf_counter() - started)
         if plan is not None:
             m.predicted_ttft.labels(cls).observe(plan.predicted_ttft_s)
@@ -219,44 +353,136 @@ class RouterServicer(pb_grpc.RouterServicer):
                 m.placements.labels("prefill", plan.prefill[0].worker_id).inc()
                 m.placements.labels("decode", plan.decode.worker_id).inc()
         if span.is_recording():
-            span.set_attributes({tracing.DECISION: decision, tracing.REASON: reason})
+            span.set_attributes({tracing.DECISION: decision, tracing.REASON: reason,
+                                 tracing.STAGE: stage_name(self.keeper.stage)})
             if plan is not None:
                 span.set_attribute(tracing.PREDICTED_TTFT, plan.predicted_ttft_s)
 
-    async def _colocated(self, request: pb.WorkRequest, workers) -> pb.Plan:
-        mixed = [w for w in workers if w.role == "mixed"]
-        placed = await self.placements.read(mixed)
+    async def _try(self, request: pb.WorkRequest, cls, first: bool) -> pb.Plan | Miss:
+        """One decision on the live workers: a plan, or why not."""
+        workers = await self.live_workers()
+        span = trace.get_current_span()
+        if workers and span.is_recording():     # one model per fleet: any worker names it
+            span.set_attribute(tracing.REQUEST_MODEL, workers[0].model)
         prompt = len(request.prompt_token_ids)
-        needed = kv_blocks_needed(mixed[0], prompt, request.params) if mixed else 0
-        cached = self._cached(request, mixed)
-        candidates = rank_mixed(mixed, needed, placed, self.placements.turn, cached)
-        if not candidates:
-            raise unhealthy("no healthy mixed worker")
-        blocks = kv_blocks_needed(candidates[0], prompt, request.params)
-        await self.placements.add(candidates[0], blocks)
-        prediction = predict(candidates[0], prompt, traffic_class=request.traffic_class,
-                             cached_tokens=cached.get(candidates[0].worker_id, 0),
-                             decode_wait_s=decode_wait_s(candidates[0], blocks))
-        return prediction.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
-                                       prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
-                                       router_id=self.router_id))
+        pool = choose_pool(workers, self.keeper.stage, request.degradable, self._needed_roles)
+        workers = in_pool(workers, pool)          # one pool per request: KV layouts differ
+        role = "mixed" if self.mode == "colocated" else "decode"
+        decode = [w for w in workers if w.role == role]
+        placed = await self.placements.read(decode)
+        if self.mode == "colocated":
+            cached = self._cached(request, decode)
+            ranked = rank_mixed([w for w in decode if can_ever_hold(w, prompt, request.params)]
+                                or decode[:1], kv_blocks_needed(decode[0], prompt, request.params)
+                                if decode else 0, placed, self.placements.turn, cached)
+        else:
+            ranked = self._decode_candidates(request, decode, placed, self.placements.turn, role)
+        if not ranked:
+            raise unhealthy(f"no healthy {role} worker")
+        if self.mode == "colocated":
+            prefill = ranked
+        else:
+            cached = self._cached(request, [w for w in workers if w.role == "prefill"])
+            prefill = rank_prefill(workers, prompt, self.placements.turn, cached)
+            if not prefill:
+                raise unhealthy("no healthy prefill worker")
+        blocks = kv_blocks_needed(ranked[0], prompt, request.params)
+        tenant = self.policy.tenant(request.tenant)
+        protected = admission.protected(tenant, admission.tenant_kv(workers), blocks)
+        rule = admission.stage_rule(self.policy, self.keeper.stage, cls, protected,
+                                    request.params.max_tokens, fallback_pool=pool != "primary")
+        p = predict(self._with_placed(prefill[0]), prompt, traffic_class=cls.name,
+                    cached_tokens=cached.get(prefill[0].worker_id, 0),
+                    kv_bytes=0 if self.mode == "colocated" else kv_bytes_of(prefill[0], prompt),
+                    decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior)
+        if first and admission.best_case_s(p) <= cls.ttft_target_s:
+            # load, not a hopeless prompt: a request whose own prefill breaks its target says
+            # nothing about the fleet
+            self.recent.add(p.total_s / cls.ttft_target_s)
+        if rule.refuse:
+            raise StageRefusal(status.failed(
+                pb.OVERLOADED, f"{rule.note} (stage {stage_name(self.keeper.stage)})",
+                retry_after_s=retry_after_s(blocks, self.wakeups.drain.blocks_per_s(), 0, 0)))
+        if rule.hold:
+            return Miss(rule.note, p, blocks, by_stage=True)
+        if admission.best_case_s(p) > cls.ttft_target_s:
+            return Miss(max(("prefill", p.prefill_s), ("kv transfer", p.transfer_s),
+                            key=lambda t: t[1])[0], p, blocks, final=True)
+        if p.total_s > cls.ttft_target_s:
+            return Miss(p.dominant(), p, blocks, from_stats=True)
+        if first and not protected and await self._others_waiting(cls.name):
+            return Miss("queue", p, blocks, from_stats=True,
+                        detail=f"earlier {cls.name} requests are waiting")
+        if rule.output_cap:
+            request = _capped(request, rule.output_cap)
+        if not protected:
+            best = ranked[0]
+            ranked = [w for w in ranked if admission.fits_outside_headroom(
+                self.policy, w, *room_after(w, placed.get(w.worker_id, Placed())), blocks)]
+            if not ranked:
+                free, _ = room_after(best, placed.get(best.worker_id, Placed()))
+                return Miss("decode KV headroom", p, blocks, from_stats=True, detail=(
+                    f"decode KV headroom is kept for critical tenants ({best.worker_id}: "
+                    f"{free} blocks available, {blocks} needed)"))
+        if self.mode == "colocated":
+            plan = await self._colocated(request, ranked, p)
+        else:
+            plan = await self._disaggregated(request, prefill, ranked, p)
+        if isinstance(plan, pb.Plan):
+            plan = served_by(plan, workers, pool)
+            if isinstance(plan, str):
+                return Miss("decode slot", p, blocks, detail=plan)
+        plan.output_cap = rule.output_cap
+        self._placed_prefill(prefill[0], prompt)
+        if rule.note and span.is_recording():
+            span.set_attribute("kvfleet.stage_rule", rule.note)
+        return plan
 
-    async def _disaggregated(self, request: pb.WorkRequest, workers) -> pb.Plan:
+    async def _others_waiting(self, cls: str) -> bool:
+        """Whether requests of `cls` wait in the queue: a newcomer queues behind them (so
+        waiters are admitted in deadline order), unless it is protected. Redis down: no."""
+        try:
+            return await self.queue.waiting(cls) > 0
+        except (RedisError, OSError):
+            return False
+
+    def _with_placed(self, w: pb.WorkerStats) -> pb.WorkerStats:
+        """`w` with the prompt tokens this router placed on it since its beat counted as queued:
+        a burst within one beat (a cold fleet's first) sees its own backlog."""
+        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
+        if beat != w.updated_at_unix_s or not tokens:
+            return w
+        out = pb.WorkerStats()
+        out.CopyFrom(w)
+        out.queued_prefill_tokens += tokens
+        return out
+
+    def _placed_prefill(self, w: pb.WorkerStats, prompt_tokens: int) -> None:
+        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
+        if beat != w.updated_at_unix_s:
+            tokens = 0
+        self._prefill_placed[w.worker_id] = (w.updated_at_unix_s, tokens + prompt_tokens)
+
+    async def _colocated(self, request: pb.WorkRequest, candidates, p: Prediction) -> pb.Plan:
         prompt = len(request.prompt_token_ids)
-        cached = self._cached(request, [w for w in workers if w.role == "prefill"])
-        prefill = rank_prefill(workers, prompt, self.placements.turn, cached)
-        if not prefill:
-            raise unhealthy("no healthy prefill worker")
-        decode, reservation = await self._reserve(request, workers)
-        prediction = predict(prefill[0], prompt, traffic_class=request.traffic_class,
-                             cached_tokens=cached.get(prefill[0].worker_id, 0),
-                             kv_bytes=kv_bytes_of(prefill[0], prompt), decode_wait_s=decode_wait_s(
-                                 decode, kv_blocks_needed(decode, prompt, request.params)))
-        return prediction.fill(pb.Plan(
-            request_id=request.request_id, mode=pb.Plan.DISAGGREGATED,
-            prefill=[_ref(w) for w in prefill[:PREFILL_CHOICES]], decode=_ref(decode),
-            target=reservation.target, deadline_unix_s=reservation.expires_at_unix_s,
-            router_id=self.router_id))
+        await self.placements.add(candidates[0],
+                                  kv_blocks_needed(candidates[0], prompt, request.params))
+        return p.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
+                              prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
+                              router_id=self.router_id))
+
+    async def _disaggregated(self, request: pb.WorkRequest, prefill, decode,
+                             p: Prediction) -> pb.Plan | str:
+        """The plan, or why no decode replica could reserve KV for it now."""
+        reserved = await self._reserve(request, decode)
+        if isinstance(reserved, str):
+            return reserved
+        chosen, reservation = reserved
+        return p.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.DISAGGREGATED,
+                              prefill=[_ref(w) for w in prefill[:PREFILL_CHOICES]],
+                              decode=_ref(chosen), target=reservation.target,
+                              deadline_unix_s=reservation.expires_at_unix_s,
+                              router_id=self.router_id))
 
     def _cached(self, request: pb.WorkRequest, workers) -> dict[str, int]:
         """Leading prompt tokens each worker holds in its prefix cache ({}: no index)."""
@@ -265,14 +491,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         return self.prefix_index.cached_tokens(request.prompt_token_ids, request.tenant,
                                                [w.worker_id for w in workers])
 
-    async def _reserve(self, request: pb.WorkRequest, workers):
+    async def _reserve(self, request: pb.WorkRequest, candidates):
+        """Reserve on the first of `candidates` that accepts; when every one refused for load (the
+        request may wait), what they said; UNAVAILABLE when none answered."""
         reasons, silent = [], []
         ask = pb.ReserveRequest(request_id=request.request_id, tenant=request.tenant,
                                 traffic_class=request.traffic_class,
                                 prompt_token_ids=request.prompt_token_ids, params=request.params)
-        decode = [w for w in workers if w.role == "decode"]
-        placed = await self.placements.read(decode)
-        for w in self._decode_candidates(request, decode, placed, self.placements.turn):
+        for w in candidates:
             blocks = kv_blocks_needed(w, len(request.prompt_token_ids), request.params)
             await self.placements.add(w, blocks)   # counted before the Reserve: a burst sees it
             try:
@@ -294,17 +520,16 @@ class RouterServicer(pb_grpc.RouterServicer):
         if not reasons:
             raise unhealthy("no decode replica can reserve KV for this request: "
                             + ("; ".join(silent) if silent else "none is healthy"))
-        raise overloaded(f"no decode replica can reserve KV for this request "
-                         f"({'; '.join(reasons)})")
+        return f"no decode replica can reserve KV for this request ({'; '.join(reasons)})"
 
     @staticmethod
     def _decode_candidates(request: pb.WorkRequest, workers, placed: dict[str, Placed] | None = None,
-                           turn: int = 0) -> list[pb.WorkerStats]:
+                           turn: int = 0, role: str = "decode") -> list[pb.WorkerStats]:
         """Decode replicas to ask, best first (counting `placed` since their beats, ties from `turn`),
         leaving out those whose whole pool is smaller than the request's KV pages (kv_blocks_needed: n
         samples count the prompt once); if none is large enough the best is still asked, so that its
         engine refuses with the limits."""
-        ranked = rank_decode(workers, "decode", placed, turn)
+        ranked = rank_decode(workers, role, placed, turn)
         prompt = len(request.prompt_token_ids)
         span = trace.get_current_span()
         if ranked and span.is_recording():
@@ -350,7 +575,19 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def close(self) -> None:
         if self._refreshing is not None:
             self._refreshing.cancel()
+        for task in self._background:
+            task.cancel()
+        if self._background:        # bounded: a Redis read that swallows a cancel must not hang it
+            await asyncio.wait(self._background, timeout=CLOSE_S)
         await asyncio.gather(*(c.close() for c in self._channels.values()))
+
+
+def _capped(request: pb.WorkRequest, cap: int) -> pb.WorkRequest:
+    """A copy of `request` whose max_tokens is at most `cap` (the stage's output cap)."""
+    out = pb.WorkRequest()
+    out.CopyFrom(request)
+    out.params.max_tokens = min(out.params.max_tokens or cap, cap)
+    return out
 
 
 def _ref(w: pb.WorkerStats) -> pb.WorkerRef:

@@ -348,6 +348,11 @@ class FleetState:
         self._renew = self._r.register_script(_RENEW_LUA)
         self._finish = self._r.register_script(_FINISH_LUA)
 
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The str-decoding client, for the stores that share this pool (stage, wait queue)."""
+        return self._r
+
     async def close(self) -> None:
         await self._r.aclose()
         await self._raw.aclose()

@@ -31,6 +31,8 @@ import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
+CLOSE_S = 1.0      # a subscription's close waits at most this long
+
 
 @dataclass(frozen=True, slots=True)
 class QueueDepth:
@@ -91,18 +93,27 @@ class WaitQueue:
         age = max(0.0, now_unix_s - oldest[0][1]) if oldest else 0.0
         return QueueDepth(cls, int(waiting), age)
 
+    async def waiting(self, cls: str) -> int:
+        """Members of a class, unpruned (one command: for the admission path)."""
+        return int(await self._r.zcard(self._keys(cls)[0]))
+
     async def notify(self, freed_blocks: int = 1) -> None:
         """Tell every waiting router that capacity freed (`freed_blocks` KV blocks)."""
         await self._r.publish(self.channel, str(int(freed_blocks)))
 
-    async def notifications(self) -> AsyncIterator[int]:
+    async def notifications(self, on_subscribed=None) -> AsyncIterator[int]:
         """Freed-block counts as workers publish them, until cancelled (a subscription of its
-        own; the caller reconnects after a Redis error)."""
+        own; the caller reconnects after a Redis error). `on_subscribed()` is called once the
+        subscription is live."""
         pubsub = self._r.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(self.channel)
+        if on_subscribed is not None:
+            on_subscribed()
         try:
             while True:
                 msg = await pubsub.get_message(timeout=1.0)
+                if asyncio.current_task().cancelling():   # a read may swallow a cancel
+                    raise asyncio.CancelledError()
                 if msg is None:
                     continue
                 try:
@@ -110,5 +121,5 @@ class WaitQueue:
                 except ValueError:
                     log.warning("ignored a capacity notification that is not a count: %r",
                                 msg["data"])
-        finally:
-            await asyncio.shield(pubsub.aclose())
+        finally:     # bounded: a pool closed under it must not hang a cancelled task
+            await asyncio.wait([asyncio.ensure_future(pubsub.aclose())], timeout=CLOSE_S)

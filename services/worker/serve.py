@@ -39,6 +39,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
 from services.state.fleet_state import FleetState
+from services.state.wait_queue import WaitQueue
 from services.state.outage import UNREACHABLE, Backoff, Outage
 from services.telemetry import exposition, tracing
 from services.worker.engine_client import EngineClient, EngineFailed
@@ -286,6 +287,10 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     events = (asyncio.create_task(KVEventPublisher(
         PublisherConfig(config.worker_id, engine.block_size, config.timeouts.heartbeat_s),
         engine.kv_events).run(state)) if state is not None else None)
+    notify = None
+    if state is not None and args.role in ("decode", "mixed"):
+        servicer.capacity.queue = WaitQueue(state.redis, state.ns)
+        notify = asyncio.create_task(servicer.capacity.run())
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     if telemetry.metrics_url:
@@ -300,7 +305,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if failed:
         print(f"worker {config.worker_id}: {engine.failure}; exiting with status "
               f"{ENGINE_FAILED_EXIT}", file=sys.stderr, flush=True)
-    for task in (beat, events):
+    for task in (beat, events, notify):
         if task:
             task.cancel()
     if state is not None:

@@ -27,6 +27,7 @@ from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.telemetry import tracing
+from services.worker.capacity import CapacityNotifier
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
 from services.worker.outcomes import Ending, add_request, engine_failed, output_failure
@@ -46,6 +47,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                        if config.role == "decode" else None)
         self.prefill = (PrefillRole(config, engine, transport, self.telemetry)
                         if config.role == "prefill" else None)
+        self.capacity = CapacityNotifier(None)   # serve.py gives it the fleet's wait queue
+        if self.decode is not None:
+            self.decode.on_freed = lambda blocks: self.capacity.freed(blocks)
 
     # ------------------------------------------------------------ decode role
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -97,6 +101,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             self.engine.close_stream(rid)
             self.engine.cancel_soon(rid)     # a no-op once finished
+            self.capacity.freed(1)           # a sequence ended: waiting routers retry
             tel.prefilled(rid)
             tel.ended(ending.outcome)
             end_span(span, output_tokens=last.num_output_tokens if last else None,

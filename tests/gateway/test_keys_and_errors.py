@@ -78,6 +78,8 @@ def test_fleet_statuses_map_to_gateway_errors(error, http, error_code, retry_aft
     the reason, the engine's code and field travel typed, no text is parsed."""
     e = from_status(status.of(error))
     assert (e.status, e.code) == (http, error_code)
-    assert e.headers() == ({"Retry-After": retry_after} if retry_after else {})
+    # every fleet status names the overload stage it was decided in
+    assert e.headers() == ({"Retry-After": retry_after} if retry_after else {}) | {
+        "x-kvfleet-stage": "S0_NORMAL"}
     if http == 400:
         assert (e.message, e.param) == ("needs 9 blocks", "max_tokens")

@@ -9,6 +9,7 @@ Real worker processes and a real redis-server; the routers under test run in thi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -18,6 +19,8 @@ from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.engine.config import BATCH, DOCUMENT, INTERACTIVE
+from services.router.admission import AdmissionConfig
 from services.router.service import RouterServicer
 from services.state.fleet_state import FleetState
 from tests.harness import route_request, running_fleet
@@ -39,14 +42,14 @@ def held(stats: pb.WorkerStats) -> int:
     return stats.kv_blocks_used + stats.kv_blocks_reserved
 
 
-async def serve_routers(fleet, n: int, mode: str = "disagg"):
+async def serve_routers(fleet, n: int, mode: str = "disagg", policy=None):
     """n routers over the fleet's Redis, each behind its own gRPC server; -> (stubs, closer)."""
-    servers, states, channels, stubs = [], [], [], []
+    servers, states, channels, stubs, servicers = [], [], [], [], []
     for i in range(n):
         state = FleetState(fleet.redis_url)
         server = grpc.aio.server()
-        pb_grpc.add_RouterServicer_to_server(RouterServicer(state, mode, f"r{i}",
-                                                             auth=fleet.auth), server)
+        servicers.append(RouterServicer(state, mode, f"r{i}", auth=fleet.auth, policy=policy))
+        pb_grpc.add_RouterServicer_to_server(servicers[-1], server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = internal_channel(f"127.0.0.1:{port}", fleet.auth)
@@ -58,6 +61,8 @@ async def serve_routers(fleet, n: int, mode: str = "disagg"):
             await c.close()
         for s in servers:
             await s.stop(0)
+        for r in servicers:
+            await r.close()
         for s in states:
             await s.close()
     return stubs, close
@@ -110,14 +115,21 @@ def test_a_full_decode_pool_is_refused_overloaded_with_a_retry_hint(workers):
     long = list(range(100, 100 + min(stats.max_model_len - 64, 2000)))
     most = stats.kv_blocks_total // (len(long) // stats.block_size) + 2
 
+    # the router judges document by a target no prefill backlog here can break (the workers
+    # keep theirs): only the decode pool refuses it
+    roomy = dataclasses.replace(DOCUMENT, ttft_target_s=60.0)
+    policy = AdmissionConfig(classes=(INTERACTIVE, roomy, BATCH),
+                             headroom_kv_fraction=0.0, headroom_slot_fraction=0.0)
+
     async def story():
-        (router,), close = await serve_routers(workers, 1)
+        (router,), close = await serve_routers(workers, 1, policy=policy)
         plans = []
         try:
             for i in range(most):                  # reserve until the decode pool is full
+                r = route_request(f"fill-{i}", long, 32)
+                r.traffic_class = "document"
                 try:
-                    plans.append(await router.Admit(route_request(f"fill-{i}", long, 32),
-                                                    timeout=10))
+                    plans.append(await router.Admit(r, timeout=10))
                 except grpc.aio.AioRpcError as e:
                     return plans, e
             return plans, None
@@ -129,7 +141,9 @@ def test_a_full_decode_pool_is_refused_overloaded_with_a_retry_hint(workers):
     assert plans and error is not None, f"{len(plans)} reservations and no refusal"
     st = status.of(error)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and st.reason == pb.OVERLOADED
+    # it waited as long as the call allowed (10 s less admit_s), then said why
     assert st.retry_after_s > 0 and "decode-0" in st.message and "blocks available" in st.message
+    assert "vs target 60 s" in st.message and "in the queue" in st.message
     assert wait_until(lambda: held(workers.stats("decode-0")) == 0, 5)
 
 

@@ -1,0 +1,128 @@
+"""The router's admission policy (DESIGN.md sections 2, 5 and 6): what a request may do at the
+fleet's stage, and whether a prediction admits it, queues it or refuses it. Pure functions over
+one frozen config; services/router/service.py applies them.
+
+For each request, in order:
+  1. its class (`TrafficClass`, from the engine config) and tenant (`critical`, `min_kv_blocks`);
+     a *protected* request (a critical tenant, or a tenant under its guaranteed KV) may use the
+     headroom kept back from everyone else and is served at every stage;
+  2. the stage: S4 refuses every unprotected request early; S1 and up hold unprotected batch
+     requests in the queue (to their deadline); S2 and up cap a degradable class's max_tokens to
+     `s2_output_cap`; S3 sends degradable classes to a fallback pool when one exists, otherwise
+     it behaves as S2 and says so;
+  3. the prediction (services/router/predict.py) against the class's TTFT target:
+       total <= target                       admit (reserve as before);
+       total > target, best case <= target   wait in the queue, at most until the moment the best
+                                             case would still make the target (and never past the
+                                             Admit call's own bound);
+       best case > target                    refuse now, naming the term and the seconds.
+     The best case is the prediction without the terms that drain (queue wait, decode slot).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant, TrafficClass
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.router.predict import Prediction, Prior
+from services.router.stages import S1, S2, S3, S4, StageConfig
+
+DEFAULT_CLASS = INTERACTIVE        # a request naming no class is judged as interactive
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    classes: tuple[TrafficClass, ...] = (INTERACTIVE, DOCUMENT, BATCH)
+    tenants: tuple[Tenant, ...] = ()
+    batch_class: str = "batch"          # what S1 holds back
+    s2_output_cap: int = 256            # max_tokens of a degradable class from S2 on
+    headroom_kv_fraction: float = 0.05  # of every decode pool: only protected requests use it
+    headroom_slot_fraction: float = 0.05  # of a decode worker's batch (max_running, see below)
+    max_running: int = 256              # a decode worker's batch limit (the engine's max_running)
+    wake_width: int = 4                 # waiters of a class that try on a wake-up (deadline order)
+    retry_s: float = 2.0                # the safety net: a waiter retries this often without one
+    keeper_every_s: float = 0.5         # the stage keeper's period
+    ttft_window_s: float = 10.0         # predictions that make the ttft_pressure signal
+    prior: Prior = field(default_factory=Prior)
+    stages: StageConfig = field(default_factory=StageConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.headroom_kv_fraction < 1 or not 0 <= self.headroom_slot_fraction < 1:
+            raise ValueError("headroom fractions must be in [0, 1)")
+        if self.s2_output_cap < 1 or self.wake_width < 1 or self.max_running < 1:
+            raise ValueError("s2_output_cap, wake_width and max_running must be >= 1")
+        if not self.retry_s > 0 or not self.keeper_every_s > 0 or not self.ttft_window_s > 0:
+            raise ValueError("retry_s, keeper_every_s and ttft_window_s must be > 0")
+
+    def traffic_class(self, name: str) -> TrafficClass:
+        return next((c for c in self.classes if c.name == name), DEFAULT_CLASS)
+
+    def tenant(self, name: str) -> Tenant:
+        return next((t for t in self.tenants if t.name == name), Tenant(name or "default"))
+
+
+@dataclass(frozen=True, slots=True)
+class StageRule:
+    """What the stage does to one request."""
+    refuse: bool = False            # S4: refused early
+    hold: bool = False              # S1+: waits in the queue whatever the prediction says
+    output_cap: int = 0             # S2+: max_tokens capped to this (0: no cap)
+    note: str = ""                  # said on the plan's span and in a refusal
+
+
+def stage_rule(cfg: AdmissionConfig, stage: int, cls: TrafficClass, protected: bool,
+               max_tokens: int, fallback_pool: bool = False) -> StageRule:
+    if protected or stage < S1:
+        return StageRule()
+    if stage >= S4:
+        return StageRule(refuse=True, note="S4: early refusal of all but critical tenants")
+    hold = cls.name == cfg.batch_class
+    cap, note = 0, "S1: batch waits" if hold else ""
+    if stage >= S2 and cls.degradable and max_tokens > cfg.s2_output_cap:
+        cap, note = cfg.s2_output_cap, f"S2: output capped to {cfg.s2_output_cap} tokens"
+    if stage >= S3 and cls.degradable and not fallback_pool:
+        note = "S3 without a fallback pool: " + (note or "as S2")
+    return StageRule(hold=hold, output_cap=cap, note=note)
+
+
+def tenant_kv(workers: Sequence[pb.WorkerStats]) -> dict[str, int]:
+    """Decode KV blocks each tenant holds fleet-wide, from the workers' published shares."""
+    out: dict[str, int] = {}
+    for w in workers:
+        if w.role in ("decode", "mixed"):
+            for share in w.tenants:
+                out[share.tenant] = out.get(share.tenant, 0) + share.kv_blocks
+    return out
+
+
+def protected(tenant: Tenant, held: Mapping[str, int], blocks: int) -> bool:
+    """Critical, or still under its guaranteed KV with this request's blocks."""
+    return tenant.critical or held.get(tenant.name, 0) + blocks <= tenant.min_kv_blocks
+
+
+def fits_outside_headroom(cfg: AdmissionConfig, w: pb.WorkerStats, free_blocks: int,
+                          running: int, blocks: int) -> bool:
+    """Whether an unprotected request's `blocks` leave the protected headroom of `w` free."""
+    kv_kept = math.ceil(cfg.headroom_kv_fraction * w.kv_blocks_total)
+    slots_kept = math.ceil(cfg.headroom_slot_fraction * cfg.max_running)
+    kv_ok = kv_kept == 0 or free_blocks - blocks >= kv_kept     # none kept: the Reserve decides
+    slots_ok = slots_kept == 0 or running + 1 <= cfg.max_running - slots_kept
+    return kv_ok and slots_ok
+
+
+def best_case_s(p: Prediction) -> float:
+    """The prediction once everything ahead of it has drained: its own prefill and transfer."""
+    return p.prefill_s + p.transfer_s
+
+
+def wait_until(now: float, target_s: float, p: Prediction, bound_s: float) -> float:
+    """The last moment (same clock as `now`) a waiter still tries: its best case must still make
+    the target from then, and the Admit call's own bound holds."""
+    return now + max(0.0, min(target_s - best_case_s(p), bound_s))
+
+
+def explain(term: str, predicted_s: float, target_s: float, stage_name: str) -> str:
+    return (f"{term}: predicted TTFT {predicted_s:.3g} s vs target {target_s:.3g} s "
+            f"(stage {stage_name})")

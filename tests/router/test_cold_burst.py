@@ -1,0 +1,68 @@
+"""A cold fleet's first burst is admitted only as far as the prior allows: a worker that has
+measured nothing is predicted at the prior's prefill rate, the prompts a router placed since the
+worker's beat count as its queue, and once the queue term breaks the class target the rest wait
+and are refused with the reason, never admitted blind.
+
+A co-located router (no worker call on its path) over a real Redis holding one mixed worker's
+published stats; the router behind a real gRPC server."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from services.protocol import status
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.router.admission import AdmissionConfig
+from services.router.predict import Prior
+from services.router.service import RouterServicer
+from services.state.fleet_state import FleetState
+
+PROMPT = list(range(500))               # 0.25 s at the prior's 2000 tokens/s
+COLD = pb.WorkerStats(worker_id="mixed-0", role="mixed", kv_blocks_total=10_000,
+                      kv_blocks_free=10_000, block_size=16, max_model_len=4096,
+                      grpc_address="127.0.0.1:1", model="tiny", kv_backend="local")
+
+
+def test_a_cold_fleets_first_burst_is_admitted_only_as_far_as_the_prior_allows(redis_url,
+                                                                               redis_ns):
+    async def story():
+        state = FleetState(redis_url, redis_ns)
+        cold = pb.WorkerStats()
+        cold.CopyFrom(COLD)
+        cold.updated_at_unix_s = time.time()
+        await state.heartbeat(cold, 60.0)
+        servicer = RouterServicer(state, "colocated", "r0", policy=AdmissionConfig(
+            prior=Prior(prefill_tokens_per_s=2000.0)))
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                router = pb_grpc.RouterStub(ch)
+                plans = []
+                for i in range(4):        # 0.25, 0.5, 0.75, 1.0 s: within the 1-s target
+                    r = pb.WorkRequest(request_id=f"b{i}", traffic_class="interactive",
+                                       prompt_token_ids=PROMPT,
+                                       params=pb.SamplingParams(max_tokens=8))
+                    plans.append(await router.Admit(r, timeout=30))
+                assert [round(p.predicted_ttft_s, 2) for p in plans] == [0.25, 0.5, 0.75, 1.0]
+                r = pb.WorkRequest(request_id="b4", traffic_class="interactive",
+                                   prompt_token_ids=PROMPT, params=pb.SamplingParams(max_tokens=8))
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await router.Admit(r, timeout=30)
+            st = status.of(e.value)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert st.message.startswith("queue: predicted TTFT 1.25 s vs target 1 s")
+            assert "in the queue" in st.message                  # it waited before refusing
+            depth = await servicer.queue.depth("interactive", time.time())
+            assert depth.waiting == 0                             # and left the queue
+        finally:
+            await server.stop(0)
+            await servicer.close()
+            await state.close()
+    asyncio.run(story())
