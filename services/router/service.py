@@ -428,10 +428,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             plan = await self._colocated(request, ranked, p)
         else:
             plan = await self._disaggregated(request, prefill, ranked, p)
-        if isinstance(plan, pb.Plan):
-            plan = served_by(plan, workers, pool)
             if isinstance(plan, str):
                 return Miss("decode slot", p, blocks, detail=plan)
+        plan = served_by(plan, workers, pool)
         plan.output_cap = rule.output_cap
         self._placed_prefill(prefill[0], prompt)
         if rule.note and span.is_recording():
