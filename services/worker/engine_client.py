@@ -69,6 +69,11 @@ class EngineCallError(RuntimeError):
     """A command raised in the core something other than the engine's typed errors."""
 
 
+# Deltas a reader may fall behind and still get one message per delta: a few steps' worth, as
+# when the event loop was busy for a moment. Further behind, the reader gets them merged.
+MERGE_BACKLOG = 8
+
+
 class OutputStream:
     """One request's deltas, delivered on the asyncio loop; iteration ends after `finished`."""
 
@@ -86,14 +91,18 @@ class OutputStream:
         self._event.set()
 
     async def next(self) -> RequestOutput:
-        """The deltas that arrived since the last read, merged into one (n > 1: the leading run
-        of one sample's deltas; the others stay for the next read). Raises EngineFailed once
-        the engine died (deltas that arrived before are still read first)."""
+        """The oldest delta, as the engine sent it (one token per decode step), while the reader
+        keeps up. A reader more than MERGE_BACKLOG deltas behind (a slow client) gets them all
+        merged into one (n > 1: the leading run of one sample's deltas; the others stay for the
+        next read), so it catches up in one message. Raises EngineFailed once the engine died
+        (deltas that arrived before are still read first)."""
         while not self._pending:
             if self._failure is not None:
                 raise self._failure
             self._event.clear()
             await self._event.wait()
+        if len(self._pending) <= MERGE_BACKLOG:
+            return self._pending.pop(0)
         index = self._pending[0].index
         run = next((i for i, o in enumerate(self._pending) if o.index != index),
                    len(self._pending))
