@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
@@ -86,6 +86,7 @@ class DecodeRole:
         self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
         self._reservations: dict[str, Reservation] = {}
         self._held: dict[str, int] = {}     # ending reservations whose blocks a write may still hit
+        self._calls: set[Callable[[], None]] = set()   # each open DecodeStream call's `stop`
 
     @property
     def held_blocks(self) -> int:
@@ -251,9 +252,17 @@ class DecodeRole:
         """One gateway's decode streams over one call: each subscribed request is pumped by a
         task of its own into a shared outbox, and whatever is in the outbox when the sender
         wakes goes as one batch (a decode step's tokens for all of them). The call ending (the
-        gateway gone) ends every request it carried."""
+        gateway gone) ends every request it carried. The worker stopping (`close`) ends the call
+        from this side: each request it carries ends SHUTTING_DOWN, then the call returns, so the
+        server's stop finds no call left to cancel."""
         outbox = _Outbox()
         pumps: dict[str, asyncio.Task] = {}
+
+        def stop() -> None:
+            for rid in pumps:
+                outbox.put_end(pb.DecodeEnd(request_id=rid, failure=status.failed(
+                    pb.SHUTTING_DOWN, f"decode worker {self.config.worker_id} is stopping")))
+            outbox.stop()
 
         async def pump(rid: str) -> None:
             try:
@@ -279,6 +288,7 @@ class DecodeRole:
             outbox.close()                  # the gateway half-closed: no more subscriptions
 
         reader = asyncio.get_running_loop().create_task(read())
+        self._calls.add(stop)
         try:
             while True:
                 batch = await outbox.take(lambda: reader.done() and not pumps)
@@ -286,6 +296,7 @@ class DecodeRole:
                     return
                 yield batch
         finally:
+            self._calls.discard(stop)
             reader.cancel()
             for task in list(pumps.values()):
                 task.cancel()
@@ -323,6 +334,9 @@ class DecodeRole:
         self.engine.cancel_soon(res.request_id)
 
     def close(self) -> None:
+        """The worker is stopping: end every DecodeStream call, then every reservation."""
+        for stop in list(self._calls):
+            stop()
         for rid in list(self._reservations):
             self.end(rid)
 
@@ -340,6 +354,7 @@ class _Outbox:
         self._batch = pb.DecodeBatch()
         self._ready = asyncio.Event()
         self._closed = False
+        self._stopped = False
 
     def put_chunk(self, chunk: pb.TokenChunk) -> None:
         self._batch.chunks.append(chunk)
@@ -353,10 +368,15 @@ class _Outbox:
         self._closed = True
         self._ready.set()
 
+    def stop(self) -> None:
+        """The worker is stopping: what is in the outbox goes, then `take` returns None."""
+        self._stopped = True
+        self._ready.set()
+
     async def take(self, finished) -> pb.DecodeBatch | None:
         """The next batch; None once `finished()` holds and nothing is left to send."""
         while not (self._batch.chunks or self._batch.ends):
-            if self._closed and finished():
+            if self._stopped or (self._closed and finished()):
                 return None
             self._ready.clear()
             await self._ready.wait()
