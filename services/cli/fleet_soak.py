@@ -27,6 +27,7 @@ import grpc
 import httpx
 import redis
 
+from services.engine.config import KV_CACHE_MIB
 from services.protocol.fleet_token import METADATA_KEY, generate
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -39,7 +40,7 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--doc-share", type=float, default=0.1, help="requests that are 4-8K documents")
     p.add_argument("--disconnect-share", type=float, default=0.3)
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB)
     p.add_argument("--seed", type=int, default=0)
 
 
