@@ -78,8 +78,22 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
 
 
 # A prefill worker runs no decodes, so its iterations protect no inter-token latency: without a
-# config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts).
+# config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts). The
+# worker logs the budget it runs at start (`config_line`), this one named as the role's default.
 PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)
+
+
+def config_line(worker_id: str, args: argparse.Namespace, cfg: EngineConfig) -> str:
+    """The engine settings a worker runs, and where its iteration budget came from: its --config
+    file, the prefill role's default (PREFILL_ROLE_BUDGET), or the engine's default."""
+    s = cfg.scheduler
+    source = (f"--config {args.config}" if args.config else
+              "the prefill role's default, no --config" if args.role == "prefill" else
+              "the engine's default, no --config")
+    engine = "sim" if cfg.sim is not None else "real"
+    return (f"worker {worker_id}: role {args.role}, engine {engine}, kv_cache_mib "
+            f"{cfg.kv_cache_mib}, token_budget {s.token_budget}, chunk_size {s.chunk_size} "
+            f"({source})")
 
 
 def engine_config_for(args: argparse.Namespace) -> EngineConfig:
@@ -213,6 +227,7 @@ async def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     engine_config = engine_config_for(args)
+    log.info("%s", config_line(worker_id, args, engine_config))
     config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args),
                           tensor_parallel_size=engine_config.tensor_parallel_size)
     tracing.setup(args.role, worker_id)
