@@ -1,5 +1,5 @@
 """`kvfleet bench soak`: a supervised fleet (`kvfleet up`) under closed-loop load for minutes, with
-clients that go away at every phase, then a check that nothing leaked ([H2]).
+clients that go away at every phase, then a check that nothing leaked (slots, blocks, streams).
 
   load        --clients closed-loop clients; each request a ~200-token chat, or (--doc-share) a
               4-8K-token document; streamed; output 16-128 tokens

@@ -287,7 +287,7 @@ def stop_grace_s(limits: Timeouts) -> float:
 def run_up(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT, then stop everything. Once the fleet is stopped nothing is left
     to clean up, so the process ends at once: the interpreter's own teardown (torch's, which the
-    CLI imports) would eat most of the 3-s budget (docs/benchmarks.md, [R2] shutdown)."""
+    CLI imports) would eat most of the 3-s budget (docs/benchmarks.md, the time to stop)."""
     code = _up(args)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -18,10 +18,11 @@ The core is `python -m services.worker.engine_core RUN_DIR` (a fresh interpreter
 server's main module is re-imported, as multiprocessing's spawn would). Its stdin carries the
 EngineConfig, then stays open: the core exits when it reaches EOF, i.e. when this process is gone.
 
-Backpressure: the core never waits for a client. Deltas queue per stream and a slow consumer
-receives them coalesced (tokens, text and logprobs concatenated) the next time it reads.
+Backpressure: the core never waits for a client. Deltas queue per stream; a reader that keeps up
+gets them one by one (one token per decode step), and a reader more than MERGE_BACKLOG behind gets
+them coalesced (tokens, text and logprobs concatenated) the next time it reads.
 
-Failure ([H2]): when the core sends a Failure, or exits without one (killed, crashed), every open
+Failure: when the core sends a Failure, or exits without one (killed, crashed), every open
 stream and every pending and later call raises EngineFailed, `failure` is set, and `on_failure`
 runs once (the worker marks itself NOT_SERVING and exits ENGINE_FAILED_EXIT). Nothing that waited
 on the engine hangs.

@@ -318,7 +318,7 @@ def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:
     code = run(serve(parser.parse_args(argv)))
     # Everything is stopped and closed (the engine core reaped, ports closed), so the process ends
     # at once: the interpreter's own teardown (the GC of torch's and grpc's modules) is slow enough
-    # to threaten the 3-s stop budget (docs/benchmarks.md, [R2] shutdown).
+    # to threaten the 3-s stop budget (docs/benchmarks.md, the time to stop).
     tracing.shutdown()                 # export the spans still buffered: os._exit skips atexit
     sys.stdout.flush()
     sys.stderr.flush()

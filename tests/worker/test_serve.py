@@ -1,6 +1,6 @@
 """A worker as the fleet runs it (`kvfleet serve decode`): a server process and its engine
 core process. SIGTERM stops both within 3 s, exit 0; a core that dies takes the worker down with
-ENGINE_FAILED_EXIT (70) so that the supervisor restarts it ([H2])."""
+ENGINE_FAILED_EXIT (70) so that the supervisor restarts it."""
 from __future__ import annotations
 
 import os
