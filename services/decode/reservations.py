@@ -9,9 +9,11 @@ A reservation's life, all of it owned here:
             the engine (`start_decode`) at once: no one relays it here. n > 1: the HandOff holds
             every sample's first token, and the engine forks the samples there, sharing the
             prompt's blocks (the reservation counted the prompt once and each sample's own). Failed or past its
-            deadline: the request fails (its Decode stream ends KV_TRANSFER_FAILED) and is freed;
-  Decode    attaches to the open stream and relays tokens 2..N (one attach per reservation);
-  Cancel    (or the Decode call ending early, or no Decode attached by the deadline) ends it.
+            deadline: the request fails (its DecodeStream subscription ends KV_TRANSFER_FAILED)
+            and is freed;
+  subscribe a request's subscription on a gateway's DecodeStream call (`decode`) attaches to the
+            open stream and relays tokens 2..N (one attach per reservation);
+  Cancel    (or the subscription ending early, or none attached by the deadline) ends it.
 
 Every reservation the engine makes has an owner, even when the Reserve's caller (the router, its
 `reserve_s` deadline) has gone: the engine core refuses a Reserve it reaches past the call's
@@ -59,7 +61,7 @@ class Reservation:
     stream: OutputStream                # the engine's output for this request, open from the start
     expires_at_unix_s: float
     started: asyncio.Future             # set once decode started; failed when the KV did not land
-    attached: asyncio.Event = field(default_factory=asyncio.Event)   # a Decode call reads it
+    attached: asyncio.Event = field(default_factory=asyncio.Event)   # a DecodeStream subscription reads it
     ending: bool = False                # cancelled or failed: blocks go back once the handle is done
     freed: bool = False                 # its blocks went back to the engine (once)
     watcher: asyncio.Task | None = field(default=None, repr=False)
@@ -166,11 +168,12 @@ class DecodeRole:
                                            list(hand_off.more_first_tokens))
             if not res.started.done():
                 res.started.set_result(None)
-            try:                        # landed: a Decode call must come by the deadline
+            try:                        # landed: a subscription must come by the deadline
                 await asyncio.wait_for(res.attached.wait(),
                                        max(0.0, res.expires_at_unix_s - time.time()))
             except asyncio.TimeoutError:
-                log.warning("%s: no Decode call came by the reservation's deadline", rid)
+                log.warning("%s: no DecodeStream subscription came by the reservation's deadline",
+                            rid)
                 self.end(rid)
         except (KVTransferError, EngineFailed) as e:
             if not res.ending:
@@ -190,8 +193,8 @@ class DecodeRole:
         res = self._reservations.get(rid)
         if res is None or res.attached.is_set():
             raise status.CallFailed(status.failed(
-                pb.NO_RESERVATION, f"no reservation awaiting a Decode call for {rid} on "
-                f"{self.config.worker_id}"))
+                pb.NO_RESERVATION, f"no reservation awaiting a DecodeStream subscription for {rid} "
+                f"on {self.config.worker_id}"))
         res.attached.set()
         try:
             try:

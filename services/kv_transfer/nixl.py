@@ -20,7 +20,7 @@ within a poll of the writer's deadline.
 
 Without a progress thread both sides must keep calling into their agent while a transfer runs (the source
 stalls until the target polls). A poller thread owned by the transport does that: every POLL_BUSY_S while a
-write is pending or someone waits for an expected transfer (the decode worker's Decode call, which comes
+write is pending or someone waits for an expected transfer (the decode worker's DecodeStream subscription, which comes
 once the prefill is done and its write is about to start), every POLL_IDLE_S otherwise (so a write that
 beats its wait still lands). Polling fast from expect() on instead would spin through the whole prefill,
 taking the GIL 5,000 times a second on a worker that shares the host's cores with the prefill.
