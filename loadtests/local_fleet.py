@@ -33,12 +33,13 @@ import yaml
 
 from loadtests.workload import TenantSpec
 from services.engine.config import KV_CACHE_MIB
+from services.protocol import env
 
 UP_READY_S = 300.0          # `kvfleet up` to READY (loads the model in every worker)
 UP_STOP_S = 30.0            # SIGTERM to exit; then whatever is left of its tree is killed
 GONE_S = 10.0               # after SIGKILL: every process of the tree reaped or gone
 REDIS_READY_S = 10.0
-ENV_TOKEN = "KVFLEET_FLEET_TOKEN"   # services/protocol/fleet_token.py
+ENV_TOKEN = env.FLEET_TOKEN.name
 
 
 # ------------------------------------------------------------------------- `kvfleet up`, typed

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")  # else UCX also advertises the external interface
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO logs go to stdout
+from services.protocol import env  # noqa: E402 - before the libraries it configures
+
+env.UCX_NET_DEVICES.set_default("lo")  # else UCX also advertises the external interface
+env.NIXL_LOG_LEVEL.set_default("WARN")  # NIXL's INFO logs go to stdout
 
 import threading  # noqa: E402
 import uuid  # noqa: E402

@@ -48,6 +48,7 @@ from services.engine.engine import EngineStats
 from services.engine.model.kv_cache import KVCache, is_fp8
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.protocol import env
 from services.worker import engine_core as core
 from services.worker.engine_core import (ENCODER, REPLY_DECODER, CallFailed, Cancelled,
                                          Done, Failure, Ready, Reserved, Stats, StepOutputs,
@@ -495,7 +496,7 @@ def _describe_exit(code: int | None) -> str:
 def _core_env() -> dict[str, str]:
     """This environment (fault injection included), with this checkout importable."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.environ.get("PYTHONPATH")
+    path = env.PYTHONPATH.get()
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
