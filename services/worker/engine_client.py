@@ -73,7 +73,7 @@ class EngineCallError(RuntimeError):
 
 # Deltas a reader may fall behind and still get one message per delta: a few steps' worth, as
 # when the event loop was busy for a moment. Further behind, the reader gets them merged.
-MERGE_BACKLOG = 8
+MERGE_BACKLOG = 4
 
 
 class OutputStream:
