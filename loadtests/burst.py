@@ -1,5 +1,5 @@
 """`kvfleet bench burst`: a burst of concurrent requests at once against any OpenAI-compatible
-endpoint (kvfleet, vLLM), the [H2] check that nothing that would be served in time is refused.
+endpoint (kvfleet, vLLM): the check that nothing that would be served in time is refused.
 
   --chats N (200 prompt tokens each) and --documents M (--doc-tokens each), all sent at once,
   --output-tokens out each, streamed, ignore_eos; prompts are seeded random token ids, so both

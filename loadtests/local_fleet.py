@@ -32,12 +32,14 @@ from pathlib import Path
 import yaml
 
 from loadtests.workload import TenantSpec
+from services.engine.config import KV_CACHE_MIB
+from services.protocol import env
 
 UP_READY_S = 300.0          # `kvfleet up` to READY (loads the model in every worker)
 UP_STOP_S = 30.0            # SIGTERM to exit; then whatever is left of its tree is killed
 GONE_S = 10.0               # after SIGKILL: every process of the tree reaped or gone
 REDIS_READY_S = 10.0
-ENV_TOKEN = "KVFLEET_FLEET_TOKEN"   # services/protocol/fleet_token.py
+ENV_TOKEN = env.FLEET_TOKEN.name
 
 
 # ------------------------------------------------------------------------- `kvfleet up`, typed
@@ -251,7 +253,7 @@ class FleetSetup:
     model: str = "tiny"
     scheduler: dict = field(default_factory=dict)   # SchedulerConfig overrides (token_budget, ...)
     kv_backend: str = "tcp"
-    kv_cache_mib: int = 256
+    kv_cache_mib: int = KV_CACHE_MIB
     key_overrides: dict = field(default_factory=dict)   # tenant -> key file fields (quotas) to change
     engine: str = "real"                         # real | sim (the simulated engine core)
     sim_args: tuple[str, ...] = ()               # --sim-kv-tokens N, --sim-model ... (engine sim)

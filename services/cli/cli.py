@@ -47,8 +47,10 @@ def _function(name: str) -> Callable:
 
 def _delegate(sub, prog: str, help: str, add_args: str, run: str) -> None:
     """The subcommand named by `prog`'s last word takes whatever follows it (`--help` included)
-    to its module's own parser."""
-    sub.add_parser(prog.rsplit(" ", 1)[-1], help=help, add_help=False).set_defaults(
+    to its module's own parser. Its help is shown in the parent's list, which argparse formats
+    with %, so a literal % in it is escaped there (the description is shown as written)."""
+    listed = help.replace("%", "%%")
+    sub.add_parser(prog.rsplit(" ", 1)[-1], help=listed, add_help=False).set_defaults(
         delegate=Delegate(prog, help, add_args, run))
 
 

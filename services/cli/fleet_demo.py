@@ -34,6 +34,7 @@ from services.state.redis_server import EmbeddedRedis, RedisNotInstalledError, R
 from services.cli.up import model_dir, start_fleet
 from services.protocol.timeouts import Timeouts
 from services.cli.engine_demo import SIZES, DemoSize, demo_size, model_kind, pct
+from services.engine.config import KV_CACHE_MIB
 
 TENANTS = {"acme": "interactive", "globex": "interactive", "initech": "interactive",
            "docs": "document"}
@@ -271,7 +272,7 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
     engine_yaml, keys_yaml = write_configs(tmp, tuning)
     up = argparse.Namespace(model=path, mode=args.mode, prefill=1, decode=1,
                             host="127.0.0.1", http_port=0, grpc_port=0, redis_url=None,
-                            api_keys=keys_yaml, kv_backend="tcp", kv_cache_mib=256,
+                            api_keys=keys_yaml, kv_backend="tcp", kv_cache_mib=KV_CACHE_MIB,
                             insecure=False, config=engine_yaml)
     redis, launcher = start_redis(), Launcher()
     try:

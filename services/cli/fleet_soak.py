@@ -1,5 +1,5 @@
 """`kvfleet bench soak`: a supervised fleet (`kvfleet up`) under closed-loop load for minutes, with
-clients that go away at every phase, then a check that nothing leaked ([H2]).
+clients that go away at every phase, then a check that nothing leaked (slots, blocks, streams).
 
   load        --clients closed-loop clients; each request a ~200-token chat, or (--doc-share) a
               4-8K-token document; streamed; output 16-128 tokens
@@ -27,6 +27,7 @@ import grpc
 import httpx
 import redis
 
+from services.engine.config import KV_CACHE_MIB
 from services.protocol.fleet_token import METADATA_KEY, generate
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -39,7 +40,7 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--doc-share", type=float, default=0.1, help="requests that are 4-8K documents")
     p.add_argument("--disconnect-share", type=float, default=0.3)
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB)
     p.add_argument("--seed", type=int, default=0)
 
 

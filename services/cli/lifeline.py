@@ -30,8 +30,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from services.protocol import env as envs
+
 PR_SET_PDEATHSIG = 1                     # <linux/prctl.h>
-PARENT_ENV = "KVFLEET_LAUNCHER_PID"      # the pid the child must outlive by no more than a signal
+PARENT_ENV = envs.LAUNCHER_PID.name      # the pid the child must outlive by no more than a signal
 DEATH_SIGNAL = signal.SIGTERM            # a child stops on it as on any stop (within 3 s)
 
 
@@ -93,7 +95,7 @@ SPAWNER = Spawner()           # one per process: its thread is never ended
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m services.cli.lifeline MODULE [ARGS...]")
-    parent = os.environ.pop(PARENT_ENV, "")
+    parent = envs.LAUNCHER_PID.pop()
     if not parent.isdigit():
         raise SystemExit(f"services.cli.lifeline: {PARENT_ENV} must name the launcher's pid")
     arm(int(parent))

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from services.engine.config import KV_CACHE_MIB
+
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, a named model, or a checkpoint dir")
@@ -73,8 +75,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-kv-tokens", type=int, default=None, metavar="N",
                    help="KV capacity per worker in tokens (default: the target's; with "
                         "--sim-profile, what --kv-cache-mib holds of the served model's KV)")
-    p.add_argument("--kv-cache-mib", type=int, default=256,
-                   help="with --sim-profile: the real worker's KV cache (kvfleet up's default 256)")
+    p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
+                   help=f"with --sim-profile: the real worker's KV cache (default {KV_CACHE_MIB})")
     p.add_argument("--seed", type=int, default=None, help="override the spec's seed")
     p.add_argument("--duration", type=float, default=None, help="override the spec's duration_s")
     p.add_argument("--max-requests", type=int, default=None)

@@ -41,7 +41,7 @@ from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.health_watch import FleetProbe, HealthWatch
 from services.cli.supervisor import RestartPolicy, Supervisor
-from services.engine.config import add_engine_args, add_sim_args, sim_args
+from services.engine.config import KV_CACHE_MIB, add_engine_args, add_sim_args, sim_args
 from services.protocol import fleet_token, timeouts
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
@@ -90,7 +90,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "127.0.0.0/8,::1; $KVFLEET_ALLOWED_NETWORKS)")
     p.add_argument("--api-keys", default=None)
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB)
     add_engine_args(p, "the workers'")
     add_sim_args(p)
     p.add_argument("--insecure", action="store_true")
@@ -339,7 +339,7 @@ def stop_grace_s(limits: Timeouts) -> float:
 def run_up(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT, then stop everything. Once the fleet is stopped nothing is left
     to clean up, so the process ends at once: the interpreter's own teardown (torch's, which the
-    CLI imports) would eat most of the 3-s budget (docs/benchmarks.md, [R2] shutdown)."""
+    CLI imports) would eat most of the 3-s budget (docs/benchmarks.md, the time to stop)."""
     code = _up(args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -435,7 +435,7 @@ def add_startup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--mode", choices=["disagg", "colocated"], default="colocated")
     p.add_argument("--routers", type=int, default=1)
-    p.add_argument("--kv-cache-mib", type=int, default=64)
+    p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB)
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long")
 
 

@@ -9,9 +9,11 @@ A reservation's life, all of it owned here:
             the engine (`start_decode`) at once: no one relays it here. n > 1: the HandOff holds
             every sample's first token, and the engine forks the samples there, sharing the
             prompt's blocks (the reservation counted the prompt once and each sample's own). Failed or past its
-            deadline: the request fails (its Decode stream ends KV_TRANSFER_FAILED) and is freed;
-  Decode    attaches to the open stream and relays tokens 2..N (one attach per reservation);
-  Cancel    (or the Decode call ending early, or no Decode attached by the deadline) ends it.
+            deadline: the request fails (its DecodeStream subscription ends KV_TRANSFER_FAILED)
+            and is freed;
+  subscribe a request's subscription on a gateway's DecodeStream call (`decode`) attaches to the
+            open stream and relays tokens 2..N (one attach per reservation);
+  Cancel    (or the subscription ending early, or none attached by the deadline) ends it.
 
 Every reservation the engine makes has an owner, even when the Reserve's caller (the router, its
 `reserve_s` deadline) has gone: the engine core refuses a Reserve it reaches past the call's
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
@@ -59,7 +61,7 @@ class Reservation:
     stream: OutputStream                # the engine's output for this request, open from the start
     expires_at_unix_s: float
     started: asyncio.Future             # set once decode started; failed when the KV did not land
-    attached: asyncio.Event = field(default_factory=asyncio.Event)   # a Decode call reads it
+    attached: asyncio.Event = field(default_factory=asyncio.Event)   # a DecodeStream subscription reads it
     ending: bool = False                # cancelled or failed: blocks go back once the handle is done
     freed: bool = False                 # its blocks went back to the engine (once)
     watcher: asyncio.Task | None = field(default=None, repr=False)
@@ -88,6 +90,7 @@ class DecodeRole:
         self._held: dict[str, int] = {}     # ending reservations whose blocks a write may still hit
         # told the blocks of every freed reservation (the worker tells waiting routers)
         self.on_freed = lambda blocks: None
+        self._calls: set[Callable[[], None]] = set()   # each open DecodeStream call's `stop`
 
     @property
     def held_blocks(self) -> int:
@@ -167,11 +170,12 @@ class DecodeRole:
                                            list(hand_off.more_first_tokens))
             if not res.started.done():
                 res.started.set_result(None)
-            try:                        # landed: a Decode call must come by the deadline
+            try:                        # landed: a subscription must come by the deadline
                 await asyncio.wait_for(res.attached.wait(),
                                        max(0.0, res.expires_at_unix_s - time.time()))
             except asyncio.TimeoutError:
-                log.warning("%s: no Decode call came by the reservation's deadline", rid)
+                log.warning("%s: no DecodeStream subscription came by the reservation's deadline",
+                            rid)
                 self.end(rid)
         except (KVTransferError, EngineFailed) as e:
             if not res.ending:
@@ -191,8 +195,8 @@ class DecodeRole:
         res = self._reservations.get(rid)
         if res is None or res.attached.is_set():
             raise status.CallFailed(status.failed(
-                pb.NO_RESERVATION, f"no reservation awaiting a Decode call for {rid} on "
-                f"{self.config.worker_id}"))
+                pb.NO_RESERVATION, f"no reservation awaiting a DecodeStream subscription for {rid} "
+                f"on {self.config.worker_id}"))
         res.attached.set()
         try:
             try:
@@ -253,9 +257,17 @@ class DecodeRole:
         """One gateway's decode streams over one call: each subscribed request is pumped by a
         task of its own into a shared outbox, and whatever is in the outbox when the sender
         wakes goes as one batch (a decode step's tokens for all of them). The call ending (the
-        gateway gone) ends every request it carried."""
+        gateway gone) ends every request it carried. The worker stopping (`close`) ends the call
+        from this side: each request it carries ends SHUTTING_DOWN, then the call returns, so the
+        server's stop finds no call left to cancel."""
         outbox = _Outbox()
         pumps: dict[str, asyncio.Task] = {}
+
+        def stop() -> None:
+            for rid in pumps:
+                outbox.put_end(pb.DecodeEnd(request_id=rid, failure=status.failed(
+                    pb.SHUTTING_DOWN, f"decode worker {self.config.worker_id} is stopping")))
+            outbox.stop()
 
         async def pump(rid: str) -> None:
             try:
@@ -281,6 +293,7 @@ class DecodeRole:
             outbox.close()                  # the gateway half-closed: no more subscriptions
 
         reader = asyncio.get_running_loop().create_task(read())
+        self._calls.add(stop)
         try:
             while True:
                 batch = await outbox.take(lambda: reader.done() and not pumps)
@@ -288,6 +301,7 @@ class DecodeRole:
                     return
                 yield batch
         finally:
+            self._calls.discard(stop)
             reader.cancel()
             for task in list(pumps.values()):
                 task.cancel()
@@ -326,6 +340,9 @@ class DecodeRole:
         self.on_freed(res.blocks)
 
     def close(self) -> None:
+        """The worker is stopping: end every DecodeStream call, then every reservation."""
+        for stop in list(self._calls):
+            stop()
         for rid in list(self._reservations):
             self.end(rid)
 
@@ -343,6 +360,7 @@ class _Outbox:
         self._batch = pb.DecodeBatch()
         self._ready = asyncio.Event()
         self._closed = False
+        self._stopped = False
 
     def put_chunk(self, chunk: pb.TokenChunk) -> None:
         self._batch.chunks.append(chunk)
@@ -356,10 +374,15 @@ class _Outbox:
         self._closed = True
         self._ready.set()
 
+    def stop(self) -> None:
+        """The worker is stopping: what is in the outbox goes, then `take` returns None."""
+        self._stopped = True
+        self._ready.set()
+
     async def take(self, finished) -> pb.DecodeBatch | None:
         """The next batch; None once `finished()` holds and nothing is left to send."""
         while not (self._batch.chunks or self._batch.ends):
-            if self._closed and finished():
+            if self._stopped or (self._closed and finished()):
                 return None
             self._ready.clear()
             await self._ready.wait()

@@ -12,6 +12,9 @@ from typing import Literal
 AdmissionPolicy = Literal["reserve", "predict"]
 WorkerRole = Literal["mixed", "prefill", "decode"]
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")   # --kv-cache-dtype
+# A worker's KV cache when nothing names one (--kv-cache-mib of kvfleet serve / up, the benches,
+# the simulator): the one default, defined here.
+KV_CACHE_MIB = 256
 
 
 def parse_kv_cache_scales(text: str) -> tuple[float, float]:
@@ -254,7 +257,7 @@ class EngineConfig:
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     block_size: int = 16
     num_blocks: int | None = None       # None: derived from kv_cache_mib
-    kv_cache_mib: int = 512
+    kv_cache_mib: int = KV_CACHE_MIB
     # The KV cache's element type (docs/engine.md, "KV cache dtype"): auto (the model's) | fp8
     # (e4m3: half of bf16's bytes, so twice the blocks in kv_cache_mib) | bfloat16 | float16 | float32
     kv_cache_dtype: str = "auto"

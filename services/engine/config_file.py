@@ -4,7 +4,7 @@ known ones. Layout (every key optional; omitted ones keep the dataclass defaults
     model: tiny              # or a local HF checkpoint dir
     dtype: auto
     block_size: 16
-    kv_cache_mib: 512
+    kv_cache_mib: 256
     logprobs_mode: raw_logprobs   # or processed_logprobs (vLLM's --logprobs-mode)
     scheduler:
       token_budget: 512

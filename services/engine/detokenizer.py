@@ -11,7 +11,8 @@ IncrementalDetokenizer follows vLLM's prefix_offset / read_offset scheme. Over i
     decoders that drop a leading space on the first token (SentencePiece's "▁") right.
 
 A byte-level BPE token can end mid-character; decode() then ends in U+FFFD (lossy UTF-8), so the
-text is held back until the character completes. Every offset is therefore a character boundary,
+text is held back until the character completes (or, at finish, left out: an output that ends
+mid-character, e.g. cut by a stop token, ends at the last complete character). Every offset is therefore a character boundary,
 and the emitted pieces concatenate to decode(output_ids) for byte-level tokenizers. Cost per token:
 two decodes of the window (a few tokens), not of the whole output.
 """
@@ -69,13 +70,16 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At finish: emit whatever is held back (U+FFFD for bytes that never completed)."""
+        """At finish: emit the complete characters still held back. Bytes that never completed a
+        character are left out, as vLLM's detokenizer leaves them (no trailing U+FFFD)."""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
         prefix_text = self._decode(0, self._read_offset)
         new_text = self._decode(0)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
+        if final:
+            new_text = new_text.rstrip(_REPLACEMENT)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""
         delta = new_text[len(prefix_text):]
         self._text += delta

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.protocol import env
 
 DTYPES = ("float32", "bfloat16")
 
@@ -65,7 +66,7 @@ def import_gguf(source: GgufSource, out_dir, dtype: str = "float32") -> Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     gguf = source.locate()
-    os.environ.setdefault("TQDM_DISABLE", "1")    # the GGUF conversion's bar (read at tqdm import)
+    env.TQDM_DISABLE.set_default("1")    # the GGUF conversion's bar (read at tqdm import)
     import torch  # noqa: PLC0415 - heavy; only for this command
     from safetensors.torch import save_file  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.engine.gguf_import import GgufSource, import_gguf
+from services.protocol import env
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def make_model(name: str, out_dir, dtype: str | None = None) -> Path:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVFLEET_CACHE") or Path.home() / ".cache" / "kvfleet")
+    return Path(env.CACHE.get() or Path.home() / ".cache" / "kvfleet")
 
 
 def ensure_named(name: str, cache_dir: Path | None = None) -> Path:

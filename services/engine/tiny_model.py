@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -44,6 +43,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from services.protocol import env
 
 BOS, END, SH, EH, EOT = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
@@ -107,7 +108,7 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     Built in a temp dir beside the target and renamed into place, so concurrent callers never see a
     half-written model; a dir with files missing is replaced.
     """
-    root = Path(cache_dir or os.environ.get("KVFLEET_CACHE") or Path.home() / ".cache" / "kvfleet")
+    root = Path(cache_dir or env.CACHE.get() or Path.home() / ".cache" / "kvfleet")
     target = root / CACHE_NAME
     if _complete(target):
         return target

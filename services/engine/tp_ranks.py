@@ -46,6 +46,8 @@ from services.engine.model.runner import ModelRunner
 from services.engine.model.tensor_parallel import (TensorParallelLlama, TPGroup, check_shardable,
                                                    shard_model)
 
+from services.protocol import env
+
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 300.0          # followers import torch and reach the rendezvous
@@ -266,7 +268,7 @@ def drive(runner: ModelRunner, leader: TPLeader, model_dir: str, config) -> Driv
 def _follower_env() -> dict[str, str]:
     """This environment with this checkout importable; NCCL kept on loopback."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.environ.get("PYTHONPATH")
+    path = env.PYTHONPATH.get()
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else ""),
             "NCCL_SOCKET_IFNAME": "lo"}
 

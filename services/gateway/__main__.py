@@ -13,9 +13,11 @@ import sys
 
 from services.gateway.config import (DEFAULT_DOCUMENT_THRESHOLD_TOKENS, DEFAULT_MAX_BODY_BYTES,
                                      exposure_refusal)
+
+from services.protocol import env
 from services.protocol import timeouts
 
-METRICS_KEY_ENV = "KVFLEET_METRICS_KEY"
+METRICS_KEY_ENV = env.METRICS_KEY.name
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,7 +85,7 @@ def metrics_key(path: str | None) -> str | None:
     if path:
         with open(path, encoding="utf-8") as f:
             return f.read().strip()
-    return os.environ.get(METRICS_KEY_ENV) or None
+    return env.METRICS_KEY.get() or None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -327,8 +327,8 @@ class PlanRun:
                 request_id=self.request_id, tenant=self.request.tenant,
                 traffic_class=self.request.traffic_class,
                 prompt_token_ids=self.request.prompt_token_ids, params=self.request.params,
-                target=plan.target, decode_worker=plan.decode.address,
-                kv_deadline_unix_s=plan.deadline_unix_s), timeout=self.timeouts.prefill_s(),
+                target=plan.target, kv_deadline_unix_s=plan.deadline_unix_s),
+                timeout=self.timeouts.prefill_s(),
                 metadata=self._metadata)
             self._calls.append(call)
             try:

@@ -3,8 +3,9 @@ router channel, the gRPC server, then the HTTP server; print `GRPC <addr>` and `
 stop on a signal.
 
 Each gateway process has an id (`gateway_id()`), the prefix of the stream-slot leases it holds
-(services/gateway/quota.py). The lease TTL is `KVFLEET_STREAM_LEASE_TTL_S` (default 10 s; renewed
-every TTL/5): the longest a dead gateway's slots stay taken.
+(services/gateway/quota.py). The lease terms are the fleet's `Timeouts.lease_ttl_s` (default 10 s:
+the longest a dead gateway's slots stay taken) and `lease_renew_s` (default 2 s), from the flags
+`--timeout-lease-ttl-s` / `--timeout-lease-renew-s`.
 
 Telemetry: traces are set up for the process (`tracing.setup`, on when OTEL_* names an
 endpoint); `/metrics` is on the HTTP app. The gateway registers itself in Redis as a
@@ -49,18 +50,14 @@ from services.state.jobs import JobStore
 
 log = logging.getLogger(__name__)
 
-LEASE_TTL_ENV = "KVFLEET_STREAM_LEASE_TTL_S"
-
-
 def gateway_id() -> str:
     """Unique per process start: a restarted gateway never renews its predecessor's leases."""
     return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def lease_terms() -> LeaseTerms:
-    """The stream-slot lease terms, from the environment (the only setting read from it)."""
-    ttl = os.environ.get(LEASE_TTL_ENV)
-    return LeaseTerms.with_ttl(float(ttl)) if ttl else LeaseTerms()
+def lease_terms(timeouts: Timeouts) -> LeaseTerms:
+    """The stream-slot lease terms: the fleet's timeouts (checked at start)."""
+    return LeaseTerms(ttl_s=timeouts.lease_ttl_s, renew_every_s=timeouts.lease_renew_s)
 
 
 class _HttpServer(uvicorn.Server):
@@ -94,7 +91,7 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     state = FleetState(config.redis_url)
     # its calls to routers and workers carry the fleet token: without one, refuse to start
     channels = Channels(fleet_token.active().require("gateway"))
-    quotas = Quotas(state, gateway_id(), lease_terms())
+    quotas = Quotas(state, gateway_id(), lease_terms(timeouts))
     tracing.setup("gateway", quotas.holder)
     core = GatewayCore(config, model, quotas, channels, timeouts)
     renewer = asyncio.create_task(quotas.renew_forever())

@@ -140,7 +140,7 @@ class RequestTelemetry:
 
         Only the block's wall-clock bounds are taken here: the span itself is made when the
         request ends (`_end_span`, with those start and end times), so the SDK's cost of three
-        spans is not on the way to the first token (docs/benchmarks.md, [T2])."""
+        spans is not on the way to the first token (docs/benchmarks.md, the cost of tracing)."""
         if self.span is None:
             yield
             return

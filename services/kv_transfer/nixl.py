@@ -20,7 +20,7 @@ within a poll of the writer's deadline.
 
 Without a progress thread both sides must keep calling into their agent while a transfer runs (the source
 stalls until the target polls). A poller thread owned by the transport does that: every POLL_BUSY_S while a
-write is pending or someone waits for an expected transfer (the decode worker's Decode call, which comes
+write is pending or someone waits for an expected transfer (the decode worker's DecodeStream subscription, which comes
 once the prefill is done and its write is about to start), every POLL_IDLE_S otherwise (so a write that
 beats its wait still lands). Polling fast from expect() on instead would spin through the whole prefill,
 taking the GIL 5,000 times a second on a worker that shares the host's cores with the prefill.
@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")  # else UCX also advertises the external interface
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO logs go to stdout
+from services.protocol import env  # noqa: E402 - before the libraries it configures
+
+env.UCX_NET_DEVICES.set_default("lo")  # else UCX also advertises the external interface
+env.NIXL_LOG_LEVEL.set_default("WARN")  # NIXL's INFO logs go to stdout
 
 import threading  # noqa: E402
 import uuid  # noqa: E402

@@ -88,8 +88,8 @@ class SimRunConfig:
     fleet: Fleet
     sim: SimConfig                       # the target (or profile), KV capacity, network
     model: str = "tiny"                  # the served model: its tokenizer and config (no weights)
-    # scheduler and KV settings; kv_cache_mib: kvfleet up's default (a profile's KV capacity)
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(kv_cache_mib=256))
+    # scheduler and KV settings; kv_cache_mib: the workers' default (a profile's KV capacity)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 class VirtualClock:

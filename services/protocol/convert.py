@@ -1,8 +1,6 @@
 """Typed conversions between the wire (kvfleet.v1 protobufs) and the engine's dataclasses."""
 from __future__ import annotations
 
-import math
-
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.outputs import RequestOutput
 from services.engine.sampler import TokenLogprob
@@ -14,12 +12,6 @@ def logprob_to_pb(lp: TokenLogprob | None, token_id: int = 0) -> pb.TokenLogprob
         return pb.TokenLogprob(token_id=token_id, logprob=float("nan"))
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-
-
-def logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob | None:
-    if math.isnan(m.logprob) and not m.top:
-        return None
-    return TokenLogprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
 
 
 def chunk_from_output(out: RequestOutput, served_by: str = "") -> pb.TokenChunk:

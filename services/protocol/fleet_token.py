@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-ENV_TOKEN = "KVFLEET_FLEET_TOKEN"
-ENV_TOKEN_FILE = "KVFLEET_FLEET_TOKEN_FILE"
-ENV_INSECURE = "KVFLEET_INSECURE_INTERNAL"
+from services.protocol import env
+
+ENV_TOKEN = env.FLEET_TOKEN.name
+ENV_TOKEN_FILE = env.FLEET_TOKEN_FILE.name
+ENV_INSECURE = env.INSECURE_INTERNAL.name
 METADATA_KEY = "x-kvfleet-fleet-token"
 MIN_TOKEN_CHARS = 16
 
@@ -54,13 +56,13 @@ class FleetAuth:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, token_file: str | None = None,
                  insecure: bool = False) -> FleetAuth:
-        insecure = insecure or environ.get(ENV_INSECURE, "") not in ("", "0")
+        insecure = insecure or env.INSECURE_INTERNAL.get(environ, "") not in ("", "0")
         if token_file:
             return cls(_read_file(token_file), insecure, f"--fleet-token-file {token_file}")
-        if environ.get(ENV_TOKEN):
-            return cls(_checked(environ[ENV_TOKEN], ENV_TOKEN), insecure, ENV_TOKEN)
-        if environ.get(ENV_TOKEN_FILE):
-            path = environ[ENV_TOKEN_FILE]
+        if env.FLEET_TOKEN.get(environ):
+            return cls(_checked(env.FLEET_TOKEN.get(environ), ENV_TOKEN), insecure, ENV_TOKEN)
+        if env.FLEET_TOKEN_FILE.get(environ):
+            path = env.FLEET_TOKEN_FILE.get(environ)
             return cls(_read_file(path), insecure, f"{ENV_TOKEN_FILE}={path}")
         return cls(None, insecure)
 

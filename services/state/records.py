@@ -30,12 +30,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from services.protocol import env
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVF1"
 MAC_BYTES = 32
 KEY_LABEL = b"kvfleet-records"
-ENV_ALLOWED_NETWORKS = "KVFLEET_ALLOWED_NETWORKS"
+ENV_ALLOWED_NETWORKS = env.ALLOWED_NETWORKS.name
 DEFAULT_ALLOWED_NETWORKS = ("127.0.0.0/8", "::1/128")
 LOG_EVERY_S = 60.0
 MAX_LOGGED = 4096          # distinct (kind, id, reason) remembered for rate limiting
@@ -71,7 +73,7 @@ def parse_networks(spec: str) -> tuple[Network, ...]:
 
 
 def networks_from_env(environ: Mapping[str, str] = os.environ) -> tuple[Network, ...]:
-    return parse_networks(environ.get(ENV_ALLOWED_NETWORKS) or ",".join(DEFAULT_ALLOWED_NETWORKS))
+    return parse_networks(env.ALLOWED_NETWORKS.get(environ) or ",".join(DEFAULT_ALLOWED_NETWORKS))
 
 
 def host_of(address: str) -> str:

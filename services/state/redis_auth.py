@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-ENV_PASSWORD = "KVFLEET_REDIS_PASSWORD"
-ENV_PASSWORD_FILE = "KVFLEET_REDIS_PASSWORD_FILE"
-ENV_USERNAME = "KVFLEET_REDIS_USERNAME"
+from services.protocol import env
+
+ENV_PASSWORD = env.REDIS_PASSWORD.name
+ENV_PASSWORD_FILE = env.REDIS_PASSWORD_FILE.name
+ENV_USERNAME = env.REDIS_USERNAME.name
 
 
 class RedisCredentialsError(ValueError):
@@ -40,11 +42,11 @@ class RedisCredentials:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> RedisCredentials:
-        username = environ.get(ENV_USERNAME) or None
-        if environ.get(ENV_PASSWORD):
-            return cls(username, environ[ENV_PASSWORD])
-        if environ.get(ENV_PASSWORD_FILE):
-            return cls(username, _read_file(environ[ENV_PASSWORD_FILE]))
+        username = env.REDIS_USERNAME.get(environ) or None
+        if env.REDIS_PASSWORD.get(environ):
+            return cls(username, env.REDIS_PASSWORD.get(environ))
+        if env.REDIS_PASSWORD_FILE.get(environ):
+            return cls(username, _read_file(env.REDIS_PASSWORD_FILE.get(environ)))
         return cls(username, None)
 
     def client_kwargs(self) -> dict[str, str]:

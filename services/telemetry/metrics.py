@@ -13,10 +13,11 @@ Prometheus scraping a real fleet, so a renamed metric fails there.
 """
 from __future__ import annotations
 
-import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+
+from services.protocol import env
 
 # OpenTelemetry GenAI semantic conventions: explicit bucket boundaries (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -40,11 +41,11 @@ PHASES = ("queue", "prefill", "transfer", "decode")
 # `KVFLEET_METRICS=off` turns recording off in a process (every metric below becomes a no-op and
 # /metrics is empty): the "metrics off" side of `kvfleet bench telemetry`, and a way to rule the
 # metrics out when chasing a latency. On by default.
-ENV_SWITCH = "KVFLEET_METRICS"
+ENV_SWITCH = env.METRICS.name
 
 
 def recording() -> bool:
-    return os.environ.get(ENV_SWITCH, "on").strip().lower() not in ("off", "0", "false")
+    return env.METRICS.get(default="on").strip().lower() not in ("off", "0", "false")
 
 
 class _Noop:

@@ -25,6 +25,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from services.protocol import env
+
 log = logging.getLogger(__name__)
 
 PROPAGATOR = TraceContextTextMapPropagator()
@@ -66,10 +68,10 @@ PROVIDER_NAME = "kvfleet"
 _provider = None
 
 
-def enabled_by_env(env: Mapping[str, str] = os.environ) -> bool:
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
+    if env.OTEL_SDK_DISABLED.get(environ, "").strip().lower() == "true":
         return False
-    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(env.OTEL_ENDPOINT.get(environ) or env.OTEL_TRACES_ENDPOINT.get(environ))
 
 
 def setup(service: str, replica: str) -> bool:
@@ -89,8 +91,8 @@ def setup(service: str, replica: str) -> bool:
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased  # noqa: PLC0415
 
     sampler = None            # the SDK's own choice from OTEL_TRACES_SAMPLER, when set
-    if not os.environ.get("OTEL_TRACES_SAMPLER"):
-        ratio = float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
+    if not env.OTEL_SAMPLER.get():
+        ratio = float(env.OTEL_SAMPLER_ARG.get(default="1.0"))
         sampler = ParentBased(TraceIdRatioBased(ratio))
     resource = Resource.create({"service.name": f"kvfleet-{service}",
                                 "service.namespace": "kvfleet",
@@ -100,8 +102,7 @@ def setup(service: str, replica: str) -> bool:
     trace.set_tracer_provider(provider)
     _provider = provider
     atexit.register(shutdown)
-    log.info("tracing on: OTLP to %s", os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-             or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    log.info("tracing on: OTLP to %s", env.OTEL_TRACES_ENDPOINT.get() or env.OTEL_ENDPOINT.get())
     return True
 
 

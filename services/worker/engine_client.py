@@ -18,10 +18,11 @@ The core is `python -m services.worker.engine_core RUN_DIR` (a fresh interpreter
 server's main module is re-imported, as multiprocessing's spawn would). Its stdin carries the
 EngineConfig, then stays open: the core exits when it reaches EOF, i.e. when this process is gone.
 
-Backpressure: the core never waits for a client. Deltas queue per stream and a slow consumer
-receives them coalesced (tokens, text and logprobs concatenated) the next time it reads.
+Backpressure: the core never waits for a client. Deltas queue per stream; a reader that keeps up
+gets them one by one (one token per decode step), and a reader more than MERGE_BACKLOG behind gets
+them coalesced (tokens, text and logprobs concatenated) the next time it reads.
 
-Failure ([H2]): when the core sends a Failure, or exits without one (killed, crashed), every open
+Failure: when the core sends a Failure, or exits without one (killed, crashed), every open
 stream and every pending and later call raises EngineFailed, `failure` is set, and `on_failure`
 runs once (the worker marks itself NOT_SERVING and exits ENGINE_FAILED_EXIT). Nothing that waited
 on the engine hangs.
@@ -47,6 +48,7 @@ from services.engine.engine import EngineStats
 from services.engine.model.kv_cache import KVCache, is_fp8
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.protocol import env
 from services.worker import engine_core as core
 from services.worker.engine_core import (ENCODER, REPLY_DECODER, CallFailed, Cancelled,
                                          Done, Failure, Ready, Reserved, Stats, StepOutputs,
@@ -69,6 +71,11 @@ class EngineCallError(RuntimeError):
     """A command raised in the core something other than the engine's typed errors."""
 
 
+# Deltas a reader may fall behind and still get one message per delta: a few steps' worth, as
+# when the event loop was busy for a moment. Further behind, the reader gets them merged.
+MERGE_BACKLOG = 4
+
+
 class OutputStream:
     """One request's deltas, delivered on the asyncio loop; iteration ends after `finished`."""
 
@@ -86,14 +93,18 @@ class OutputStream:
         self._event.set()
 
     async def next(self) -> RequestOutput:
-        """The deltas that arrived since the last read, merged into one (n > 1: the leading run
-        of one sample's deltas; the others stay for the next read). Raises EngineFailed once
-        the engine died (deltas that arrived before are still read first)."""
+        """The oldest delta, as the engine sent it (one token per decode step), while the reader
+        keeps up. A reader more than MERGE_BACKLOG deltas behind (a slow client) gets them all
+        merged into one (n > 1: the leading run of one sample's deltas; the others stay for the
+        next read), so it catches up in one message. Raises EngineFailed once the engine died
+        (deltas that arrived before are still read first)."""
         while not self._pending:
             if self._failure is not None:
                 raise self._failure
             self._event.clear()
             await self._event.wait()
+        if len(self._pending) <= MERGE_BACKLOG:
+            return self._pending.pop(0)
         index = self._pending[0].index
         run = next((i for i, o in enumerate(self._pending) if o.index != index),
                    len(self._pending))
@@ -485,7 +496,7 @@ def _describe_exit(code: int | None) -> str:
 def _core_env() -> dict[str, str]:
     """This environment (fault injection included), with this checkout importable."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.environ.get("PYTHONPATH")
+    path = env.PYTHONPATH.get()
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 

@@ -14,21 +14,22 @@ InjectedFault and exits, and the server fails every request with EngineFailed an
 from __future__ import annotations
 
 import itertools
-import os
 import time
 
-ENGINE_STEP = "KVFLEET_FAULT_ENGINE_STEP"
-ENGINE_SLOW_STEP = "KVFLEET_FAULT_ENGINE_SLOW_STEP"
+from services.protocol import env
+
+ENGINE_STEP = env.FAULT_ENGINE_STEP.name
+ENGINE_SLOW_STEP = env.FAULT_ENGINE_SLOW_STEP.name
 
 
 class InjectedFault(RuntimeError):
     """Raised by an injected fault; never by real code."""
 
 
-def install(engine, environ=os.environ) -> None:
+def install(engine, environ=None) -> None:
     """Wrap the engine's step() as the environment asks (no-op when nothing is asked)."""
-    fail_at = int(environ[ENGINE_STEP]) if environ.get(ENGINE_STEP) else None
-    slow_at, slow_s = _slow_step(environ.get(ENGINE_SLOW_STEP))
+    fail_at = int(env.FAULT_ENGINE_STEP.get(environ)) if env.FAULT_ENGINE_STEP.get(environ) else None
+    slow_at, slow_s = _slow_step(env.FAULT_ENGINE_SLOW_STEP.get(environ))
     if fail_at is None and slow_at is None:
         return
     steps, real_step = itertools.count(1), engine.step

@@ -98,13 +98,26 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
 
 
 # A prefill worker runs no decodes, so its iterations protect no inter-token latency: without a
-# config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts).
+# config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts). The
+# worker logs the budget it runs at start (`config_line`), this one named as the role's default.
 PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)
 
 
 def worker_quality_version(cfg: EngineConfig) -> str:
     """The quality version this worker's outputs carry (its model resolved to a directory)."""
     return of_engine_config(replace(cfg, model=resolve_model(cfg.model)))
+
+def config_line(worker_id: str, args: argparse.Namespace, cfg: EngineConfig) -> str:
+    """The engine settings a worker runs, and where its iteration budget came from: its --config
+    file, the prefill role's default (PREFILL_ROLE_BUDGET), or the engine's default."""
+    s = cfg.scheduler
+    source = (f"--config {args.config}" if args.config else
+              "the prefill role's default, no --config" if args.role == "prefill" else
+              "the engine's default, no --config")
+    engine = "sim" if cfg.sim is not None else "real"
+    return (f"worker {worker_id}: role {args.role}, engine {engine}, kv_cache_mib "
+            f"{cfg.kv_cache_mib}, token_budget {s.token_budget}, chunk_size {s.chunk_size} "
+            f"({source})")
 
 
 def engine_config_for(args: argparse.Namespace) -> EngineConfig:
@@ -238,6 +251,7 @@ async def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     engine_config = engine_config_for(args)
+    log.info("%s", config_line(worker_id, args, engine_config))
     config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args),
                           tensor_parallel_size=engine_config.tensor_parallel_size,
                           pool=args.pool, quality_version=worker_quality_version(engine_config))
@@ -339,7 +353,7 @@ def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:
     code = run(serve(parser.parse_args(argv)))
     # Everything is stopped and closed (the engine core reaped, ports closed), so the process ends
     # at once: the interpreter's own teardown (the GC of torch's and grpc's modules) is slow enough
-    # to threaten the 3-s stop budget (docs/benchmarks.md, [R2] shutdown).
+    # to threaten the 3-s stop budget (docs/benchmarks.md, the time to stop).
     tracing.shutdown()                 # export the spans still buffered: os._exit skips atexit
     sys.stdout.flush()
     sys.stderr.flush()

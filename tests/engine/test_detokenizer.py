@@ -50,11 +50,12 @@ def stream(tokenizer, prompt_ids, output_ids) -> tuple[list[str], IncrementalDet
 @SETTINGS
 @given(text=TEXT, split=st.integers(0, 60))
 def test_streamed_pieces_concatenate_to_decode_of_the_output(tokenizer, text, split):
-    # Any split of a token sequence into prompt / output, even in the middle of a character.
+    # Any split of a token sequence into prompt / output, even in the middle of a character (an
+    # output of stray bytes alone, which never complete a character, is left out at finish).
     ids = tokenizer.encode(text).ids
     prompt_ids, output_ids = ids[:split], ids[split:]
     pieces, detok = stream(tokenizer, prompt_ids, output_ids)
-    assert "".join(pieces) == detok.text == tokenizer.decode(output_ids)
+    assert "".join(pieces) == detok.text == tokenizer.decode(output_ids).rstrip("\ufffd")
 
 
 @SETTINGS
@@ -79,11 +80,23 @@ def test_leading_spaces_and_newlines_survive_streaming(tokenizer):
     assert pieces[0].startswith(" ") and detok.text == text
 
 
-def test_flush_emits_bytes_that_never_completed(tokenizer):
+def test_bytes_that_never_completed_a_character_are_left_out_at_finish(tokenizer):
+    """As vLLM: an output ending mid-character ends at its last complete character, no U+FFFD."""
     first_byte_of_crab = tokenizer.encode("🦀").ids[:1]
     detok = IncrementalDetokenizer(tokenizer, [])
     assert detok.push(first_byte_of_crab[0]) == ""
-    assert detok.flush() == "\ufffd" == detok.text
+    assert detok.flush() == "" == detok.text
+
+
+@SETTINGS
+@given(text=TEXT, cut=st.integers(0, 60))
+def test_an_output_cut_anywhere_streams_no_replacement_character(tokenizer, text, cut):
+    """Wherever the output stops (a stop token id, max_tokens), even mid-character, its text is
+    a prefix of the whole text without U+FFFD."""
+    output_ids = tokenizer.encode(text).ids[:cut]
+    pieces, detok = stream(tokenizer, [], output_ids)
+    assert "\ufffd" not in detok.text == "".join(pieces)
+    assert text.startswith(detok.text)
 
 
 def test_special_tokens_are_skipped_unless_asked_for(tokenizer):

@@ -165,3 +165,19 @@ def test_stats_describe_the_kv_pool(engine):
     assert s.kv_blocks_total == engine.pool.num_blocks
     assert s.kv_blocks_free + s.kv_blocks_used == s.kv_blocks_total
     assert s.steps > 0 and s.decode_tokens > 0 and s.prefill_tokens > 0
+
+
+@pytest.mark.parametrize("end", ["max_tokens", "stop_token_id"])
+def test_a_completion_ending_mid_character_leaves_the_incomplete_bytes_out(engine, end):
+    """As vLLM's detokenizer: an output whose last token is the first byte of a 3-byte character
+    (forced by logit_bias; kept as a stop token with include_stop_str_in_output, or cut by
+    max_tokens) ends at its last complete character, with no U+FFFD."""
+    lead_byte = engine.tokenizer.raw.token_to_id("ä")     # byte-level BPE: the byte 0xE4 alone
+    assert lead_byte is not None
+    force = {lead_byte: 100.0}
+    params = (SamplingParams(max_tokens=1, logit_bias=force, **GREEDY) if end == "max_tokens" else
+              SamplingParams(max_tokens=4, temperature=0.0, logit_bias=force,
+                             stop_token_ids=[lead_byte], include_stop_str_in_output=True))
+    (out,) = engine.generate(["Half a character: "], params)
+    assert out.token_ids == [lead_byte]
+    assert out.text == ""

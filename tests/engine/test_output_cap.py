@@ -3,7 +3,7 @@ clamped to the cap (finish_reason "length" there), so the KV a `reserve`-policy 
 prompt + min(max_tokens, cap), covers every token it can ever compute. Checked for co-located
 (mixed) engines and for the decode role, whose reservation a prefill worker writes into.
 
-[H2] reproducer: `max_tokens` 2100 with `ignore_eos` against a 2048 cap killed the engine thread.
+The reproducer: `max_tokens` 2100 with `ignore_eos` against a 2048 cap killed the engine thread.
 """
 from __future__ import annotations
 

@@ -204,7 +204,7 @@ def test_a_queued_request_that_would_clearly_miss_its_ttft_target_is_rejected_wi
 
 
 def test_a_near_miss_is_served_not_rejected():
-    """[H2]: the target is a p99 and the prediction is rough: a request predicted past the target
+    """The target is a p99 and the prediction is rough: a request predicted past the target
     but within reject_late_factor of it is served (32 concurrent chats were refused at 1.02 s
     predicted while the served ones had TTFT p99 0.5 s)."""
     sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=4000)

@@ -18,6 +18,8 @@ from tests.harness import kvfleet_up
 
 TOKEN = "fault-suite-fleet-token-0123456789"
 OUTPUT_CAP = 48           # the interactive class's output cap in these fleets
+# 3-s stream-slot leases, renewed every 0.6 s: a dead gateway's slots come back within 3 s
+LEASE_3S = ("--timeout-lease-ttl-s", "3", "--timeout-lease-renew-s", "0.6")
 _db = itertools.count(8)
 
 
@@ -43,8 +45,8 @@ def supervised_fleet(redis_url: str, model_dir: str, config: str, mode: str = "d
     UpFleet."""
     db_url = f"{redis_url.rsplit('/', 1)[0]}/{next(_db) % 16}"
     redis.Redis.from_url(db_url).flushdb()
-    with kvfleet_up(model_dir, *args, mode=mode, redis_url=db_url, config=config, token=TOKEN,
-                    env={"KVFLEET_STREAM_LEASE_TTL_S": "3", **(env or {})}) as fleet:
+    with kvfleet_up(model_dir, *LEASE_3S, *args, mode=mode, redis_url=db_url, config=config,
+                    token=TOKEN, env=env) as fleet:
         yield fleet
 
 

@@ -18,7 +18,6 @@ import yaml
 
 from services.cli.launcher import Launcher
 from tests.waiting import wait_until
-from services.gateway.server import LEASE_TTL_ENV
 from tests.harness import Fleet, Gateway, start_gateway
 from tests.faults.test_redis_outage import RedisOnOnePort, open_streams
 from tests.gateway.gateway_helpers import key, openai_error, write_configs
@@ -32,7 +31,7 @@ LONG = {"prompt": "Tell me a long story", "max_tokens": 2000, "ignore_eos": True
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir, tmp_path_factory):
     redis = RedisOnOnePort()
-    launcher = Launcher(env={LEASE_TTL_ENV: str(TTL_S)})
+    launcher = Launcher()
     try:
         redis.start()
         f = Fleet(launcher, redis.url)
@@ -42,7 +41,8 @@ def fleet(tiny_model_dir, tmp_path_factory):
         (tmp / "pair.yaml").write_text(yaml.safe_dump([PAIR]))
         f.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
         assert f.serving()
-        f.gateway_args = ("--config", engine_yaml, "--api-keys", str(tmp / "pair.yaml"))
+        f.gateway_args = ("--config", engine_yaml, "--api-keys", str(tmp / "pair.yaml"),
+                          "--timeout-lease-ttl-s", str(TTL_S), "--timeout-lease-renew-s", str(RENEW_S))
         yield f
     finally:
         launcher.stop_all()

@@ -36,11 +36,12 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol import status
 from services.state import redis_auth
 from services.state.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
-from services.gateway.server import LEASE_TTL_ENV
 from tests.harness import Fleet, Gateway, route_request, start_gateway
 from tests.gateway.gateway_helpers import events, sse_data, write_configs
 
 LEASE_TTL_S = 3.0
+LEASE_FLAGS = ("--timeout-lease-ttl-s", str(LEASE_TTL_S), "--timeout-lease-renew-s",
+               str(LEASE_TTL_S / 5))
 RECOVERY_S = 10.0          # the promise: serving again within this long of Redis coming back
 ANSWER_S = 2.5             # a request while Redis is down is answered within this long
 
@@ -120,7 +121,7 @@ class OutageFleet:
 @pytest.fixture(scope="module")
 def world(tiny_model_dir, tmp_path_factory):
     redis = RedisOnOnePort()
-    launcher = Launcher(env={LEASE_TTL_ENV: str(LEASE_TTL_S)})
+    launcher = Launcher()
     try:
         redis.start()
         fleet = Fleet(launcher, redis.url)
@@ -129,7 +130,7 @@ def world(tiny_model_dir, tmp_path_factory):
         fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
         assert fleet.serving()
         gateway = start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", engine_yaml,
-                                "--api-keys", keys_yaml)
+                                "--api-keys", keys_yaml, *LEASE_FLAGS)
         yield OutageFleet(redis, fleet, gateway)
     finally:
         launcher.stop_all()

@@ -1,4 +1,4 @@
-"""[H2] fault suite on a supervised fleet (`kvfleet up`, real processes, real redis-server):
+"""The fault suite on a supervised fleet (`kvfleet up`, real processes, real redis-server):
 
   - a request with max_tokens past the class output cap is served, capped and said so, in both
     modes (it used to kill the engine thread and, with it, the fleet);

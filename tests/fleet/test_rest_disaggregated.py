@@ -55,3 +55,18 @@ def test_hanging_up_during_decode_frees_both_workers_and_the_quota(setup):
         async with FleetState(fleet.redis_url) as state:
             return await state.streams("default")
     assert wait_until(lambda: asyncio.run(streams()) == 0, 1.0)
+
+
+def test_a_streamed_completion_sends_one_event_per_token(setup):
+    """As vLLM streams: N tokens at ignore_eos are N content events, each carrying one token (its
+    logprob names it), on the decode worker's relay as on the first token's."""
+    fleet, gw = setup
+    client = openai.OpenAI(base_url=f"http://{gw.http}/v1", api_key="unused")
+    stream = client.completions.create(model=gw.model, prompt=PROMPT, max_tokens=64, logprobs=0,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True})
+    events = list(stream)
+    content = [e for e in events if e.choices]
+    assert [len(e.choices[0].logprobs.tokens) for e in content] == [1] * 64
+    assert events[-1].usage.completion_tokens == 64
+    assert wait_until(lambda: idle(fleet), 1.0)

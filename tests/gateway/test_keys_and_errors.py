@@ -74,8 +74,8 @@ def bare(code: grpc.StatusCode, details: str) -> AioRpcError:
     (bare(grpc.StatusCode.INTERNAL, "boom"), 502, "upstream_error", None),
 ])
 def test_fleet_statuses_map_to_gateway_errors(error, http, error_code, retry_after):
-    """[H2]: every refusal, 429 (load) or 503 (no healthy capacity), carries Retry-After; [R2]:
-    the reason, the engine's code and field travel typed, no text is parsed."""
+    """Every refusal, 429 (load) or 503 (no healthy capacity), carries Retry-After; and the
+    reason, the engine's code and field travel typed, no text is parsed."""
     e = from_status(status.of(error))
     assert (e.status, e.code) == (http, error_code)
     # every fleet status names the overload stage it was decided in

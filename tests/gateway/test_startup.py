@@ -39,7 +39,7 @@ def test_without_keys_on_loopback_everyone_is_the_default_tenant(fleet, tiny_mod
 
 def test_a_keys_file_naming_a_tenant_the_workers_lack_stops_the_start(tmp_path, tiny_model_dir,
                                                                      configs):
-    """[H2]: such a gateway used to start, then charge the tenant's quota and answer every request
+    """Such a gateway used to start, then charge the tenant's quota and answer every request
     400 unknown_tenant. Now it refuses to start, naming what is missing, before it binds."""
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump([

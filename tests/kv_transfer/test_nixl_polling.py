@@ -46,7 +46,7 @@ def test_an_expected_transfer_is_polled_fast_only_once_someone_waits(pair):
     handle = pair.target.expect(tid, DST, timeout_s=30)
     idle = seconds_per_poll(pair.target, 5)                  # reserved, the prefill runs elsewhere
     with pytest.raises(KVTransferError, match="still running"):
-        handle.wait(0.001)                                   # the Decode call starts waiting
+        handle.wait(0.001)                                   # the subscription starts waiting
     hurried = seconds_per_poll(pair.target, 50)
     pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=30).wait(30)
     handle.wait(30)

@@ -1,4 +1,4 @@
-"""The quality gate (`kvfleet eval quality`, issue [L1]): a candidate scored against a reference.
+"""The quality gate (`kvfleet eval quality`): a candidate scored against a reference.
 
 Stories: the reference passes against itself with nothing to report; a copy whose weights were
 perturbed fails, on every gated metric, with exit status 1; a rounding-level perturbation still

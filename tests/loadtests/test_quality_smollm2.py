@@ -1,4 +1,4 @@
-"""The quality gate on a real model (issue [M2]): SmolLM2-135M-Instruct on its chat eval set.
+"""The quality gate on a real model: SmolLM2-135M-Instruct on its chat eval set.
 
 Stories: the set is well formed (chat items with gold answers); the fp32 model answers most items
 right, far above the best constant answer; it passes against itself through `kvfleet eval

@@ -37,7 +37,7 @@ def test_a_write_past_its_reservation_is_a_deadline_failure_in_an_error_span(tin
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 async for reply in prefill.stub.Prefill(pb.PrefillRequest(
                         request_id="late", prompt_token_ids=PROMPT, params=params(),
-                        target=target.descriptor(range(5)), decode_worker="127.0.0.1:1",
+                        target=target.descriptor(range(5)),
                         kv_deadline_unix_s=time.time() + 0.001), timeout=30):
                     chunks.append(reply.chunk)
             assert status.of(failed.value).reason == pb.KV_TRANSFER_FAILED
@@ -74,7 +74,7 @@ def test_a_write_whose_request_was_cancelled_is_abandoned_not_counted_as_a_failu
             # the target never expects this transfer, so the write waits on it, in flight
             call = prefill.stub.Prefill(pb.PrefillRequest(
                 request_id="gone", prompt_token_ids=PROMPT, params=params(),
-                target=target.descriptor(range(5)), decode_worker="127.0.0.1:1",
+                target=target.descriptor(range(5)),
                 kv_deadline_unix_s=time.time() + 30), timeout=30)
             first = await call.read()
             assert first.chunk.token_ids

@@ -1,7 +1,7 @@
 """The engine core in its own process, driven from asyncio through EngineClient: a real core with
 the tiny model per test, started and stopped by the test. Tokens match the engine run in-process,
 errors come back typed, the KV cache is one memory seen by both processes, and a core that dies
-(killed, or an injected step fault) fails every stream and call at once ([H2])."""
+(killed, or an injected step fault) fails every stream and call at once."""
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,6 @@
 """A worker as the fleet runs it (`kvfleet serve decode`): a server process and its engine
 core process. SIGTERM stops both within 3 s, exit 0; a core that dies takes the worker down with
-ENGINE_FAILED_EXIT (70) so that the supervisor restarts it ([H2])."""
+ENGINE_FAILED_EXIT (70) so that the supervisor restarts it."""
 from __future__ import annotations
 
 import os
@@ -84,3 +84,22 @@ def _tail(f) -> str:
     f.flush()
     f.seek(0)
     return f.read()[-3000:]
+
+
+def test_a_worker_names_the_budget_it_runs_and_where_it_came_from(tmp_path):
+    """A prefill worker without --config runs the prefill role's larger budget; its log says so,
+    as it says which file set the budget of a worker that has one."""
+    import argparse
+
+    from services.worker.serve import (PREFILL_ROLE_BUDGET, add_worker_args, config_line,
+                                       engine_config_for)
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    prefill = p.parse_args(["prefill"])
+    line = config_line("prefill-0", prefill, engine_config_for(prefill))
+    assert f"token_budget {PREFILL_ROLE_BUDGET['token_budget']}" in line
+    assert "(the prefill role's default, no --config)" in line
+    (tmp_path / "engine.yaml").write_text("scheduler:\n  token_budget: 384\n  chunk_size: 32\n")
+    decode = p.parse_args(["decode", "--config", str(tmp_path / "engine.yaml")])
+    line = config_line("decode-0", decode, engine_config_for(decode))
+    assert "token_budget 384, chunk_size 32" in line and "engine.yaml" in line

@@ -63,7 +63,7 @@ async def disaggregated(prefill: Worker, decode: Worker, rid: str) -> tuple[list
     async for reply in prefill.stub.Prefill(pb.PrefillRequest(
             request_id=rid, tenant="default", traffic_class="interactive",
             prompt_token_ids=PROMPT, params=params(), target=reserved.target,
-            decode_worker=decode.address, kv_deadline_unix_s=reserved.expires_at_unix_s),
+            kv_deadline_unix_s=reserved.expires_at_unix_s),
             metadata=traceparent(GATEWAY_SPAN), timeout=30):
         if reply.HasField("chunk"):
             chunks.append(reply.chunk)

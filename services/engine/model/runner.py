@@ -10,7 +10,6 @@ also switches RMSNorm, RoPE and SiLU-mul to Triton kernels); "auto" picks Triton
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from typing import Sequence
 
@@ -21,6 +20,7 @@ from services.engine.model.batch import BatchInputs, SeqChunk, prepare_inputs
 from services.engine.model.kv_cache import KVCache
 from services.engine.model.layers import fused_kernels
 from services.engine.model.llama import LlamaForward
+from services.protocol import env
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -34,7 +34,7 @@ def make_attention_backend(name: str, num_heads: int, device: torch.device) -> A
         return TorchAttentionBackend(num_heads)
     if name != "triton":
         raise ValueError(f"unknown attention backend {name!r} ({'|'.join(ATTENTION_BACKENDS)})")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and env.TRITON_INTERPRET.get() != "1":
         raise ValueError(f"the triton attention backend needs CUDA (model on {device}), or "
                          "TRITON_INTERPRET=1 set before start (the interpreter: tests only)")
     from kernels.backend import TritonAttentionBackend  # noqa: PLC0415 (imports triton)

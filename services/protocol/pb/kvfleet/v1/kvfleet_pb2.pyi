@@ -433,14 +433,13 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., expires_at_unix_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params", "target", "decode_worker", "kv_deadline_unix_s")
+    __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params", "target", "kv_deadline_unix_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     KV_DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
@@ -448,9 +447,8 @@ class PrefillRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     target: KVDescriptor
-    decode_worker: str
     kv_deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., decode_worker: _Optional[str] = ..., kv_deadline_unix_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., kv_deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class KVShipped(_message.Message):
     __slots__ = ("request_id", "blocks", "seconds")
