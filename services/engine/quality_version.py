@@ -21,12 +21,14 @@ import json
 import os
 from pathlib import Path
 
+from services.protocol import env
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CHUNK = 1 << 20
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = env.XDG_CACHE_HOME.get() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "kvfleet" / "weight-digests"
 
 

@@ -88,5 +88,8 @@ UCX_NET_DEVICES = Var("UCX_NET_DEVICES", "UCX, under NIXL (set by services/kv_tr
 NIXL_LOG_LEVEL = Var("NIXL_LOG_LEVEL", "NIXL (set by nixl.py)", "WARN: NIXL's INFO logs go to stdout")
 TQDM_DISABLE = Var("TQDM_DISABLE", "tqdm, under the GGUF import (set by services/engine/"
                    "gguf_import.py)", "1: no progress bar in the converter's output")
+XDG_CACHE_HOME = Var("XDG_CACHE_HOME", "a worker computing its quality version "
+                     "(services/engine/quality_version.py)",
+                     "where the cached digests of checkpoints' weight files live (else ~/.cache)")
 
 TABLE: tuple[Var, ...] = tuple(v for v in globals().values() if isinstance(v, Var))
