@@ -36,9 +36,11 @@ def idle(fleet, *names) -> bool:
     return all(s.kv_blocks_used == 0 and s.kv_blocks_reserved == 0 for s in stats)
 
 
+@pytest.mark.real_model("the fleet's tokens equal the in-process engine's greedy tokens")
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_greedy_tokens_through_the_fleet_equal_the_engine(redis_url, tiny_model_dir, backend):
-    with running_fleet(redis_url, str(tiny_model_dir), "disagg", kv_backend=backend) as fleet:
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", kv_backend=backend,
+                       engine="real") as fleet:
         assert wait_until(lambda: serving(fleet), 10)
         chunks = list(fleet.generate(
             route_request(f"d-{backend}", PROMPT, 16, ignore_eos=True)))
