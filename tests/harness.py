@@ -69,12 +69,18 @@ def redis_env() -> dict[str, str]:
     return {**os.environ, redis_auth.ENV_PASSWORD: REDIS_PASSWORD}
 
 
-def sim_args(kv_cache_mib: int) -> tuple[str, ...]:
+def sim_args(kv_cache_mib: int, step_ms: float = SIM_STEP_MS) -> tuple[str, ...]:
     """The --sim-* flags that make the simulated core a stand-in for the tiny model given
-    `kv_cache_mib` of KV cache."""
-    return ("--sim-step-ms", str(SIM_STEP_MS), "--sim-kv-tokens",
+    `kv_cache_mib` of KV cache (a test whose stream must outlast an event passes a longer
+    `step_ms`)."""
+    return ("--sim-step-ms", str(step_ms), "--sim-kv-tokens",
             str(kv_cache_mib * TINY_KV_TOKENS_PER_MIB), "--sim-output-len", SIM_OUTPUT_LEN,
             "--sim-network-gbps", "100")
+
+
+def engine_flags(kv_cache_mib: int, step_ms: float = SIM_STEP_MS) -> tuple[str, ...]:
+    """A worker's engine flags when ENGINE is the simulated core (none for the real model)."""
+    return () if ENGINE == "real" else ("--engine", ENGINE, *sim_args(kv_cache_mib, step_ms))
 
 
 def _engine_args(engine: str | None, args: tuple[str, ...], kv_cache_mib: int) -> tuple[str, ...]:
