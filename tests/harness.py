@@ -45,8 +45,15 @@ from services.protocol.timeouts import Timeouts
 from services.state import redis_auth
 from tests.waiting import wait_until
 
-ENGINE = "real"             # real | sim: what every fleet of the tests runs unless told otherwise
+ENGINE = "sim"              # real | sim: what every fleet of the tests runs unless told otherwise
 KV_CACHE_MIB = 32           # each worker's KV cache in a `kvfleet up` fleet of the tests
+# The simulated core stands in for the tiny model: its KV capacity the blocks the tiny model gets
+# from the same --kv-cache-mib (512 tokens a MiB: 4 layers x 2 KV heads x 32 dims x K,V x fp32),
+# a short fixed step, and no drawn EOS a test could meet before max_tokens (the tiny model's random
+# weights end a request at max_tokens as well).
+TINY_KV_TOKENS_PER_MIB = 512
+SIM_STEP_MS = 2
+SIM_OUTPUT_LEN = "fixed:100000"
 UP_READY_S = 300.0          # a loaded 2-core box takes minutes to load the model in every worker
 
 
@@ -62,10 +69,41 @@ def redis_env() -> dict[str, str]:
     return {**os.environ, redis_auth.ENV_PASSWORD: REDIS_PASSWORD}
 
 
+def sim_args(kv_cache_mib: int, step_ms: float = SIM_STEP_MS) -> tuple[str, ...]:
+    """The --sim-* flags that make the simulated core a stand-in for the tiny model given
+    `kv_cache_mib` of KV cache (a test whose stream must outlast an event passes a longer
+    `step_ms`)."""
+    return ("--sim-step-ms", str(step_ms), "--sim-kv-tokens",
+            str(kv_cache_mib * TINY_KV_TOKENS_PER_MIB), "--sim-output-len", SIM_OUTPUT_LEN,
+            "--sim-network-gbps", "100")
+
+
+def engine_flags(kv_cache_mib: int, step_ms: float = SIM_STEP_MS) -> tuple[str, ...]:
+    """A worker's engine flags when ENGINE is the simulated core (none for the real model)."""
+    return () if ENGINE == "real" else ("--engine", ENGINE, *sim_args(kv_cache_mib, step_ms))
+
+
+def _engine_args(engine: str | None, args: tuple[str, ...], kv_cache_mib: int) -> tuple[str, ...]:
+    """A worker's command-line flags for `engine` (None: ENGINE); the last --kv-cache-mib in
+    `args` sizes the simulated core's KV like the tiny model's."""
+    if (engine or ENGINE) == "real":
+        return args
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--kv-cache-mib":
+            kv_cache_mib = int(args[i + 1])
+    given = "--engine" in args
+    return (*(() if given else ("--engine", engine or ENGINE, *sim_args(kv_cache_mib))), *args)
+
+
 def kvfleet_up(model, *args: str, env: dict[str, str] | None = None, **flags):
     """loadtests.local_fleet.kvfleet_up with the tests' defaults (KV_CACHE_MIB per worker, ENGINE,
-    UP_READY_S, the embedded Redis's password REDIS_PASSWORD)."""
+    UP_READY_S, the embedded Redis's password REDIS_PASSWORD; on the simulated core, sim_args of
+    the fleet's KV_CACHE_MIB unless the test gives its own or passes --engine itself)."""
     defaults = dict(kv_cache_mib=KV_CACHE_MIB, engine=ENGINE, ready_s=UP_READY_S)
+    if "--engine" in args:                       # the test starts its own engine flags
+        defaults["engine"] = "real"
+    elif flags.get("engine", ENGINE) != "real" and "sim_args" not in flags:
+        defaults["sim_args"] = sim_args(flags.get("kv_cache_mib", KV_CACHE_MIB))
     return local_fleet.kvfleet_up(str(model), *args, env={redis_auth.ENV_PASSWORD: REDIS_PASSWORD,
                                                          **(env or {})}, **{**defaults, **flags})
 
@@ -209,9 +247,7 @@ class Fleet:
     def worker(self, name: str, role: str, model: str, kv_backend: str = "tcp",
                extra_args: tuple[str, ...] = (), engine: str | None = None) -> str:
         """`kvfleet serve ROLE` as a process; returns its gRPC address once READY."""
-        engine = engine or ENGINE
-        if engine != "real":
-            extra_args = ("--engine", engine, *extra_args)
+        extra_args = _engine_args(engine, tuple(extra_args), 64)
         args = ["services.cli.cli", "serve", role, "--model", model, "--worker-id", name,
                 "--redis-url", self.redis_url, "--kv-backend", kv_backend, "--kv-cache-mib", "64",
                 "--timeout-heartbeat-s", "0.3", "--timeout-heartbeat-ttl-s", "0.9", *extra_args]
@@ -340,9 +376,7 @@ def worker_process(model_dir, role: str, *args: str, stderr, ready_s: float = 60
 
     from services.cli.launcher import descendants, running  # noqa: PLC0415
     from tests.waiting import ready_line  # noqa: PLC0415
-    engine = engine or ENGINE
-    if engine != "real":
-        args = ("--engine", engine, *args)
+    args = _engine_args(engine, args, 512)      # kvfleet serve's default --kv-cache-mib
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.cli", "serve", role, "--model",
                              str(model_dir), "--insecure-internal", "--threads", "1", *args],
                             stdout=subprocess.PIPE, stderr=stderr)
@@ -388,10 +422,19 @@ class Worker:
         await self.engine.close()
 
 
-async def in_process_worker(model_dir: str, role: str, **scheduler) -> Worker:
+def sim_config(kv_cache_mib: int):
+    """sim_args as the SimConfig an in-process engine config takes."""
+    from services.engine.config import SimConfig  # noqa: PLC0415
+    return SimConfig(step_s=SIM_STEP_MS / 1000.0, kv_tokens=kv_cache_mib * TINY_KV_TOKENS_PER_MIB,
+                     output_len=SIM_OUTPUT_LEN, network_gbps=100.0)
+
+
+async def in_process_worker(model_dir: str, role: str, engine: str | None = None,
+                            **scheduler) -> Worker:
     """A worker in this process, built as services/worker/serve.py builds one (without Redis or
-    its heartbeat): its engine core a real process, its servicer on gRPC, its /metrics served.
-    KV over tcp for prefill / decode (the test sets the fleet token the transports ask for)."""
+    its heartbeat): its engine core a real process (on `engine`, None: ENGINE), its servicer on
+    gRPC, its /metrics served. KV over tcp for prefill / decode (the test sets the fleet token
+    the transports ask for)."""
     from services.engine.engine import engine_config  # noqa: PLC0415
     from services.kv_transfer import make_transport  # noqa: PLC0415
     from services.telemetry import exposition  # noqa: PLC0415
@@ -401,6 +444,8 @@ async def in_process_worker(model_dir: str, role: str, **scheduler) -> Worker:
     from services.worker.telemetry import WorkerTelemetry  # noqa: PLC0415
     worker_id = f"{role}-0"
     telemetry = WorkerTelemetry(role, worker_id)
+    if (engine or ENGINE) != "real":
+        scheduler = {"sim": sim_config(8), **scheduler}
     engine = EngineClient(engine_config(model_dir, kv_cache_mib=8, role=role, **scheduler),
                           on_step=telemetry.on_step)
     await engine.start()

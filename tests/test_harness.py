@@ -10,7 +10,7 @@ import pytest
 
 from loadtests.local_fleet import up_command
 from services.cli.launcher import running
-from tests.harness import ENGINE, holds_nothing, kvfleet_up, serves
+from tests.harness import ENGINE, _engine_args, holds_nothing, kvfleet_up, serves, sim_args
 
 
 def port_open(address: str) -> bool:
@@ -47,10 +47,22 @@ def test_a_fleet_that_cannot_start_is_an_error_naming_its_output_and_leaves_noth
 
 
 def test_the_engine_flag_is_passed_only_when_asked():
-    assert ENGINE == "real"
     real = up_command("tiny", mode="colocated")
     assert "--engine" not in real and real[real.index("--mode") + 1] == "colocated"
     sim = up_command("tiny", "--routers", "2", engine="sim", sim_args=("--sim-kv-tokens", "4096"))
     assert sim[sim.index("--engine"):][:4] == ["--engine", "sim", "--sim-kv-tokens", "4096"]
     with pytest.raises(ValueError, match="need engine='sim'"):
         up_command("tiny", sim_args=("--sim-kv-tokens", "4096"))
+
+
+def test_a_simulated_worker_gets_the_kv_capacity_its_kv_cache_mib_gives_the_tiny_model():
+    assert ENGINE == "sim"              # the tests' default; real_model tests pass engine="real"
+    assert _engine_args("real", ("--kv-cache-mib", "64"), 32) == ("--kv-cache-mib", "64")
+    args = _engine_args(None, ("--kv-cache-mib", "16", "--config", "x.yaml"), 64)
+    assert args[:2] == ("--engine", "sim") and args[-4:] == ("--kv-cache-mib", "16", "--config",
+                                                             "x.yaml")
+    assert args[2:-4] == sim_args(16)
+    tokens = sim_args(16)[sim_args(16).index("--sim-kv-tokens") + 1]
+    assert int(tokens) == 16 * 1024 * 1024 // (4 * 2 * 2 * 32 * 4)   # the tiny model's fp32 KV
+    assert _engine_args("sim", ("--engine", "sim", "--sim-kv-tokens", "9"), 64) == \
+        ("--engine", "sim", "--sim-kv-tokens", "9")                  # the test's own flags

@@ -4,6 +4,7 @@ KV moves from the prefill worker to the decode worker as fp8 bytes."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.waiting import wait_until
@@ -19,9 +20,10 @@ def blocks_total(metrics_address: str) -> float:
                if s.name == "kvfleet_kv_blocks" and s.labels["state"] == "total")
 
 
+@pytest.mark.real_model("fp8 block counts: the simulated core sizes its pool by --sim-kv-tokens")
 def test_a_disaggregated_fleet_serves_from_fp8_kv(tiny_model_dir):
     with kvfleet_up(tiny_model_dir, "--kv-cache-dtype", "fp8", mode="disagg",
-                    kv_cache_mib=MIB) as up:
+                    kv_cache_mib=MIB, engine="real") as up:
         workers = {name: w.metrics_url.removeprefix("http://").removesuffix("/metrics")
                    for name, w in up.workers.items() if w.metrics_url}
         assert sorted(w.role for w in up.workers.values()) == ["decode", "prefill"], up.lines

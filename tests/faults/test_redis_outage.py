@@ -36,7 +36,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol import status
 from services.state import redis_auth
 from services.state.redis_server import HOST, _die_with_parent_hook, _wait_for_ping, free_port
-from tests.harness import Fleet, Gateway, route_request, start_gateway
+from tests.harness import Fleet, Gateway, engine_flags, route_request, start_gateway
 from tests.gateway.gateway_helpers import events, sse_data, write_configs
 
 LEASE_TTL_S = 3.0
@@ -127,7 +127,10 @@ def world(tiny_model_dir, tmp_path_factory):
         fleet = Fleet(launcher, redis.url)
         fleet.start_router("colocated")
         engine_yaml, keys_yaml = write_configs(tmp_path_factory.mktemp("outage-config"))
-        fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", engine_yaml))
+        # on the simulated core, steps as slow as the tiny model's on this CPU: the long stream
+        # below stays open across the outage (800 tokens, about 10 s)
+        fleet.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=(
+            *engine_flags(64, step_ms=12), "--config", engine_yaml, "--kv-cache-mib", "64"))
         assert fleet.serving()
         gateway = start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", engine_yaml,
                                 "--api-keys", keys_yaml, *LEASE_FLAGS)

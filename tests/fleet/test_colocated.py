@@ -12,12 +12,16 @@ from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from tests.harness import route_request, running_fleet
 
+# one fleet for the module: its first test's claim (greedy tokens equal the engine's) needs the model
+pytestmark = pytest.mark.real_model("greedy tokens equal the in-process engine's")
+
 PROMPT = [4080, 39, 72, 311, 464, 68, 500, 501, 502, 503]
 
 
 @pytest.fixture(scope="module")
 def fleet(redis_url, tiny_model_dir):
-    with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=1) as f:
+    with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=1,
+                       engine="real") as f:
         assert wait_until(lambda: f.router_stub().Health(pb.HealthRequest()).status ==
                           pb.HealthResponse.SERVING, 10)
         yield f

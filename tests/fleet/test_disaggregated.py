@@ -15,7 +15,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from tests.harness import listening_sockets, route_request, running_fleet
+from tests.harness import engine_flags, listening_sockets, route_request, running_fleet
 
 PROMPT = [4080, 39, 72, 311, 464, 68] + list(range(600, 660))   # 66 tokens: 5 blocks of 16
 
@@ -36,9 +36,11 @@ def idle(fleet, *names) -> bool:
     return all(s.kv_blocks_used == 0 and s.kv_blocks_reserved == 0 for s in stats)
 
 
+@pytest.mark.real_model("the fleet's tokens equal the in-process engine's greedy tokens")
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_greedy_tokens_through_the_fleet_equal_the_engine(redis_url, tiny_model_dir, backend):
-    with running_fleet(redis_url, str(tiny_model_dir), "disagg", kv_backend=backend) as fleet:
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", kv_backend=backend,
+                       engine="real") as fleet:
         assert wait_until(lambda: serving(fleet), 10)
         chunks = list(fleet.generate(
             route_request(f"d-{backend}", PROMPT, 16, ignore_eos=True)))
@@ -51,7 +53,10 @@ def test_greedy_tokens_through_the_fleet_equal_the_engine(redis_url, tiny_model_
 
 @pytest.fixture(scope="module")
 def fleet(redis_url, tiny_model_dir):
-    with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=2, decode=2) as f:
+    # on the simulated core, 50 ms steps: a 3000-token prompt's 12 prefill chunks take a while,
+    # as on the tiny model, so a test can cancel during its prefill
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=2, decode=2,
+                       worker_args=engine_flags(64, step_ms=50)) as f:
         assert wait_until(lambda: serving(f) and len(f.workers) == 4, 10)
         yield f
 

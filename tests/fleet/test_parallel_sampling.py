@@ -16,6 +16,9 @@ from tests.harness import running_fleet, start_gateway
 PROMPT = ("Parallel samples share the prompt's KV blocks: the full blocks once, ref-counted, "
           "and each sample its own copy of the partial last block, copy on write.")
 IGNORE_EOS = {"ignore_eos": True}
+# one fleet per mode for all four tests: the first's claim (every greedy sample is the engine's
+# greedy text) needs the model
+pytestmark = pytest.mark.real_model("n greedy samples each equal the in-process engine's text")
 
 
 def fleet_idle(fleet, workers) -> bool:
@@ -34,7 +37,7 @@ def reference(tiny_model_dir):
 @pytest.fixture(scope="module", params=["disagg", "colocated"])
 def setup(request, redis_url, tiny_model_dir):
     mode = request.param
-    with running_fleet(redis_url, str(tiny_model_dir), mode) as fleet:
+    with running_fleet(redis_url, str(tiny_model_dir), mode, engine="real") as fleet:
         workers = ("prefill-0", "decode-0") if mode == "disagg" else ("mixed-0",)
         gw = start_gateway(fleet, str(tiny_model_dir))
         yield fleet, workers, openai.OpenAI(base_url=f"http://{gw.http}/v1", api_key="unused"), gw

@@ -14,12 +14,16 @@ from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from tests.harness import running_fleet, start_gateway
 
+# one fleet for both tests: its greedy-text claim needs the model (a second, simulated fleet for
+# the hang-up test would cost more than the real model's few decode steps)
+pytestmark = pytest.mark.real_model("the client's text equals the in-process engine's greedy text")
+
 PROMPT = "Disaggregated serving sends the prompt's KV from prefill to decode"
 
 
 @pytest.fixture(scope="module")
 def setup(redis_url, tiny_model_dir):
-    with running_fleet(redis_url, str(tiny_model_dir), "disagg") as fleet:
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", engine="real") as fleet:
         yield fleet, start_gateway(fleet, str(tiny_model_dir))
 
 

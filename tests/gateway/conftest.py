@@ -15,8 +15,11 @@ def configs(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def fleet(redis_url, tiny_model_dir, configs):
-    with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=0) as f:
-        f.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", configs[0]))
+    # the real model: test_rest and test_special_tokens compare its text with the in-process
+    # engine's; the package's other tests share this one fleet
+    with running_fleet(redis_url, str(tiny_model_dir), "colocated", decode=0, engine="real") as f:
+        f.worker("mixed-0", "mixed", str(tiny_model_dir), extra_args=("--config", configs[0]),
+                 engine="real")
         assert f.serving()
         yield f
 

@@ -7,6 +7,8 @@ import pytest
 from services.engine.sampling_params import SamplingParams
 from tests.gateway.gateway_helpers import events, sse_data
 
+pytestmark = pytest.mark.real_model("greedy output equals the in-process engine's")
+
 PROMPT = "The quick brown fox jumps over the lazy dog"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
 

@@ -127,6 +127,9 @@ def test_each_tenant_uses_its_own_key_and_unknown_tenants_fall_back():
     assert _headers(replace(cfg, api_key=None), "other") == {}
 
 
+# local_fleet runs the real model (FleetSetup.engine "real"): this test's claim needs its logprobs,
+# and the module's other tests share the fleet
+@pytest.mark.real_model("the fleet's logprobs score as the checkpoint's own")
 def test_the_quality_gate_passes_the_served_fleet_against_its_own_checkpoint(fleet, tiny_model_dir, tmp_path):
     """The URL path of `kvfleet eval quality`: the fleet (REST, echo + logprobs through the gateway)
     scores the same as the checkpoint run in-process."""

@@ -10,6 +10,7 @@ import signal
 import time
 
 import grpc
+import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -24,11 +25,12 @@ MAX_TOKENS = 6
 START_DEADLINE_S = 180.0
 
 
+@pytest.mark.real_model("tensor-parallel ranks answer with the unsharded engine's greedy tokens")
 def test_a_tp2_worker_with_an_fp8_cache_answers_like_tp1_and_fails_visibly_when_a_rank_dies(tiny_model_dir, tmp_path):
     with open(tmp_path / "worker.stderr", "w+") as stderr, worker_process(
             tiny_model_dir, "mixed", "--kv-cache-mib", "16", "--tensor-parallel", "2",
             "--kv-cache-dtype", "fp8", "--kv-cache-scales", "0.5,0.25", stderr=stderr,
-            ready_s=START_DEADLINE_S) as (worker, address):
+            ready_s=START_DEADLINE_S, engine="real") as (worker, address):
         pids = [worker.pid]
         core = _child(worker.pid, b"services.worker.engine_core")
         follower = _child(core, b"services.engine.tp_ranks")
