@@ -154,6 +154,13 @@ HIGH_TTFT = Row("High TTFT, healthy decode: prefill queue age and prompt backlog
     Panel("Queue vs prefill vs decode time", "p90 of each phase: high queue + prefill with a "
           "normal decode points at the prefill pool.",
           ((quantile(0.9, PHASE, "phase", CLS), "p90 {{phase}}"),), "s"),
+    Panel("TTFT prediction error", "The router's predicted TTFT against the measured one, "
+          "(predicted - actual) / actual: p50 of the signed error and p90 of its size, by class. "
+          "Far off: admission decides on a wrong picture of the queue.",
+          ((quantile(0.5, "kvfleet_ttft_prediction_relative_error", "traffic_class", CLS),
+            "p50 {{traffic_class}}"),
+           (quantile(0.9, "kvfleet_ttft_prediction_abs_relative_error", "traffic_class", CLS),
+            "p90 |error| {{traffic_class}}")), "percentunit"),
 ))
 
 SLOW_ITL = Row("Slow ITL: decode batch size and KV read volume", (
@@ -176,6 +183,10 @@ SLOW_ITL = Row("Slow ITL: decode batch size and KV read volume", (
             "{{worker}}"),), "percentunit"),
     Panel("Preemptions", "Sequences preempted per second (KV pressure in decode).",
           ((f"sum by (worker) ({rate('kvfleet_preemptions_total')})", "{{worker}}"),), "short"),
+    Panel("Held out of the decode batch", "Sequences decode protection keeps waiting because the "
+          "predicted step would pass their ITL target (decode: KV landed; mixed: queued).",
+          (("sum by (worker) (kvfleet_num_requests_waiting_for_decode_slot)", "{{worker}}"),),
+          "short"),
 ))
 
 LOW_UTIL = Row("Low utilization, long queues: scheduler gaps and routing imbalance", (
@@ -280,6 +291,12 @@ DISAGG = Board("kvfleet-disaggregation", "kvfleet: disaggregation",
               "unanswered. A steady rate: decode engines answer slower than reserve_s.",
               ((f"sum by (how) ({rate('kvfleet_reservations_abandoned_total')})",
                 "{{how}}"),), "short"),
+        Panel("Rejected registry records", "Worker and service records in Redis the routers "
+              "ignored per second, by kind and reason (unsigned, bad signature, an address "
+              "outside the allowed networks). Anything above 0: someone other than the fleet "
+              "writes to its Redis.",
+              ((f"sum by (kind, reason) ({rate('kvfleet_redis_records_rejected_total')})",
+                "{{kind}} {{reason}}"),), "short"),
     )),
     Row("Prefill and decode pools", (
         Panel("Busy fraction by role", "Mean engine busy seconds per second over a role's workers.",
