@@ -64,10 +64,9 @@ async def make_prompt_builder(client: httpx.AsyncClient, model: str, headers: di
     """`auto` takes `ids` where the target has /tokenize, else `text`."""
     words = corpus_text()
     if mode in ("auto", "ids"):
-        r = await client.post("/tokenize", headers=headers,
-                              json={"model": model, "prompt": " ".join(words), "add_special_tokens": False})
-        if r.status_code == 200 and r.json().get("tokens"):
-            return PromptBuilder("ids", corpus_ids=list(r.json()["tokens"]))
+        ids, r = await _tokenize_corpus(client, model, headers, words)
+        if ids:
+            return PromptBuilder("ids", corpus_ids=ids)
         if mode == "ids":
             raise RuntimeError(f"the target has no usable /tokenize (HTTP {r.status_code}: {r.text[:200]})")
     probe_words = 400
@@ -77,3 +76,27 @@ async def make_prompt_builder(client: httpx.AsyncClient, model: str, headers: di
         raise RuntimeError(f"calibration completion failed (HTTP {r.status_code}: {r.text[:200]})")
     return PromptBuilder("text", corpus_words=words,
                          tokens_per_word=r.json()["usage"]["prompt_tokens"] / probe_words)
+
+
+TOKENIZE_WORDS = 512       # words per /tokenize call: servers bound a call by the model's context
+
+
+async def _tokenize_corpus(client: httpx.AsyncClient, model: str, headers: dict[str, str],
+                           words: list[str]) -> tuple[list[int], httpx.Response | None]:
+    """The corpus's ids from the target's /tokenize, a piece at a time (a server refuses text
+    longer than its context allows, as kvfleet's gateway and vLLM do: a piece it refuses is
+    halved, down to 16 words). ([], the refusal) when the target has no usable /tokenize."""
+    ids: list[int] = []
+    step, at, r = TOKENIZE_WORDS, 0, None
+    while at < len(words):
+        piece = " ".join(words[at:at + step])
+        r = await client.post("/tokenize", headers=headers,
+                              json={"model": model, "prompt": piece, "add_special_tokens": False})
+        if r.status_code == 200 and r.json().get("tokens"):
+            ids += r.json()["tokens"]
+            at += step
+        elif r.status_code in (400, 413) and step > 16:
+            step //= 2
+        else:
+            return [], r
+    return ids, r
