@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from services.engine.admission import blocks_for_samples
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.predict import Prior, free_unreserved_blocks, predict
+from services.router.predict import (PATH_S, Prior, free_unreserved_blocks, prefill_rate,
+                                     queued_ahead)
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,13 @@ def cdiv(a: int, b: int) -> int:
 
 def prefill_cost(w: pb.WorkerStats, prompt_tokens: int, cached_tokens: int = 0,
                  prior: Prior = Prior()) -> float:
-    """Predicted seconds to the prompt's first token on `w`, its `cached_tokens` not recomputed."""
-    return predict(w, prompt_tokens, cached_tokens=cached_tokens, prior=prior).total_s
+    """The ranking's score of `w` for a prompt (DESIGN section 3: uncached prompt tokens plus the
+    tokens queued there), in seconds at the worker's drain rate. Token counts, not the fitted step
+    cost: a fit's fixed per-step term differs from worker to worker by measurement noise (and a
+    simulated engine's fixed step has no per-token term at all), which would hide the prefix a
+    worker holds. The admission decision prices the chosen worker with the full prediction."""
+    uncached = max(0, prompt_tokens - cached_tokens)
+    return PATH_S + (queued_ahead(w) + uncached) / prefill_rate(w, prior)
 
 
 def kv_blocks_needed(w: pb.WorkerStats, prompt_tokens: int, params: pb.SamplingParams) -> int:

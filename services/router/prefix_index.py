@@ -128,8 +128,10 @@ class FeedConfig:
 
 
 class KVEventFeed:
-    """The task that reads `{ns}kv-events` into a PrefixIndex, from the stream's end at start
-    (the workers' next snapshots fill it). A batch that does not decode is skipped, logged."""
+    """The task that reads `{ns}kv-events` into a PrefixIndex, from the stream's start (it is
+    capped: a few thousand small batches), so that a router started after the workers is synced
+    by their latest snapshots at once rather than at their next ones. A batch that does not
+    decode is skipped, logged."""
 
     def __init__(self, state: FleetState, index: PrefixIndex, config: FeedConfig = FeedConfig()):
         self.state, self.index, self.config = state, index, config
@@ -140,7 +142,7 @@ class KVEventFeed:
     async def read_once(self) -> int:
         """One read; returns the batches applied."""
         if self._after is None:
-            self._after = await self._redis.call(self.state.last_kv_events_id)
+            self._after = "0-0"
         rows = await self._redis.call(self.state.read_kv_events, self._after, self.config.count,
                                       self.config.block_ms)
         applied = 0

@@ -497,11 +497,6 @@ class FleetState:
                 out.append((entry_id.decode(), worker_id, payload))
         return out
 
-    async def last_kv_events_id(self) -> str:
-        """The newest batch's entry id ("0-0": none yet): where a new reader starts."""
-        rows = await self._raw.xrevrange(self._kv_events_key, count=1)
-        return rows[0][0].decode() if rows else "0-0"
-
     # --- gateway / router registry ---------------------------------------------------------------
     async def heartbeat_service(self, record: pb.ServiceRecord, ttl_s: float) -> None:
         """Publish a gateway's or router's record; it disappears ttl_s after the last heartbeat.

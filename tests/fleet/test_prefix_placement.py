@@ -69,6 +69,10 @@ class Stream:
 def test_a_second_turn_goes_to_the_worker_that_served_the_first(redis_url, tiny_model_dir):
     with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=2) as fleet:
         assert wait_until(lambda: serving_two_prefill(fleet), 60)
+        # both workers prefill once first, so that both are priced by what they measured rather
+        # than one by its measurements and the other by its prior (the tie ring alternates)
+        warm = {turn(fleet, f"warm-{i}", [4000 + i] * 40)[0] for i in range(6)}
+        assert warm == {"prefill-0", "prefill-1"}, warm
         for conversation in range(3):
             first = SYSTEM + [2000 + conversation] * 20
             served_first, answer = turn(fleet, f"c{conversation}-t1", first)
