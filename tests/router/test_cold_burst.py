@@ -17,11 +17,11 @@ from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.admission import AdmissionConfig
-from services.router.predict import Prior
+from services.router.predict import PATH_S, Prior
 from services.router.service import RouterServicer
 from services.state.fleet_state import FleetState
 
-PROMPT = list(range(500))               # 0.25 s at the prior's 2000 tokens/s
+PROMPT = list(range(480))               # 0.24 s at the prior's 2000 tokens/s
 COLD = pb.WorkerStats(worker_id="mixed-0", role="mixed", kv_blocks_total=10_000,
                       kv_blocks_free=10_000, block_size=16, max_model_len=4096,
                       grpc_address="127.0.0.1:1", model="tiny", kv_backend="local")
@@ -45,19 +45,20 @@ def test_a_cold_fleets_first_burst_is_admitted_only_as_far_as_the_prior_allows(r
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 router = pb_grpc.RouterStub(ch)
                 plans = []
-                for i in range(4):        # 0.25, 0.5, 0.75, 1.0 s: within the 1-s target
+                for i in range(4):        # 0.24 s more each (+ the hops): within the 1-s target
                     r = pb.WorkRequest(request_id=f"b{i}", traffic_class="interactive",
                                        prompt_token_ids=PROMPT,
                                        params=pb.SamplingParams(max_tokens=8))
                     plans.append(await router.Admit(r, timeout=30))
-                assert [round(p.predicted_ttft_s, 2) for p in plans] == [0.25, 0.5, 0.75, 1.0]
+                assert [round(p.predicted_ttft_s, 2) for p in plans] == [
+                    round(PATH_S + 0.24 * k, 2) for k in (1, 2, 3, 4)]
                 r = pb.WorkRequest(request_id="b4", traffic_class="interactive",
                                    prompt_token_ids=PROMPT, params=pb.SamplingParams(max_tokens=8))
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await router.Admit(r, timeout=30)
             st = status.of(e.value)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert st.message.startswith("queue: predicted TTFT 1.25 s vs target 1 s")
+            assert st.message.startswith(f"queue: predicted TTFT {PATH_S + 1.2:.3g} s vs target 1 s")
             assert "in the queue" in st.message                  # it waited before refusing
             depth = await servicer.queue.depth("interactive", time.time())
             assert depth.waiting == 0                             # and left the queue
