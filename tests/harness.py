@@ -531,3 +531,16 @@ class InProcessGateway:
         self._http.should_exit = True
         self._thread.join(10)
         self._loop.close()
+
+
+def engine_core_pid(worker_pid: int) -> int:
+    """The pid of the engine core process under a worker process."""
+    from services.cli.launcher import descendants  # noqa: PLC0415
+    for pid in descendants(worker_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"services.worker.engine_core" in f.read():
+                    return pid
+        except OSError:
+            continue                              # gone meanwhile
+    raise AssertionError(f"process {worker_pid} has no engine core")

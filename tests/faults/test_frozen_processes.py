@@ -20,13 +20,12 @@ from contextlib import contextmanager
 
 import grpc
 
-from services.cli.launcher import descendants
 from tests.waiting import wait_until
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
 from services.state.fleet_state import FleetState
-from tests.harness import Fleet, route_request, running_fleet
+from tests.harness import Fleet, engine_core_pid, route_request, running_fleet
 
 PROMPT = list(range(1, 25))
 START_S = 2.0                      # prefill_start_s in these fleets
@@ -45,14 +44,7 @@ def frozen(pid: int):
 
 def engine_core(fleet: Fleet, worker: str) -> int:
     """The pid of `worker`'s engine core process."""
-    for pid in descendants(fleet.launcher.children[worker].proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"services.worker.engine_core" in f.read():
-                    return pid
-        except OSError:
-            continue
-    raise AssertionError(f"{worker} has no engine core process")
+    return engine_core_pid(fleet.launcher.children[worker].proc.pid)
 
 
 def health(fleet: Fleet, worker: str) -> int:

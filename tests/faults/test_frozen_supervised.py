@@ -26,7 +26,7 @@ import pytest
 from services.cli.launcher import descendants, running
 from services.cli.up import Banner
 from tests.faults.fault_fleet import engine_config, stream_chat, supervised_fleet
-from tests.harness import holds_nothing, serves
+from tests.harness import engine_core_pid, holds_nothing, serves
 from tests.waiting import wait_until
 
 STALL_S = 2.0
@@ -58,17 +58,6 @@ def test_kill_9_of_kvfleet_up_leaves_no_process_and_no_port(redis_url, tiny_mode
             [pid for pid in tree if running(pid)]
         assert wait_until(lambda: not any(listening(a) for a in addresses), 15), \
             [a for a in addresses if listening(a)]
-
-
-def engine_core(pid: int) -> int:
-    for kid in descendants(pid):
-        try:
-            with open(f"/proc/{kid}/cmdline", "rb") as f:
-                if b"services.worker.engine_core" in f.read():
-                    return kid
-        except OSError:
-            continue
-    raise AssertionError(f"process {pid} has no engine core")
 
 
 def gateway_health(fleet) -> int:
@@ -118,7 +107,7 @@ def test_a_frozen_prefill_worker_is_routed_around_then_restarted(fleet):
 def test_a_frozen_decode_engine_core_is_seen_refused_fast_and_restarted(fleet):
     assert serves(fleet, 60) and gateway_health(fleet) == 200
     worker = fleet.pid("decode-0")
-    core = engine_core(worker)
+    core = engine_core_pid(worker)
     os.kill(core, signal.SIGSTOP)
     try:
         assert wait_until(lambda: gateway_health(fleet) == 503, STALL_S + 10)
