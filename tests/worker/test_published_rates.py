@@ -3,6 +3,8 @@ decode worker processes and a real redis-server; their first records in Redis ha
 prefill cost (their prior, nothing fitted yet) and the KV bytes a token."""
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 
 from tests.waiting import wait_until
@@ -20,8 +22,11 @@ def records(redis_url: str) -> dict:
     return asyncio.run(read())
 
 
+@pytest.mark.real_model("the real CPU engine's default prior and the tiny model's KV bytes per "
+                        "token (a simulated worker publishes its own step timer's prior)")
 def test_a_cold_workers_first_record_carries_its_prior(redis_url, tiny_model_dir):
-    with running_fleet(redis_url, str(tiny_model_dir), "disagg", routers=0) as fleet:
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", routers=0,
+                       engine="real") as fleet:
         assert wait_until(lambda: {"prefill-0", "decode-0"} <= records(fleet.redis_url).keys(), 60)
         first = records(fleet.redis_url)
     prefill = first["prefill-0"]

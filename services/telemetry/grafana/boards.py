@@ -295,7 +295,8 @@ DISAGG = Board("kvfleet-disaggregation", "kvfleet: disaggregation",
               "ignored per second, by kind and reason (unsigned, bad signature, an address "
               "outside the allowed networks). Anything above 0: someone other than the fleet "
               "writes to its Redis.",
-              ((f"sum by (kind, reason) ({rate('kvfleet_redis_records_rejected_total')})",
+              ((f"sum by (kind, reason) ({rate('kvfleet_redis_records_rejected_total')}) or "
+                f"sum({rate('kvfleet_admissions_total')}) * 0",
                 "{{kind}} {{reason}}"),), "short"),
     )),
     Row("Prefill and decode pools", (
