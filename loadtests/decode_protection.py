@@ -6,7 +6,7 @@ saw, the wait for a slot and the TTFTs.
     python -m loadtests.decode_protection [--chats 48] [--per-step 2] [--target 0.02]
                                           [--max-tokens 48]
 
-Numbers go to docs/benchmarks.md ("[A3] decode protection").
+Numbers go to docs/benchmarks.md, the section on decode protection measured in process.
 """
 from __future__ import annotations
 
