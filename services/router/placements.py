@@ -26,6 +26,7 @@ class PlacementLedger:
     def __init__(self, state: FleetState, redis: Outage) -> None:
         self._state, self._redis = state, redis
         self._own: dict[str, tuple[float, Placed]] = {}   # worker id -> (beat, placed since it)
+        self._fleet: dict[str, tuple[float, Placed]] = {}  # worker id -> (beat, last Redis read)
         self.turn = 0                                     # where ties start (placement.ring)
 
     def own(self, w: pb.WorkerStats) -> Placed:
@@ -39,10 +40,21 @@ class PlacementLedger:
                                           [(w.worker_id, w.updated_at_unix_s) for w in workers])
         except UNREACHABLE:
             rows = [(0, 0)] * len(workers)
-        out = {}
         for w, (blocks, streams) in zip(workers, rows):
+            self._fleet[w.worker_id] = (w.updated_at_unix_s, Placed(blocks, streams))
+        return self.now(workers)
+
+    def now(self, workers: Sequence[pb.WorkerStats]) -> dict[str, Placed]:
+        """Placed on each worker as this router knows it at this instant, without awaiting: the
+        last fleet read for that beat, and this router's own count as it is now. Admissions on one
+        event loop interleave at their awaits, so the final choice ranks with this just before
+        `add`, not with a `read` taken before other admissions placed."""
+        out = {}
+        for w in workers:
+            beat, fleet = self._fleet.get(w.worker_id, (None, NOTHING))
+            fleet = fleet if beat == w.updated_at_unix_s else NOTHING
             own = self.own(w)
-            out[w.worker_id] = Placed(max(blocks, own.blocks), max(streams, own.streams))
+            out[w.worker_id] = Placed(max(fleet.blocks, own.blocks), max(fleet.streams, own.streams))
         return out
 
     async def add(self, w: pb.WorkerStats, blocks: int) -> None:

@@ -424,6 +424,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                 return Miss("decode KV headroom", p, blocks, from_stats=True, detail=(
                     f"decode KV headroom is kept for critical tenants ({best.worker_id}: "
                     f"{free} blocks available, {blocks} needed)"))
+        # the final order, from the placement counts as they are now: other admissions on this
+        # loop may have placed since `read` above (no await between this and the count in add)
+        now = self.placements.now(ranked)
+        if self.mode == "colocated":
+            ranked = rank_mixed(ranked, blocks, now, self.placements.turn, cached)
+        else:
+            ranked = rank_decode(ranked, role, now, self.placements.turn)
         if self.mode == "colocated":
             plan = await self._colocated(request, ranked, p)
         else:
