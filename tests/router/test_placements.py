@@ -1,11 +1,13 @@
 """Two routers share what they placed since a worker's beat through Redis (real redis-server): each
 sees its own placements at once and its peer's on its next read; a newer beat starts from nothing; a
-placement taken back is gone for both; with Redis gone a router still counts its own."""
+placement taken back is gone for both; with Redis gone a router still counts its own; an admission that
+read the counts before another admission on the same router placed ranks with the counts as they are
+when it places, not as it read them."""
 from __future__ import annotations
 
 import logging
 
-from services.router.placement import Placed
+from services.router.placement import Placed, rank_decode
 from services.router.placements import PlacementLedger
 from services.state.fleet_state import FleetState
 from services.state.outage import Outage
@@ -46,3 +48,26 @@ def test_with_redis_gone_a_router_still_counts_its_own():
         assert await mine.read([beat]) == {"decode-0": Placed(blocks=5, streams=1)}
 
     run("redis://127.0.0.1:1/0", "kvfleet-test-gone:", scenario)
+
+
+def test_two_admissions_that_read_at_once_still_take_different_replicas(redis_url, redis_ns):
+    """Admissions on one event loop interleave at their awaits: both may read before either placed.
+    Ranked with what they read, both would take the same best replica (a 16-stream burst once split
+    12/4); ranked with `now()` just before placing, the second sees the first's placement."""
+    workers = [make_stats("decode-0"), make_stats("decode-1")]
+
+    async def scenario(state: FleetState):
+        router = ledger(state)
+        read_by_first = await router.read(workers)
+        read_by_second, turn_read = await router.read(workers), router.turn   # before any placed
+        first = rank_decode(workers, "decode", router.now(workers), router.turn)[0]
+        await router.add(first, 6)
+        second = rank_decode(workers, "decode", router.now(workers), router.turn)[0]
+        stale = rank_decode(workers, "decode", read_by_second, turn_read)[0]
+
+        assert read_by_first == read_by_second
+        assert {first.worker_id, second.worker_id} == {"decode-0", "decode-1"}
+        assert stale.worker_id == first.worker_id          # what the read alone would have chosen
+        assert router.now(workers)[first.worker_id] == Placed(blocks=6, streams=1)
+
+    run(redis_url, redis_ns, scenario)
