@@ -34,6 +34,8 @@ import uvicorn
 
 from services.protocol.shutdown import wait_for_stop_signal
 from services.protocol import fleet_token
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.standard_health import add_standard_health
 from services.protocol.timeouts import Timeouts
 from services.state.fleet_state import FleetState, LeaseTerms
 from services.state.service_heartbeat import beat_forever, service_record, stop_beating
@@ -100,9 +102,13 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
     job_leases = asyncio.create_task(jobs.maintain_forever())
 
     grpc_server = grpc.aio.server()
-    add_to_server(GatewayServicer(core), grpc_server)
+    gateway = GatewayServicer(core)
+    add_to_server(gateway, grpc_server)
+    probe = add_standard_health(grpc_server, pb.DESCRIPTOR.services_by_name["Gateway"].full_name,
+                                gateway.Health)
     grpc_port = grpc_server.add_insecure_port(host_port(config.host, config.grpc_port))
     await grpc_server.start()
+    probe.start()
 
     sock = bind(config.host, config.http_port)
     # proxy_headers off: no proxy is trusted, so X-Forwarded-* must not rewrite the client address
@@ -126,6 +132,7 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
              model.quality_version, config.router, quotas.holder, quotas.terms)
 
     await wait_for_stop_signal()
+    await probe.close()           # NOT_SERVING before anything stops
     http.should_exit = True
     job_leases.cancel()
     await jobs.close()            # their leases lapse now: another gateway resumes them

@@ -165,14 +165,20 @@ def configure(args: argparse.Namespace, service: str) -> FleetAuth:
 
 
 # ------------------------------------------------------------------------------- gRPC, server
+OPEN_PREFIX = "/grpc.health.v1.Health/"   # the standard health protocol: SERVING or not, no more
+
+
 class _Guard(grpc.aio.ServerInterceptor):
-    """Every call must carry the fleet token in its metadata, or ends UNAUTHENTICATED."""
+    """Every call but the standard health protocol's must carry the fleet token in its metadata,
+    or ends UNAUTHENTICATED."""
 
     def __init__(self, auth: FleetAuth) -> None:
         self._auth = auth
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
+        if details.method.startswith(OPEN_PREFIX):     # a probe carries no token
+            return handler
         presented = next((value for key, value in details.invocation_metadata or ()
                           if key == METADATA_KEY), None)
         refusal = self._auth.refusal(presented)

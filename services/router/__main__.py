@@ -25,6 +25,8 @@ import grpc
 
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.standard_health import add_standard_health
 
 from services.state.fleet_state import FleetState
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -56,8 +58,11 @@ async def serve(args: argparse.Namespace) -> int:
     metrics = exposition.serve(servicer.metrics.registry, args.metrics_port, args.host)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_RouterServicer_to_server(servicer, server)
+    probe = add_standard_health(server, pb.DESCRIPTOR.services_by_name["Router"].full_name,
+                                servicer.Health)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    probe.start()
     record = service_record(args.router_id, "router", f"{args.host}:{port}",
                             metrics.url if metrics else "")
     beat = asyncio.create_task(beat_forever(state, record, limits.heartbeat_s,
@@ -67,6 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"METRICS router {metrics.url}", flush=True)
     print(f"READY router {args.host}:{port}", flush=True)
     await wait_for_stop_signal()
+    await probe.close()           # NOT_SERVING before anything stops
     watch.cancel()
     if feed is not None:
         feed.cancel()

@@ -35,6 +35,7 @@ from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
+from services.protocol.standard_health import add_standard_health
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
@@ -291,8 +292,11 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     servicer = WorkerServicer(config, engine, transport, telemetry)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    probe = add_standard_health(server, pb.DESCRIPTOR.services_by_name["Worker"].full_name,
+                                servicer.Health)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    probe.start()
     address = f"{args.host}:{port}"
     state = FleetState(args.redis_url) if args.redis_url else None
     servicer.address = address
@@ -315,6 +319,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
         print(f"UCX {config.worker_id} {ucx}", flush=True)
     print(f"READY {config.worker_id} {address}", flush=True)
     await stopping
+    await probe.close()                # NOT_SERVING before anything stops
     failed = engine.failure is not None
     if failed:
         print(f"worker {config.worker_id}: {engine.failure}; exiting with status "
