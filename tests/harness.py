@@ -254,9 +254,9 @@ class Fleet:
         self.workers[name] = self.launcher.start(name, args)
         return self.workers[name]
 
-    def start_router(self, mode: str, name: str = "router") -> str:
+    def start_router(self, mode: str, name: str = "router", *extra: str) -> str:
         address = self.launcher.start(name, ["services.router", "--redis-url", self.redis_url,
-                                             "--mode", mode, "--router-id", name])
+                                             "--mode", mode, "--router-id", name, *extra])
         self.routers.append(address)
         return address
 
@@ -311,25 +311,28 @@ def token_channel(address: str, auth: FleetAuth) -> grpc.Channel:
 @contextmanager
 def running_fleet(redis_base_url: str, model: str, mode: str, prefill: int = 1, decode: int = 1,
                   kv_backend: str = "tcp", worker_args: tuple[str, ...] = (), routers: int = 1,
-                  engine: str | None = None):
+                  engine: str | None = None, hybrid_threshold_tokens: int = 0):
     """Yields a Fleet; always stops every process it started. `worker_args`: more flags for
-    every worker."""
+    every worker. mode "hybrid": one mixed worker besides the prefill and decode ones, and routers
+    splitting at `hybrid_threshold_tokens` (0: the router's default)."""
     launcher = Launcher()
     fleet = Fleet(launcher, f"{redis_base_url.rsplit('/', 1)[0]}/{next(_db) % 16}")
     import redis
     redis.Redis.from_url(fleet.redis_url).flushdb()
     try:
-        if mode == "colocated":
-            for i in range(decode):
+        if mode in ("colocated", "hybrid"):
+            for i in range(decode if mode == "colocated" else 1):
                 fleet.worker(f"mixed-{i}", "mixed", model, extra_args=worker_args,
                              engine=engine)
-        else:
+        if mode != "colocated":
             for i in range(prefill):
                 fleet.worker(f"prefill-{i}", "prefill", model, kv_backend, worker_args, engine)
             for i in range(decode):
                 fleet.worker(f"decode-{i}", "decode", model, kv_backend, worker_args, engine)
+        split = ("--hybrid-threshold-tokens", str(hybrid_threshold_tokens)) \
+            if mode == "hybrid" and hybrid_threshold_tokens else ()
         for i in range(routers):
-            fleet.start_router(mode, "router" if i == 0 else f"router-{i}")
+            fleet.start_router(mode, "router" if i == 0 else f"router-{i}", *split)
         yield fleet
     finally:
         fleet.close()

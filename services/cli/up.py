@@ -1,7 +1,8 @@
 """`kvfleet up`: the whole fleet on one host, as processes (DESIGN.md section 9, local).
 
   Redis      an embedded Redis-protocol server in this process, unless --redis-url names one
-  workers    --prefill N prefill + --decode M decode workers (disagg), or M mixed (colocated)
+  workers    --prefill N prefill + --decode M decode workers (disagg), M mixed (colocated), or
+             --mixed K mixed + N prefill + M decode (hybrid: short prompts co-located)
   routers    --routers N (default 1), router-0..N-1: they keep all state in Redis, so any decides
   gateway    OpenAI REST on --http-port and gRPC on --grpc-port; asks any of the routers
 
@@ -41,7 +42,9 @@ from services.cli import ports
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.health_watch import FleetProbe, HealthWatch
 from services.cli.supervisor import RestartPolicy, Supervisor
-from services.engine.config import KV_CACHE_MIB, add_engine_args, add_sim_args, sim_args
+from services.engine.config import (KV_CACHE_MIB, add_engine_args, add_sim_args, sim_args,
+                                    sim_config_from_args)
+from services.router.paths import DEFAULT_THRESHOLD_TOKENS, MODES
 from services.protocol import fleet_token, timeouts
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S, Timeouts
@@ -55,7 +58,16 @@ SUPERVISE_EVERY_S = 0.2   # how often children are checked (a dead one is seen t
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny (default), smollm2 (SmolLM2-135M-Instruct, "
                    "made into the cache on first use), or a checkpoint directory")
-    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--mode", choices=MODES, default="disagg",
+                   help="disagg (default), colocated, or hybrid: --mixed co-located workers serve "
+                        "prompts of at most --hybrid-threshold-tokens, --prefill and --decode "
+                        "workers the longer ones")
+    p.add_argument("--mixed", type=int, default=1, metavar="N",
+                   help="hybrid: co-located (mixed) workers; default 1")
+    p.add_argument("--hybrid-threshold-tokens", type=int, default=None, metavar="N",
+                   help="hybrid: the longest prompt served co-located (default: from the capacity "
+                        "model for an --engine sim target, else "
+                        f"{DEFAULT_THRESHOLD_TOKENS}, the gateway's document boundary)")
     p.add_argument("--fallback-model", default=None, metavar="DIR",
                    help="a second, smaller or quantized checkpoint served by the fallback pool "
                         "(overload stage S3 sends degradable classes there); it must have the "
@@ -107,8 +119,26 @@ def model_dir(model: str) -> str:
 
 
 def worker_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
+    if args.mode == "hybrid":
+        return [("mixed", args.mixed), ("prefill", args.prefill), ("decode", args.decode)]
     return ([("mixed", args.decode)] if args.mode == "colocated"
             else [("prefill", args.prefill), ("decode", args.decode)])
+
+
+def hybrid_threshold(args: argparse.Namespace) -> int:
+    """The routers' --hybrid-threshold-tokens: the operator's, else the capacity model's split for
+    a simulated target (services/planner/hybrid.py), else the gateway's document boundary."""
+    if getattr(args, "hybrid_threshold_tokens", None) is not None:
+        if args.hybrid_threshold_tokens < 1:
+            raise SystemExit("kvfleet up: --hybrid-threshold-tokens must be at least 1")
+        return args.hybrid_threshold_tokens
+    sim = sim_config_from_args(args)
+    if sim is None or sim.step_s is not None or sim.profile is not None:
+        return DEFAULT_THRESHOLD_TOKENS
+    from services.planner.capacity import CostModel  # noqa: PLC0415 - only for a sim target
+    from services.planner.hybrid import threshold_tokens  # noqa: PLC0415
+    return threshold_tokens(CostModel.for_target(model=sim.target_model, gpu=sim.gpu, tp=sim.tp,
+                                                 dtype=sim.dtype, kv_dtype=sim.kv_dtype))
 
 
 def fallback_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -116,7 +146,8 @@ def fallback_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
     if not getattr(args, "fallback_model", None):
         return []
     n = args.fallback_workers
-    return [("mixed", n)] if args.mode == "colocated" else [("prefill", n), ("decode", n)]
+    return ([("mixed", n)] if args.mode in ("colocated", "hybrid")     # hybrid: chats only
+            else [("prefill", n), ("decode", n)])
 
 
 def worker_threads(args: argparse.Namespace) -> int:
@@ -208,6 +239,8 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     routers = [f"router-{k}" for k in range(getattr(args, "routers", 1))]
     for name in routers:
         specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
+                       *(["--hybrid-threshold-tokens", str(hybrid_threshold(args))]
+                         if args.mode == "hybrid" else []),
                        "--router-id", name, "--placement", getattr(args, "placement", "prefix"),
                        *config, *limit_args, *ports.child_args(plan, name)]
     endpoints = launcher.start_many(specs)

@@ -1,4 +1,4 @@
-"""`python -m services.router --redis-url URL [--mode disagg|colocated] [--placement prefix|load]
+"""`python -m services.router --redis-url URL [--mode disagg|colocated|hybrid] [--placement prefix|load]
 [--port P] [--router-id ID] [--config ENGINE_YAML] [--metrics-port P] [--timeout-*-s S ...]
 [--fleet-token-file PATH | --insecure-internal]`.
 
@@ -31,6 +31,7 @@ from services.protocol.standard_health import add_standard_health
 from services.state.fleet_state import FleetState
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
+from services.router.paths import DEFAULT_THRESHOLD_TOKENS, MODES
 from services.router.prefix_index import KVEventFeed, PrefixIndex
 from services.engine.config import SchedulerConfig
 from services.engine.config_file import load_engine_config
@@ -52,7 +53,8 @@ async def serve(args: argparse.Namespace) -> int:
     state = FleetState(args.redis_url)
     index = PrefixIndex() if args.placement == "prefix" else None
     servicer = RouterServicer(state, args.mode, args.router_id, limits, prefix_index=index,
-                              policy=admission_config(args.config))
+                              policy=admission_config(args.config),
+                              hybrid_threshold_tokens=args.hybrid_threshold_tokens)
     servicer.start()
     feed = asyncio.create_task(KVEventFeed(state, index).run()) if index is not None else None
     metrics = exposition.serve(servicer.metrics.registry, args.metrics_port, args.host)
@@ -94,7 +96,12 @@ def admission_config(path: str | None) -> AdmissionConfig:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvfleet router")
     p.add_argument("--redis-url", required=True)
-    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--mode", choices=MODES, default="disagg",
+                   help="disagg, colocated, or hybrid: prompts of at most "
+                        "--hybrid-threshold-tokens co-located, longer ones disaggregated")
+    p.add_argument("--hybrid-threshold-tokens", type=int, default=DEFAULT_THRESHOLD_TOKENS,
+                   metavar="N", help="hybrid: the longest prompt served co-located (default "
+                   f"{DEFAULT_THRESHOLD_TOKENS}; `kvfleet up` sets it from the capacity model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--router-id", default="router")
@@ -106,7 +113,10 @@ def main(argv=None) -> int:
     exposition.add_args(p)
     timeouts.add_args(p)
     fleet_token.add_args(p)
-    return run(serve(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    if args.hybrid_threshold_tokens < 1:
+        p.error(f"--hybrid-threshold-tokens must be at least 1; got {args.hybrid_threshold_tokens}")
+    return run(serve(args))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from services.router.admission import AdmissionConfig
 from services.router.keeper import DecisionCounts, RecentPredictions, StageKeeper
 from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, rank_decode,
                                        rank_mixed, rank_prefill, room_after)
+from services.router.paths import DEFAULT_THRESHOLD_TOKENS, PATH_ROLES, Paths
 from services.router.placements import PlacementLedger
 from services.router.pools import choose_pool, in_pool, served_by
 from services.router.prefix_index import PrefixIndex
@@ -122,7 +123,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                  timeouts: Timeouts | None = None, auth: FleetAuth | None = None,
                  metrics: RouterMetrics | None = None,
                  prefix_index: PrefixIndex | None = None,
-                 policy: AdmissionConfig | None = None) -> None:
+                 policy: AdmissionConfig | None = None,
+                 hybrid_threshold_tokens: int = DEFAULT_THRESHOLD_TOKENS) -> None:
         self.state = state
         self.prefix_index = prefix_index  # None: placement by load alone (no prefix affinity)
         self.metrics = metrics or RouterMetrics()
@@ -133,6 +135,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._classes = TenantLabels(CLASS_LABELS)
         self.auth = auth              # what calls to workers present (None: this process's token)
         self.mode = mode
+        self.paths = Paths(mode, hybrid_threshold_tokens)   # which path serves each request
         self.router_id = router_id
         self.timeouts = timeouts or Timeouts()
         self.policy = policy or AdmissionConfig()
@@ -141,7 +144,6 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._refreshing: asyncio.Task | None = None
         self.redis = Outage("router worker list", log)
         self.placements = PlacementLedger(state, self.redis)
-        self._needed_roles = {"mixed"} if mode == "colocated" else {"prefill", "decode"}
         self.queue = WaitQueue(state.redis, state.ns)
         self.wakeups = Wakeups(self.queue, DrainRate())
         self.recent = RecentPredictions(self.policy.ttft_window_s)
@@ -187,7 +189,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         past that the request fails at once with UNAVAILABLE and a retry hint, never waiting on Redis (`self.redis` refuses until its backoff is over)."""
         at, workers = self._workers
         age = time.monotonic() - at
-        if age > WORKERS_MAX_AGE_S or not self._needed_roles <= {w.role for w in workers}:
+        if age > WORKERS_MAX_AGE_S or not self.paths.serving({w.role for w in workers}):
             try:
                 return await self._read_workers()
             except UNREACHABLE as e:
@@ -365,12 +367,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         if workers and span.is_recording():     # one model per fleet: any worker names it
             span.set_attribute(tracing.REQUEST_MODEL, workers[0].model)
         prompt = len(request.prompt_token_ids)
-        pool = choose_pool(workers, self.keeper.stage, request.degradable, self._needed_roles)
+        path = self.paths.path(prompt, {w.role for w in workers})   # colocated | disagg
+        pool = choose_pool(workers, self.keeper.stage, request.degradable, PATH_ROLES[path])
         workers = in_pool(workers, pool)          # one pool per request: KV layouts differ
-        role = "mixed" if self.mode == "colocated" else "decode"
+        role = "mixed" if path == "colocated" else "decode"
         decode = [w for w in workers if w.role == role]
         placed = await self.placements.read(decode)
-        if self.mode == "colocated":
+        if path == "colocated":
             cached = self._cached(request, decode)
             ranked = rank_mixed([w for w in decode if can_ever_hold(w, prompt, request.params)]
                                 or decode[:1], kv_blocks_needed(decode[0], prompt, request.params)
@@ -379,7 +382,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             ranked = self._decode_candidates(request, decode, placed, self.placements.turn, role)
         if not ranked:
             raise unhealthy(f"no healthy {role} worker")
-        if self.mode == "colocated":
+        if path == "colocated":
             prefill = ranked
         else:
             cached = self._cached(request, [w for w in workers if w.role == "prefill"])
@@ -393,7 +396,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                                     request.params.max_tokens, fallback_pool=pool != "primary")
         p = predict(self._with_placed(prefill[0]), prompt, traffic_class=cls.name,
                     cached_tokens=cached.get(prefill[0].worker_id, 0),
-                    kv_bytes=0 if self.mode == "colocated" else kv_bytes_of(prefill[0], prompt),
+                    kv_bytes=0 if path == "colocated" else kv_bytes_of(prefill[0], prompt),
                     decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior)
         if first and admission.best_case_s(p) <= cls.ttft_target_s:
             # load, not a hopeless prompt: a request whose own prefill breaks its target says
@@ -427,11 +430,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         # the final order, from the placement counts as they are now: other admissions on this
         # loop may have placed since `read` above (no await between this and the count in add)
         now = self.placements.now(ranked)
-        if self.mode == "colocated":
+        if path == "colocated":
             ranked = rank_mixed(ranked, blocks, now, self.placements.turn, cached)
         else:
             ranked = rank_decode(ranked, role, now, self.placements.turn)
-        if self.mode == "colocated":
+        if path == "colocated":
             plan = await self._colocated(request, ranked, p)
         else:
             plan = await self._disaggregated(request, prefill, ranked, p)
@@ -565,7 +568,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         except UNREACHABLE as e:
             return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
                                      detail=f"worker list unavailable: {e}")
-        ok = self._needed_roles <= {w.role for w in workers}
+        ok = self.paths.serving({w.role for w in workers})
         return pb.HealthResponse(
             status=pb.HealthResponse.SERVING if ok else pb.HealthResponse.NOT_SERVING,
             detail=f"{self.router_id}: {len(workers)} live workers: "
