@@ -56,7 +56,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", required=True,
                    help="a spec file, or a shipped one: chat-only, mixed, noisy-neighbor, "
                         "overload-ramp, azure-conv")
-    p.add_argument("--fleet", required=True, help="colocated:N | disagg:P:D (workers)")
+    p.add_argument("--fleet", required=True,
+                   help="colocated:N | disagg:P:D | hybrid:N:P:D (N mixed, P prefill, D decode)")
+    p.add_argument("--hybrid-threshold-tokens", type=int, default=0, metavar="N",
+                   help="hybrid: the longest prompt served co-located (default: the capacity "
+                        "model's split for the target, services/planner/hybrid.py)")
     p.add_argument("--model", default="tiny",
                    help="the served model: its tokenizer and config (vocab, context); no weights")
     t = p.add_argument_group("step times: a target's cost model (default) or a measured profile")
@@ -111,7 +115,10 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim_config_of(args), model=args.model,
-                           engine=EngineConfig(kv_cache_mib=args.kv_cache_mib))
+                           engine=EngineConfig(kv_cache_mib=args.kv_cache_mib),
+                           hybrid_threshold_tokens=args.hybrid_threshold_tokens)
+        if args.hybrid_threshold_tokens < 0:
+            raise ValueError("--hybrid-threshold-tokens must be >= 1 (0: the model's split)")
         outcome = simulate(spec, cfg)
     except (SpecError, ProfileError, ValueError, KeyError) as e:
         print(f"kvfleet sim run: {e}", file=sys.stderr)

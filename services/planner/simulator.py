@@ -43,6 +43,8 @@ from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
 from services.planner.step_time import StepTimer
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.planner.hybrid import threshold_tokens
+from services.router.paths import DEFAULT_THRESHOLD_TOKENS, Paths
 from services.router.placement import can_ever_hold, rank_decode, rank_prefill
 
 PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)   # as services/worker/serve.py
@@ -55,13 +57,14 @@ class SimError(ValueError):
 
 @dataclass(frozen=True)
 class Fleet:
-    mode: str                   # colocated | disagg
-    prefill: int                # disagg: prefill workers (colocated: 0)
-    decode: int                 # disagg: decode workers; colocated: mixed workers
+    mode: str                   # colocated | disagg | hybrid
+    prefill: int                # disagg, hybrid: prefill workers (colocated: 0)
+    decode: int                 # disagg, hybrid: decode workers; colocated: mixed workers
+    mixed: int = 0              # hybrid: mixed workers (short prompts, services/router/paths.py)
 
     @classmethod
     def parse(cls, text: str) -> "Fleet":
-        """colocated:N or disagg:P:D."""
+        """colocated:N, disagg:P:D or hybrid:N:P:D."""
         parts = text.split(":")
         try:
             counts = [int(x) for x in parts[1:]]
@@ -71,14 +74,19 @@ class Fleet:
             return cls("colocated", 0, counts[0])
         if parts[0] == "disagg" and len(counts) == 2 and min(counts) >= 1:
             return cls("disagg", counts[0], counts[1])
-        raise SimError(f"fleet {text!r}: expected colocated:N or disagg:P:D with counts >= 1")
+        if parts[0] == "hybrid" and len(counts) == 3 and min(counts) >= 1:
+            return cls("hybrid", counts[1], counts[2], mixed=counts[0])
+        raise SimError(f"fleet {text!r}: expected colocated:N, disagg:P:D or hybrid:N:P:D with "
+                       "counts >= 1")
 
     def roles(self) -> list[str]:
         if self.mode == "colocated":
             return ["mixed"] * self.decode
-        return ["prefill"] * self.prefill + ["decode"] * self.decode
+        return ["mixed"] * self.mixed + ["prefill"] * self.prefill + ["decode"] * self.decode
 
     def __str__(self) -> str:
+        if self.mode == "hybrid":
+            return f"hybrid:{self.mixed}:{self.prefill}:{self.decode}"
         return (f"colocated:{self.decode}" if self.mode == "colocated"
                 else f"disagg:{self.prefill}:{self.decode}")
 
@@ -90,6 +98,9 @@ class SimRunConfig:
     model: str = "tiny"                  # the served model: its tokenizer and config (no weights)
     # scheduler and KV settings; kv_cache_mib: the workers' default (a profile's KV capacity)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # hybrid: the longest prompt served co-located (0: the capacity model's split for a target,
+    # else the router's default; services/planner/hybrid.py)
+    hybrid_threshold_tokens: int = 0
 
 
 class VirtualClock:
@@ -149,6 +160,8 @@ class Simulation:
         self.end_s = 0.0
         self.steps = 0
         self.turn = 0            # where placement ties start; turned once a placement (the router's)
+        self.paths = Paths(cfg.fleet.mode, hybrid_threshold(cfg))   # the router's path choice
+        self.roles = set(cfg.fleet.roles())
 
     # ------------------------------------------------------------------ setup
     def _engine(self, role: str):
@@ -190,7 +203,7 @@ class Simulation:
         # as the load tester sends: greedy, ignore_eos, max_tokens as planned
         params = SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
         track = self.tracks[rid] = _Track(rec, p, prompt, params)
-        if self.cfg.fleet.mode == "colocated":
+        if self.paths.path(len(prompt), self.roles) == "colocated":
             self._place_colocated(rid, track)
         else:
             self._place_disagg(rid, track)
@@ -401,6 +414,19 @@ def simulate(spec: WorkloadSpec, cfg: SimRunConfig) -> SimOutcome:
     t2 = time.perf_counter()
     run.meta["target"] = target_meta(sim_cfg.sim)    # meta holds no wall time: same seed, same file
     return SimOutcome(run, wall_s=t2 - t0, setup_s=t1 - t0, simulated_s=sim.end_s, steps=sim.steps)
+
+
+def hybrid_threshold(cfg: SimRunConfig) -> int:
+    """The hybrid split: the configured one, else the capacity model's for a target (a profile or
+    a fixed step has no target: the router's default)."""
+    if cfg.hybrid_threshold_tokens:
+        return cfg.hybrid_threshold_tokens
+    sim = cfg.sim
+    if sim.step_s is not None or sim.profile is not None:
+        return DEFAULT_THRESHOLD_TOKENS
+    from services.planner.capacity import CostModel  # noqa: PLC0415
+    return threshold_tokens(CostModel.for_target(model=sim.target_model, gpu=sim.gpu, tp=sim.tp,
+                                                 dtype=sim.dtype, kv_dtype=sim.kv_dtype))
 
 
 def timing_of(cfg: SimRunConfig) -> tuple[StepTimer, Callable[[int], float]]:

@@ -116,8 +116,10 @@ def test_the_summary_has_the_bench_keys_and_bench_compare_reads_it(tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--fleet", "colocated:0"], "colocated:N or disagg:P:D"),
-    (["--fleet", "disagg:2"], "colocated:N or disagg:P:D"),
+    (["--fleet", "colocated:0"], "colocated:N, disagg:P:D or hybrid:N:P:D"),
+    (["--fleet", "disagg:2"], "colocated:N, disagg:P:D or hybrid:N:P:D"),
+    (["--fleet", "hybrid:1:1"], "colocated:N, disagg:P:D or hybrid:N:P:D"),
+    (["--fleet", "hybrid:1:1:1", "--hybrid-threshold-tokens", "-5"], "--hybrid-threshold-tokens"),
     (["--fleet", "colocated:1", "--sim-profile", "missing.json"], "cannot read step profile"),
     (["--fleet", "colocated:1", "--sim-gpu", "h9000"], "h9000"),
     (["--fleet", "colocated:1", "--sim-network-gbps", "0"], "network_gbps"),
@@ -128,11 +130,32 @@ def test_bad_arguments_are_clear_errors(args, says):
     assert says in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_fleet_spec_reads_both_modes():
+def test_a_fleet_spec_reads_the_three_modes():
     assert Fleet.parse("colocated:3").roles() == ["mixed"] * 3
     assert Fleet.parse("disagg:1:2").roles() == ["prefill", "decode", "decode"]
+    assert Fleet.parse("hybrid:2:1:1").roles() == ["mixed", "mixed", "prefill", "decode"]
+    assert str(Fleet.parse("hybrid:2:1:1")) == "hybrid:2:1:1"
     with pytest.raises(SimError):
         Fleet.parse("hybrid:1")
+
+
+def test_a_hybrid_fleet_serves_short_prompts_co_located_and_long_ones_disaggregated():
+    from services.planner.simulator import Simulation, timing_of
+    spec = load_workload("mixed").with_overrides(duration_s=6.0)
+    cfg = replace(config("hybrid:1:1:1"), hybrid_threshold_tokens=50)
+    sim = Simulation(spec, cfg, *timing_of(cfg))
+    run = sim.run()
+    roles = {t.record.prompt_tokens: {sim.workers[t.prefill_worker].role,
+                                       sim.workers[t.decode_worker].role}
+             for t in sim.tracks.values() if t.record.ok}
+    assert all(r.ok for r in run.records)
+    short = {n for n in roles if n <= 50}
+    long = set(roles) - short
+    assert short and long
+    assert all(roles[n] == {"mixed"} for n in short)
+    assert all(roles[n] == {"prefill", "decode"} for n in long)
+    moved = {r.prompt_tokens: r.timing["transfer_s"] for r in run.records}
+    assert all(moved[n] == 0.0 for n in short) and all(moved[n] > 0.0 for n in long)
 
 
 def test_a_measured_profile_drives_the_steps(tmp_path):
