@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(ssub, "kvfleet sim run", "a workload through a simulated fleet on a virtual clock "
               "(the real scheduler and router placement, modelled step times): the bench's "
               "report", "services.cli.sim_cmd:add_run_args", "services.cli.sim_cmd:run_sim")
+    _delegate(ssub, "kvfleet sim study", "fleets of the same GPUs (co-located, disaggregated, "
+              "hybrid) swept past their knee on the simulator: goodput at SLO per GPU and a plot",
+              "services.cli.sim_cmd:add_study_args", "services.cli.sim_cmd:run_study")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)

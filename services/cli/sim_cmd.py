@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from services.engine.config import KV_CACHE_MIB
 
@@ -140,4 +141,59 @@ def run_sim(args: argparse.Namespace) -> int:
     overall = summary["overall"]
     print(f"\ngoodput {overall['goodput_rps']:.2f} req/s, {overall['output_tokens_per_s']:.0f} "
           f"output tok/s, errors {overall['errors']}, rejected {overall['rejected']}")
+    return 0
+
+
+def add_study_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True, help="a spec file or a shipped workload")
+    p.add_argument("--prompt-scale", type=float, default=1.0,
+                   help="the workload's prompt scale (1.0: the seed's real lengths; the shipped "
+                        "specs scale prompts down for a CPU)")
+    p.add_argument("--replicas", type=int, default=4,
+                   help="workers per setup (each one replica of --sim-tp GPUs); default 4")
+    p.add_argument("--fleets", default=None,
+                   help="comma-separated setups (default: co-located, every disaggregated "
+                        "split and a hybrid of --replicas workers)")
+    p.add_argument("--rates", default="0.5,1,2,4,8,16", help="rate scales to sweep, ascending")
+    p.add_argument("--gbps", default="3200,400,14.4",
+                   help="KV transfer bandwidths to sweep, Gbit/s (8 x 400, 1 x 400, 1.8 GB/s)")
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--sim-model", "llama-3-70b"), ("--sim-gpu", "h200"),
+                          ("--sim-dtype", "fp8")):
+        p.add_argument(flag, default=default)
+    p.add_argument("--sim-tp", type=int, default=4)
+    p.add_argument("--out", default="docs/capacity/study", help="folder for study.json, goodput.png")
+
+
+def run_study(args: argparse.Namespace) -> int:
+    from dataclasses import replace  # noqa: PLC0415
+
+    from loadtests.distributions import SpecError  # noqa: PLC0415
+    from loadtests.workload import load_workload  # noqa: PLC0415
+    from services.engine.config import SimConfig  # noqa: PLC0415
+    from services.planner import study  # noqa: PLC0415
+    try:
+        spec = load_workload(args.workload).with_overrides(seed=args.seed, duration_s=args.duration)
+        spec = replace(spec, scale=replace(spec.scale, prompt=args.prompt_scale))
+        rates = sorted(float(x) for x in args.rates.split(","))
+        gbps = [float(x) for x in args.gbps.split(",")]
+        if args.replicas < 2 or min(rates) <= 0 or min(gbps) <= 0:
+            raise ValueError("--replicas must be >= 2, rates and bandwidths > 0")
+        fleets = args.fleets.split(",") if args.fleets else study.setups(args.replicas)
+        sim = SimConfig(target_model=args.sim_model, gpu=args.sim_gpu, tp=args.sim_tp,
+                        dtype=args.sim_dtype)
+        points = study.sweep(spec, sim, fleets, rates, gbps, progress=lambda p: print(
+            f"{p.setup:16s} {p.gbps:7g} Gb/s x{p.rate_scale:<5g} offered {p.offered_rps:7.2f} "
+            f"goodput {p.goodput_rps:7.2f} req/s attainment {p.attainment:6.1%} "
+            f"TTFT p99 {p.ttft_p99_s:7.3f} s ITL p99 {p.itl_p99_s * 1000:6.1f} ms",
+            file=sys.stderr, flush=True))
+    except (SpecError, ValueError, KeyError) as e:
+        print(f"kvfleet sim study: {e}", file=sys.stderr)
+        return 2
+    table = study.write(points, spec, sim, Path(args.out))
+    for k in table["knees"]:
+        print(f"{k['setup']:16s} {k['gbps']:7g} Gb/s  knee x{k['knee_rate_scale']}  goodput "
+              f"{k['goodput_rps']:.2f} req/s = {k['goodput_rps_per_gpu']:.3f} per GPU "
+              f"({k['gpus']} GPUs)")
     return 0
