@@ -163,6 +163,8 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
                           ("--sim-dtype", "fp8")):
         p.add_argument(flag, default=default)
     p.add_argument("--sim-tp", type=int, default=4)
+    p.add_argument("--sim-kv-tokens", type=int, default=None, metavar="N",
+                   help="KV capacity per worker in tokens (default: the target's)")
     p.add_argument("--out", default="docs/capacity/study", help="folder for study.json, goodput.png")
 
 
@@ -182,7 +184,7 @@ def run_study(args: argparse.Namespace) -> int:
             raise ValueError("--replicas must be >= 2, rates and bandwidths > 0")
         fleets = args.fleets.split(",") if args.fleets else study.setups(args.replicas)
         sim = SimConfig(target_model=args.sim_model, gpu=args.sim_gpu, tp=args.sim_tp,
-                        dtype=args.sim_dtype)
+                        dtype=args.sim_dtype, kv_tokens=args.sim_kv_tokens)
         points = study.sweep(spec, sim, fleets, rates, gbps, progress=lambda p: print(
             f"{p.setup:16s} {p.gbps:7g} Gb/s x{p.rate_scale:<5g} offered {p.offered_rps:7.2f} "
             f"goodput {p.goodput_rps:7.2f} req/s attainment {p.attainment:6.1%} "

@@ -35,7 +35,7 @@ def kvfleet(*args: str) -> subprocess.CompletedProcess:
 
 def test_a_small_study_writes_its_table_and_plot(tmp_path):
     done = kvfleet("--workload", "chat-only", "--replicas", "2", "--rates", "1,2", "--gbps", "400",
-                   "--duration", "1", "--out", str(tmp_path))
+                   "--duration", "1", "--sim-kv-tokens", "200000", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     study = json.loads((tmp_path / "study.json").read_text())
     assert {k["setup"] for k in study["knees"]} == {"colocated:2", "disagg:1:1"}
