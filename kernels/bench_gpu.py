@@ -16,7 +16,7 @@ e2e      ModelRunner on a checkpoint (`kvfleet make-tiny-model` with ~1B-paramet
          kernels/gpu_check.sh), bf16, both backends: prefill every prompt (chunks under a token
          budget), then greedy decode steps (argmax each step, as a sampler would sync).
          tokens/s of the runner loop: prepare_inputs + forward + argmax; the engine's scheduler,
-         sampler and detokenizer are not in it (LLMEngine keeps its model on the CPU).
+         sampler and detokenizer are not in it (the engine on the device: kernels/gpu_run.py).
 """
 from __future__ import annotations
 
