@@ -39,6 +39,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -85,17 +86,34 @@ class Run:
         t0 = time.monotonic()
         log = self.out / f"{name.replace(':', '_')}.log"
         with open(log, "w") as f:
-            try:
-                rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env={**os.environ, **(env or {})}, timeout=limit).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            rc = run_bounded(argv, f, {**os.environ, **(env or {})}, limit)
         self.steps.append({"step": name, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
                            "limit_s": round(limit)})
         return rc == 0
 
     def skip(self, name: str, why: str) -> None:
         self.steps.append({"step": name, "skipped": why})
+
+
+def run_bounded(argv: list[str], log, env: dict, limit_s: float) -> int | str:
+    """argv in its own process group; past limit_s the whole group is stopped (SIGTERM, then
+    SIGKILL): a serve step's `kvfleet up` is never left running. -> its exit status or "timeout"."""
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return "timeout"
 
 
 def environment() -> dict:
@@ -150,13 +168,13 @@ def load(path: Path) -> dict | None:
 def kernels_on_cuda(run: Run, py: str) -> dict:
     """Kernel tests compiled on the GPU, decode bandwidth and prefill TFLOP/s."""
     out = run.out
-    run.step("kernel_tests", 170, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
+    run.step("kernel_tests", 120, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
                                    "--ignore=tests/kernels/test_backend_flags.py",
                                    f"--junitxml={out / 'junit.xml'}"],
              env={"KVFLEET_KERNELS_ON_GPU": "1"})
-    run.step("bench_decode", 60, [py, "-m", "kernels.bench_gpu", "--sections", "decode",
+    run.step("bench_decode", 50, [py, "-m", "kernels.bench_gpu", "--sections", "decode",
                                   "--out", str(out / "bench_decode.json")])
-    run.step("bench_prefill", 40, [py, "-m", "kernels.bench_gpu", "--sections", "prefill",
+    run.step("bench_prefill", 30, [py, "-m", "kernels.bench_gpu", "--sections", "prefill",
                                    "--out", str(out / "bench_prefill.json")])
     decode, prefill = load(out / "bench_decode.json") or {}, load(out / "bench_prefill.json") or {}
     return {"tests": junit_counts(out / "junit.xml"),
@@ -179,7 +197,7 @@ def models_for(args: argparse.Namespace, run: Run, py: str) -> dict[str, str]:
                  "in the cache); its 94 MiB GGUF is over the 64 MiB that travels with the run")
     llama = Path(args.model_dir)
     if (llama / "config.json").is_file() or run.step(
-            "make:llama-1b", 150, [py, "-m", "services.cli.cli", "make-tiny-model", str(llama),
+            "make:llama-1b", 120, [py, "-m", "services.cli.cli", "make-tiny-model", str(llama),
                                    *LLAMA_1B]):
         models["llama-1b"] = str(llama)
     return models

@@ -101,15 +101,28 @@ def engine_phase(model: str, device: str, prompts, ref: dict, sizes: Sizes, voca
     engine = make_engine(model, device, sizes)
     tokens = [list(o.token_ids) for o in greedy(engine, prompts, sizes.greedy_tokens)]
     burst = prompt_ids(sizes.chats, sizes.chat_tokens, vocab, seed=1)
-    greedy(engine, burst[:2], 2)                               # warm-up (CUDA: kernels, graphs)
+    greedy(engine, burst[:2], 2)                               # warm-up (CUDA: Triton compiles its kernels)
     started = time.perf_counter()
     outs = greedy(engine, burst, sizes.output_tokens)
     wall = time.perf_counter() - started
     tokens_out = sum(len(o.token_ids) for o in outs)
-    return {"greedy": compare(ref, tokens), "device": str(engine.kv_cache.device),
-            "attention_backend": type(engine.executor.runner.backend).__name__,
+    device_name = str(engine.kv_cache.device)
+    backend = type(engine.executor.runner.backend).__name__
+    engine.close()
+    del engine
+    free_device_memory()             # the fleets that follow get the GPU's memory
+    return {"greedy": compare(ref, tokens), "device": device_name, "attention_backend": backend,
             "burst": {"chats": sizes.chats, "output_tokens_per_s": round(tokens_out / wall, 1),
                       "wall_s": round(wall, 2)}}
+
+
+def free_device_memory() -> None:
+    import gc  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def fleet_phase(model: str, device: str, mode: str, prompts, ref: dict, sizes: Sizes,

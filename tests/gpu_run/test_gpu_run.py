@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.waiting import wait_until
+
 pytestmark = pytest.mark.real_model("the claim is that the device engine's and the fleets' greedy "
                                     "tokens equal the CPU engine's")
 
@@ -66,3 +68,31 @@ def test_the_wheels_it_needs_are_listed_with_how_to_fetch_them():
     assert {"grpcio", "msgspec", "pyzmq", "openai"} <= set(doc["distributions"])
     assert doc["missing_here"] == []            # this venv has the fleet
     assert doc["fetch"].startswith("pip download ") and "torch" not in doc["fetch"].split()
+
+
+def test_a_step_past_its_limit_is_stopped_with_everything_it_started(tmp_path):
+    from kernels.gpu_run import Run
+    run = Run(tmp_path, budget_s=60)
+    pidfile = tmp_path / "grandchild.pid"
+    assert not run.step("slow", 1.0, ["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"],
+                        min_s=0.5)
+    assert run.steps[-1]["rc"] == "timeout"
+    grandchild = int(pidfile.read_text())
+    assert wait_until(lambda: not running(grandchild), timeout_s=10)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan waits for whoever reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_step_that_does_not_fit_the_budget_is_skipped_not_started(tmp_path):
+    from kernels.gpu_run import Run
+    run = Run(tmp_path, budget_s=3)
+    assert not run.step("late", 100, ["sh", "-c", f"touch {tmp_path / 'ran'}"], min_s=5)
+    assert run.steps == [{"step": "late", "skipped": "3 s left of the budget"}]
+    assert not (tmp_path / "ran").exists()
