@@ -255,7 +255,7 @@ def check_keys(args: argparse.Namespace) -> None:
 
 
 def check_device(args: argparse.Namespace) -> None:
-    """--device cuda without CUDA: one line and exit 2 here, not a failure in every worker."""
+    """--device cuda without CUDA: one line and exit here, not a failure in every worker."""
     if getattr(args, "device", None) not in (None, "auto", "cpu"):
         from services.engine.device import check_device as check  # noqa: PLC0415 (imports torch)
         check(args.device, "kvfleet up")

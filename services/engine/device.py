@@ -41,16 +41,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def check_device(name: str | None, prog: str) -> None:
-    """A CLI's start-up check: exits 2 with one line (no traceback) when `name` cannot run here."""
+    """A CLI's start-up check: exits (status 1) with one line, no traceback, when `name` cannot
+    run here."""
     if name is None:
         return
     try:
         resolve_device(name)
     except ValueError as e:
         raise SystemExit(f"{prog}: {e}") from None
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on the CPU, whose ops are synchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
