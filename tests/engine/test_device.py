@@ -36,6 +36,16 @@ def test_the_engine_puts_its_model_and_kv_cache_on_its_device(tiny_model_dir):
     assert type(engine.executor.runner.backend).__name__ == "TorchAttentionBackend"   # auto on CPU
 
 
+def test_auto_attention_follows_the_engines_device():
+    """The engine's runner picks its backend from where its model is: Triton for a model on CUDA
+    (a served engine's too, since the core builds the same ModelExecutor), torch on the CPU."""
+    from services.engine.model.runner import make_attention_backend
+    assert type(make_attention_backend("auto", 8, torch.device("cuda", 0))).__name__ == \
+        "TritonAttentionBackend"
+    assert type(make_attention_backend("auto", 8, torch.device("cpu"))).__name__ == \
+        "TorchAttentionBackend"
+
+
 def test_the_flag_reaches_the_engine_config_through_serve_and_up_and_the_wire():
     from services.cli.up import add_up_args
     from services.worker.serve import add_worker_args, engine_config_for
