@@ -4,7 +4,8 @@
     TRITON_INTERPRET=1 python -m kernels.bench_gpu --toy --out toy.json     (CPU smoke run, seconds)
 
 decode   paged_decode_attention alone over bf16 (and fp8) caches, batch 32-128 x context 8K-32K,
-         Llama-3-8B attention shape (32 query / 8 KV heads, d 128, block 16, shuffled block ids).
+         plus batch 64 x 2K (the benchmark's point), Llama-3-8B attention shape (32 query / 8 KV
+         heads, d 128, block 16, shuffled block ids).
          achieved bandwidth = bytes of K/V read (context x kv_heads x d x 2 x itemsize) / time,
          reported against H200's 4.8 TB/s (target: >= 0.7).
 prefill  chunked_prefill_attention alone: chunks at context offsets, useful FLOPs
@@ -15,7 +16,7 @@ e2e      ModelRunner on a checkpoint (`kvfleet make-tiny-model` with ~1B-paramet
          kernels/gpu_check.sh), bf16, both backends: prefill every prompt (chunks under a token
          budget), then greedy decode steps (argmax each step, as a sampler would sync).
          tokens/s of the runner loop: prepare_inputs + forward + argmax; the engine's scheduler,
-         sampler and detokenizer are not in it (LLMEngine keeps its model on the CPU).
+         sampler and detokenizer are not in it (the engine on the device: kernels/gpu_run.py).
 """
 from __future__ import annotations
 
@@ -193,11 +194,15 @@ def run(args: argparse.Namespace) -> dict:
     except ImportError:
         pass
     if "decode" in sections:
-        grid = [(2, 40)] if args.toy else [(b, c) for b in (32, 64, 128) for c in (8192, 16384, 32768)]
+        grid = [(2, 40)] if args.toy else [(64, 2048)] + [(b, c) for b in (32, 64, 128)
+                                                         for c in (8192, 16384, 32768)]
         doc["decode"] = [bench_decode(b, c, shape, torch.bfloat16, device, iters) for b, c in grid]
+        # the benchmark's target point (docs/benchmarks.md): batch 64 x 2K context, bf16 cache
+        doc["decode_fraction_64x2k"] = doc["decode"][0]["fraction_of_h200"]
         fp8 = [(2, 40)] if args.toy else [(64, 16384), (128, 32768)]
         doc["decode_fp8"] = [bench_decode(b, c, shape, torch.float8_e4m3fn, device, iters) for b, c in fp8]
-        doc["decode_min_fraction_8k_32k"] = min(r["fraction_of_h200"] for r in doc["decode"])
+        doc["decode_min_fraction_8k_32k"] = min(r["fraction_of_h200"] for r in doc["decode"][1:]
+                                                or doc["decode"])
     if "prefill" in sections:
         grid = [(1, 8, 4)] if args.toy else [(4, 2048, 0), (4, 2048, 8192), (16, 512, 16384), (1, 8192, 0)]
         doc["prefill"] = [bench_prefill(n, c, o, shape, device, iters) for n, c, o in grid]

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.config import add_engine_args  # torch-free
+from services.engine.config import add_device_arg, add_engine_args  # torch-free
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -178,12 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--model", default="tiny")
     be.add_argument("--json", action="store_true")
     be.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    add_device_arg(be)
     be.set_defaults(func=_lazy("services.cli.engine_bench", "run_bench"))
     bf = bsub.add_parser("fleet", help="what the fleet adds over the in-process engine")
     bf.add_argument("--model", default="tiny")
     bf.add_argument("--mode", choices=["disagg", "colocated"], default="colocated")
     bf.add_argument("--kv-backend", choices=["tcp", "nixl"], default="tcp")
     bf.add_argument("--repeats", type=int, default=40, help="lone requests per side for TTFT")
+    add_device_arg(bf, "both sides'")
     bf.add_argument("--json", action="store_true",
                     help="one JSON object: added_ttft_ms, added_per_token_ms, fleet_tok_s, "
                          "engine_tok_s, then both sides")

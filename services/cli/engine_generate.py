@@ -46,6 +46,7 @@ def to_json(out: CompletionOutput, top_n: int, echo: bool) -> dict:
 def run_generate(args: argparse.Namespace) -> int:
     cfg = load_engine_config(args.config) if args.config else EngineConfig()
     cfg = replace(cfg, model=args.model or cfg.model, dtype=args.dtype or cfg.dtype,
+                  device=getattr(args, "device", None) or cfg.device,
                   attention_backend=getattr(args, "attention_backend", None) or cfg.attention_backend,
                   tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size,
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or cfg.kv_cache_dtype,
@@ -53,7 +54,8 @@ def run_generate(args: argparse.Namespace) -> int:
                   logprobs_mode=getattr(args, "logprobs_mode", None) or cfg.logprobs_mode)
     try:
         engine = LLMEngine(cfg)
-    except ValueError as e:            # a config the model cannot take (e.g. an indivisible TP size)
+    except ValueError as e:            # a config the model cannot take (e.g. an indivisible TP
+        # size), or --device cuda without CUDA (services/engine/device.py: DeviceUnavailable)
         print(f"kvfleet generate: {e}", file=sys.stderr)
         return 2
     try:

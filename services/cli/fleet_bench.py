@@ -158,9 +158,10 @@ def up_args(args: argparse.Namespace, config: str) -> argparse.Namespace:
     from services.cli.up import add_up_args
     parser = argparse.ArgumentParser(prog="kvfleet up")
     add_up_args(parser)
+    device = ["--device", args.device] if getattr(args, "device", None) else []
     return parser.parse_args(["--model", args.model, "--mode", args.mode, "--kv-backend",
                               args.kv_backend, "--http-port", "0", "--grpc-port", "0",
-                              "--config", config])
+                              "--config", config, *device])
 
 
 def write_config() -> str:
@@ -169,14 +170,14 @@ def write_config() -> str:
     return str(path)
 
 
-def bench_engine(model: str, threads: int):
+def bench_engine(model: str, threads: int, device: str = "auto"):
     """The in-process engine with the same torch threads as one fleet worker, so that the
     difference is the serving path, not the core split. It sits idle while the fleet serves."""
     import torch
 
     from services.engine.engine import LLMEngine, engine_config
     torch.set_num_threads(threads)
-    return LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False))
+    return LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False, device=device))
 
 
 def _redis():
@@ -193,9 +194,11 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     from services.cli.launcher import Launcher
     from services.cli.up import start_fleet, worker_threads
 
+    from services.engine.device import check_device
+    check_device(getattr(args, "device", None), "kvfleet bench fleet")
     up = up_args(args, write_config())
     threads = worker_threads(up)
-    engine = bench_engine(args.model, threads)
+    engine = bench_engine(args.model, threads, getattr(args, "device", None) or "auto")
     prompts = Prompts.draw(args.repeats, vocab=engine.model_config.vocab_size)
     redis, launcher = _redis(), Launcher()
     try:

@@ -220,7 +220,7 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     # split the host's cores between the workers, leaving one for the gateway and the routers
     common = ["--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
               "--threads", str(worker_threads(args)), *config, *limit_args]
-    for flag in ("attention_backend", "kv_cache_dtype", "logprobs_mode"):   # the workers' flags
+    for flag in ("device", "attention_backend", "kv_cache_dtype", "logprobs_mode"):   # workers' flags
         if getattr(args, flag, None):
             common += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if getattr(args, "kv_cache_scales", None):
@@ -285,6 +285,13 @@ def check_keys(args: argparse.Namespace) -> None:
     if problems:
         raise SystemExit(f"kvfleet up: {args.api_keys} does not fit the engine config "
                          f"({args.config or 'the defaults'}): " + "; ".join(problems))
+
+
+def check_device(args: argparse.Namespace) -> None:
+    """--device cuda without CUDA: one line and exit here, not a failure in every worker."""
+    if getattr(args, "device", None) not in (None, "auto", "cpu"):
+        from services.engine.device import check_device as check  # noqa: PLC0415 (imports torch)
+        check(args.device, "kvfleet up")
 
 
 def check_routers(args: argparse.Namespace) -> None:
@@ -385,6 +392,7 @@ def _up(args: argparse.Namespace) -> int:
     check_routers(args)
     check_keys(args)
     check_fallback(args)
+    check_device(args)
     plan = check_ports(args)
     launcher = Launcher(env=allowed_networks_env(args))
     password, redis_env, redis_origin = redis_credentials(args, launcher.log_dir)

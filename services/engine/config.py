@@ -12,6 +12,7 @@ from typing import Literal
 AdmissionPolicy = Literal["reserve", "predict"]
 WorkerRole = Literal["mixed", "prefill", "decode"]
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")   # --kv-cache-dtype
+DEVICES = ("auto", "cpu", "cuda")                                        # --device
 # A worker's KV cache when nothing names one (--kv-cache-mib of kvfleet serve / up, the benches,
 # the simulator): the one default, defined here.
 KV_CACHE_MIB = 256
@@ -25,10 +26,18 @@ def parse_kv_cache_scales(text: str) -> tuple[float, float]:
     return (parts[0], parts[-1])
 
 
+def add_device_arg(p: argparse.ArgumentParser, whose: str = "the engine's") -> None:
+    """--device: the one definition (add_engine_args, and the benches that take only it)."""
+    p.add_argument("--device", default=None, choices=list(DEVICES),
+                   help=f"where {whose} model, KV cache and sampling live: auto (default: cuda when "
+                        "torch sees a GPU, else cpu) | cpu | cuda (refused at start without CUDA)")
+
+
 def add_engine_args(p: argparse.ArgumentParser, whose: str = "the engine's") -> None:
-    """--attention-backend, --kv-cache-dtype, --kv-cache-scales, --logprobs-mode: one definition
-    for `kvfleet generate`, `kvfleet serve` and `kvfleet up` (which passes them to its workers).
-    Unset: the engine config's value."""
+    """--device, --attention-backend, --kv-cache-dtype, --kv-cache-scales, --logprobs-mode: one
+    definition for `kvfleet generate`, `kvfleet serve` and `kvfleet up` (which passes them to its
+    workers). Unset: the engine config's value."""
+    add_device_arg(p, whose)
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
                    help=f"{whose} paged attention (and fused layer) kernels; auto (default): "
                         "triton on CUDA, torch otherwise")
@@ -270,6 +279,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # auto | torch | triton (kernels/): auto picks triton when the model is on CUDA, torch otherwise
     attention_backend: str = "auto"
+    # auto | cpu | cuda (services/engine/device.py): the model, its KV cache and the sampler's
+    # tensors live there; auto is cuda when torch sees a GPU
+    device: str = "auto"
     # ranks the model is sharded over (services/engine/tp_ranks.py): this process is rank 0 and
     # starts the other N - 1; heads, KV heads and MLP width must divide by it
     tensor_parallel_size: int = 1
@@ -282,6 +294,8 @@ class EngineConfig:
     sim: SimConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r} ({'|'.join(DEVICES)})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} ({'|'.join(KV_CACHE_DTYPES)})")
         if len(self.kv_cache_scales) != 2 or not all(0 < float(x) < float("inf") for x in self.kv_cache_scales):

@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 
 from services.engine.config import EngineConfig
+from services.engine.device import resolve_device
 from services.engine.model.batch import SeqChunk
 from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape, resolve_kv_dtype
 from services.engine.model.loader import load_model
@@ -18,7 +19,8 @@ from services.engine.tp_ranks import TPLeader, drive, start_rank0
 
 class ModelExecutor:
     def __init__(self, config: EngineConfig, model_dir: str, kv_alloc=None) -> None:
-        model = load_model(model_dir, dtype=config.dtype)
+        self.device = resolve_device(config.device)   # the model, the KV cache, the logits
+        model = load_model(model_dir, dtype=config.dtype, device=self.device)
         self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
         if config.tensor_parallel_size > 1:       # model.config becomes the rank's (its KV heads)
             model, self.tp_leader = start_rank0(model, config.tensor_parallel_size)
@@ -29,9 +31,12 @@ class ModelExecutor:
             kv_bytes_per_token(model.config, dtype) * config.block_size))
         kv_data = (kv_alloc(kv_cache_shape(model.config, self.num_blocks, config.block_size), dtype)
                    if kv_alloc is not None else None)
+        if kv_data is not None and kv_data.device != self.device:
+            raise ValueError(f"the KV allocator gave memory on {kv_data.device}, the model is on "
+                             f"{self.device}")
         k_scale, v_scale = config.kv_cache_scales
         self.kv_cache = KVCache(model.config, self.num_blocks, config.block_size, dtype,
-                                data=kv_data, k_scale=k_scale, v_scale=v_scale)
+                                device=self.device, data=kv_data, k_scale=k_scale, v_scale=v_scale)
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
         self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
         if self.tp_leader is not None:

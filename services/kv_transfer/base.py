@@ -434,6 +434,19 @@ def make_descriptor(worker_id: str, backend: str, layout: KVLayout, block_ids: S
                            layout=layout.to_pb(), nixl=nixl)
 
 
+def staging_is_pinned(pool_device: torch.device) -> bool:
+    """A device pool's host staging is pinned (page-locked): the copy to or from the GPU is one DMA,
+    with no bounce through a driver buffer. A CPU pool's staging (a test's) is plain memory."""
+    return pool_device.type == "cuda"
+
+
+def host_staging(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Host memory for `num_blocks` of `pool` in read_blocks' layout, on their way to or from a
+    socket (the tcp backend's device path)."""
+    shape = (*pool.shape[:2], num_blocks, *pool.shape[3:])
+    return torch.empty(shape, dtype=pool.dtype, pin_memory=staging_is_pinned(pool.device))
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat writable byte view sharing memory with a contiguous CPU tensor (any dtype, bf16 included)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():

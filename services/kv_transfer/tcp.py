@@ -18,7 +18,8 @@ max_header_bytes); the payload's size is checked against the expect()'s blocks b
 In the header, `layout` is a serialized kvfleet.v1.KVLayout
 and `hand_off` a serialized kvfleet.v1.HandOff (or null), both base64; `checksum` is a crc32 or null. A CPU
 pool is sent and received in place: each run of consecutive block ids is one contiguous region per (layer, K/V),
-gathered by sendmsg, scattered by recvmsg_into; a device pool is staged through one CPU copy. Every socket op
+gathered by sendmsg, scattered by recvmsg_into; a device pool (CUDA, whose memory the engine core owns and
+shares by CUDA IPC) is staged through one host copy in pinned memory (base.host_staging). Every socket op
 is bounded by what is left of the transfer's timeout; a closed or reset peer fails the transfer on both sides
 at once. `token` is the fleet token (services/protocol/fleet_token.py): a writer without this process's is
 refused before it touches an expect(). The target writes only into the blocks of its own expect() for that id,
@@ -50,7 +51,8 @@ from google.protobuf.message import DecodeError
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
-                                       byte_view, check_write, layout_mismatch, make_descriptor)
+                                       byte_view, check_write, host_staging, layout_mismatch,
+                                       make_descriptor)
 from services.kv_transfer.tcp_gate import GateCounts, HeaderGate, TcpReceiverConfig
 
 HOST = "127.0.0.1"
@@ -66,10 +68,13 @@ class TcpTransport(PoolTransport):
     receiver_stops_writes = True
 
     def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None, port: int = 0,
-                 config: TcpReceiverConfig = TcpReceiverConfig()):
+                 config: TcpReceiverConfig = TcpReceiverConfig(), staged: bool | None = None):
         """`auth`: the fleet token writers present and this target asks for (else this process's);
-        `port`: where the receiver listens (0: a free port); `config`: the receiver's bounds."""
+        `port`: where the receiver listens (0: a free port); `config`: the receiver's bounds;
+        `staged`: move blocks through host staging (None: exactly when the pool is not on the
+        CPU; True on a CPU pool runs a device pool's path up to the device copy, for tests)."""
         super().__init__(worker_id)
+        self._staged = staged
         self._port, self.config = port, config
         self._gate: HeaderGate | None = None
         self._receivers = ThreadPoolExecutor(config.max_transfers, thread_name_prefix=f"kv-tcp-recv-{worker_id}")
@@ -85,7 +90,8 @@ class TcpTransport(PoolTransport):
         if self._kv is not None:
             raise ValueError(f"worker {self.worker_id!r} already registered a pool")
         self._kv, self._layout = kv_cache, KVLayout.of(kv_cache)
-        if kv_cache.data.device.type == "cpu":
+        staged = self._staged if self._staged is not None else kv_cache.data.device.type != "cpu"
+        if not staged:
             self._flat = byte_view(kv_cache.data)
         self._listener = socket.create_server((HOST, self._port))
         self._gate = HeaderGate(self._listener, self._auth, self.config, self._admit,
@@ -159,7 +165,10 @@ class TcpTransport(PoolTransport):
     def _source_views(self, ids: list[int]) -> list[memoryview]:
         if self._flat is not None:
             return self._pool_views(ids)
-        return [byte_view(self._kv.read_blocks(ids).cpu().contiguous())]  # device pool: one staged copy
+        blocks = self._kv.read_blocks(ids)            # device pool: gathered on the device,
+        staged = host_staging(self._kv.data, len(ids))  # then one copy into pinned host memory
+        staged.copy_(blocks)                          # (synchronous: staging is read next)
+        return [byte_view(staged)]
 
     def _pool_views(self, ids: list[int]) -> list[memoryview]:
         """Wire-order views into a CPU pool; consecutive ids merge into one region per (layer, K/V)."""
@@ -239,8 +248,8 @@ class TcpTransport(PoolTransport):
             views = self._pool_views(ids)
             _recv_views(conn, views, deadline, guard=handle)
             return views
-        data = self._kv.data  # device pool: receive into a CPU staging copy, then write_blocks
-        staged = torch.empty((*data.shape[:2], len(ids), *data.shape[3:]), dtype=data.dtype)
+        data = self._kv.data  # device pool: receive into pinned host staging, then write_blocks
+        staged = host_staging(data, len(ids))
         views = [byte_view(staged)]
         _recv_views(conn, views, deadline)
         step = max(1, RECV_CHUNK // self._layout.bytes_per_block)

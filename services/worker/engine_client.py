@@ -197,7 +197,7 @@ class EngineClient:
         try:
             self._ready = await asyncio.wait_for(asyncio.shield(self._ready_fut),
                                                  self._start_timeout_s)
-            shared = core.SharedKV.attach(self._ready)
+            shared = core.attach_kv(self._ready)
             # the layout the transports name (KVLayout.of) carries the fp8 scales the core uses
             scales = self.config.kv_cache_scales if is_fp8(shared.dtype) else (1.0, 1.0)
             self._kv_cache = KVCache.over(shared, *scales)

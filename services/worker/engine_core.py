@@ -26,9 +26,12 @@ Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineCli
      pidfds, so a rank that dies, even while idle, is a Failure naming it. The core stops them on
      its way out (and they exit by themselves when it is gone).
 
-KV memory: the core allocates the cache as a file in the run directory (on /dev/shm where there is
-one) mapped MAP_SHARED; the server maps the same file (`SharedKV.attach`) and unlinks it, so the
-memory lives exactly as long as the two mappings. The KV transport backends run in the server and
+KV memory: the core owns it. On the CPU it allocates the cache as a file in the run directory (on
+/dev/shm where there is one) mapped MAP_SHARED; the server maps the same file (`SharedKV.attach`)
+and unlinks it, so the memory lives exactly as long as the two mappings. On CUDA (EngineConfig.device)
+the cache is allocated in the core's device memory and Ready carries its CUDA IPC handle
+(`DeviceKV`): the server opens the same device memory, so the transports read and write the
+blocks the core's model reads without a host copy of the pool. The KV transport backends run in the server and
 write straight into the pages the core's model reads. Who may touch which blocks when is ordered by
 the messages: the server writes a reservation's blocks before it sends StartDecode, and reads a
 prefilled prompt's blocks after the step that sent "prefilled" (and before it cancels the request);
@@ -131,6 +134,8 @@ class Ready(msgspec.Struct, tag=20, array_like=True):
     kv_path: str                  # the shared KV file (SharedKV.attach maps it, then unlinks it)
     kv_shape: list[int]           # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
     kv_dtype: str                 # torch dtype name without "torch."
+    kv_device: str = "cpu"        # where the cache lives: "cpu" (kv_path) or "cuda:N" (kv_handle)
+    kv_handle: bytes = b""        # a device cache's CUDA IPC handle (DeviceKV.export)
 
 
 class StepStats(msgspec.Struct, array_like=True):
@@ -224,13 +229,8 @@ def ipc_address(run_dir: str, name: str) -> str:
 
 # ------------------------------------------------------------------------------ shared KV memory
 class SharedKV:
-    """The KV cache's memory as a file mapped MAP_SHARED by both processes (CPU caches).
-
-    On a GPU the same role would be played by CUDA IPC: the core allocates the cache on its
-    device and sends the handle (torch.multiprocessing.reductions.reduce_tensor(data)) in Ready,
-    and the server rebuilds a view with it; the KVCache.over(data) view and the Ready message
-    stay as they are. This build's engine runs on CPU, so only the file path is implemented.
-    """
+    """The KV cache's memory as a file mapped MAP_SHARED by both processes (CPU caches; a CUDA
+    cache is DeviceKV's)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -249,6 +249,54 @@ class SharedKV:
                                dtype=dtype).view(ready.kv_shape)
         os.unlink(ready.kv_path)
         return data
+
+
+class DeviceKV:
+    """A CUDA cache shared with the server by CUDA IPC (torch's reduction of a CUDA tensor: the
+    handle of its allocation, its offset, shape and dtype). The core keeps the cache alive as long
+    as it runs, so the server's view never outlives it. CUDA only: nothing here runs on a CPU
+    build (docs/engine.md, "Device": not yet run on a GPU)."""
+
+    @staticmethod
+    def export(data: torch.Tensor) -> bytes:
+        """Core side: the handle Ready carries."""
+        import torch.multiprocessing  # noqa: F401, PLC0415 - registers the CUDA tensor reductions
+        from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
+        return bytes(ForkingPickler.dumps(data))
+
+    @staticmethod
+    def attach(ready: Ready) -> torch.Tensor:
+        """Server side: the core's device memory as a tensor on the same GPU."""
+        import pickle  # noqa: PLC0415
+        import torch.multiprocessing  # noqa: F401, PLC0415
+        data = pickle.loads(ready.kv_handle)   # our own core's handle, over our own run dir
+        if list(data.shape) != list(ready.kv_shape) or str(data.device) != ready.kv_device:
+            raise RuntimeError(f"the core's KV handle opened {tuple(data.shape)} on {data.device}, "
+                               f"Ready said {ready.kv_shape} on {ready.kv_device}")
+        return data
+
+
+def kv_allocator(config: EngineConfig, shared: SharedKV):
+    """The engine's kv_alloc: the shared file for a cache on the CPU (the simulated core's always
+    is), None on CUDA (the executor allocates on its device; DeviceKV shares it)."""
+    if config.sim is not None:
+        return shared.alloc
+    from services.engine.device import resolve_device  # noqa: PLC0415
+    return shared.alloc if resolve_device(config.device).type == "cpu" else None
+
+
+def ready_message(config: EngineConfig, engine: LLMEngine, shared: SharedKV) -> Ready:
+    data = engine.kv_cache.data
+    on_device = data.device.type != "cpu"
+    return Ready(os.getpid(), config.model, engine.pool.block_size, engine.max_model_len,
+                 "" if on_device else shared.path, list(data.shape),
+                 str(data.dtype).removeprefix("torch."), str(data.device),
+                 DeviceKV.export(data) if on_device else b"")
+
+
+def attach_kv(ready: Ready) -> torch.Tensor:
+    """Server side: the core's KV memory, wherever it lives."""
+    return SharedKV.attach(ready) if ready.kv_device == "cpu" else DeviceKV.attach(ready)
 
 
 # ------------------------------------------------------------------------------------- the core
@@ -443,12 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_config(sys.stdin.fileno())
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
-        engine = build_engine(config, kv.alloc)
+        engine = build_engine(config, kv_allocator(config, kv))
         faults.install(engine)
-        data = engine.kv_cache.data
         core = EngineCore(engine, commands, replies, sys.stdin.fileno())
-        core.send(Ready(os.getpid(), config.model, engine.pool.block_size, engine.max_model_len,
-                        kv.path, list(data.shape), str(data.dtype).removeprefix("torch.")))
+        core.send(ready_message(config, engine, kv))
         core.run()
     except BaseException as e:  # noqa: BLE001 - a core failure is reported, never silent
         log.critical("the engine core failed", exc_info=e)

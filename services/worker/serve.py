@@ -30,6 +30,7 @@ import torch
 from redis.exceptions import RedisError
 
 from services.engine.config import EngineConfig, add_engine_args, add_sim_args, sim_config_from_args
+from services.engine.device import check_device
 from services.engine.config_file import load_engine_config
 from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
@@ -129,6 +130,9 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     cfg = replace(cfg, model=args.model, scheduler=sched)
     if args.kv_cache_mib:
         cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
+    if getattr(args, "device", None):
+        check_device(args.device, f"kvfleet serve {args.role}")
+        cfg = replace(cfg, device=args.device)
     if getattr(args, "attention_backend", None):
         cfg = replace(cfg, attention_backend=args.attention_backend)
     if getattr(args, "kv_cache_dtype", None):

@@ -5,7 +5,9 @@ A real engine core process (the tiny model) behind an EngineClient, the decode r
 real KV source (a second pool with its own transport) writing into the reservation, over tcp and
 nixl:
   - tcp (the receiver copies): ending a reservation stops its transfer at once and frees the
-    blocks; a write that comes afterwards is refused and changes none of them;
+    blocks; a write that comes afterwards is refused and changes none of them; the same with the
+    receiver staging through host memory as it does for a CUDA pool ("tcp-staged": a CPU pool
+    on the device path, up to the device copy);
   - nixl (one-sided writes): ending a reservation holds its blocks until the write lands, or until
     the reservation's deadline when none comes;
   - a landed transfer starts decode by itself, from the HandOff's first token: nobody relays it;
@@ -24,6 +26,7 @@ from services.engine.engine import engine_config
 from services.kv_transfer import make_transport
 from services.kv_transfer.base import KVLayout, KVTransferError, wait_done
 from services.kv_transfer.peer import fill_random, make_cache
+from services.kv_transfer.tcp import TcpTransport
 from services.protocol.convert import params_to_pb
 from services.engine.sampling_params import SamplingParams
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -45,7 +48,7 @@ class Rig:
     async def __aenter__(self) -> Rig:
         self.engine = EngineClient(engine_config(self.model_dir, kv_cache_mib=8))
         await self.engine.start()
-        self.transport = make_transport(self.backend, f"decode-{self.backend}")
+        self.transport = self._transport(f"decode-{self.backend}")
         self.transport.register(self.engine.kv_cache)
         config = WorkerConfig("decode-0", "decode", self.backend,
                               Timeouts(reservation_s=RESERVATION_S))
@@ -53,9 +56,14 @@ class Rig:
         layout = KVLayout.of(self.engine.kv_cache)
         self.source_kv = make_cache(layout, 16)
         fill_random(self.source_kv, seed=7)
-        self.source = make_transport(self.backend, f"source-{self.backend}")
+        self.source = self._transport(f"source-{self.backend}")
         self.source.register(self.source_kv)
         return self
+
+    def _transport(self, worker_id: str):
+        if self.backend == "tcp-staged":
+            return TcpTransport(worker_id, staged=True)
+        return make_transport(self.backend, worker_id)
 
     async def __aexit__(self, *exc) -> None:
         self.role.close()
@@ -84,9 +92,11 @@ class Rig:
         return self.engine.kv_cache.data[:, :, list(target.block_ids)].clone()
 
 
-def test_tcp_ending_a_reservation_frees_it_at_once_and_a_late_write_lands_nowhere(tiny_model_dir):
+@pytest.mark.parametrize("backend", ["tcp", "tcp-staged"])
+def test_tcp_ending_a_reservation_frees_it_at_once_and_a_late_write_lands_nowhere(tiny_model_dir,
+                                                                                  backend):
     async def story():
-        async with Rig(str(tiny_model_dir), "tcp") as rig:
+        async with Rig(str(tiny_model_dir), backend) as rig:
             resp = await rig.reserve("tcp-1")
             assert await rig.reserved() > 0
             before = rig.target_bytes(resp.target)
@@ -125,7 +135,7 @@ def test_nixl_an_ended_reservation_with_no_write_is_freed_at_its_deadline(tiny_m
     asyncio.run(story())
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize("backend", ["tcp", "tcp-staged", "nixl"])
 def test_a_landed_transfer_starts_decode_from_its_hand_off(tiny_model_dir, backend):
     async def story():
         async with Rig(str(tiny_model_dir), backend) as rig:

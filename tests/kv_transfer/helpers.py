@@ -31,13 +31,19 @@ def expected_target(before: torch.Tensor, source: torch.Tensor, src: list[int], 
 class Pair:
     """A source and a target transport of one backend in this process, each with its own pool."""
 
-    def __init__(self, backend: str, layout: KVLayout = LAYOUT):
+    def __init__(self, backend: str, layout: KVLayout = LAYOUT, staged: bool = False):
+        """staged (tcp): both ends move blocks through host staging, as for a CUDA pool."""
         self.backend = backend
         self.source_kv, self.target_kv = make_cache(layout, SOURCE_BLOCKS), make_cache(layout, TARGET_BLOCKS)
-        self.source = make_transport(backend, new_id("source"))
-        self.target = make_transport(backend, new_id("target"))
+        self.source, self.target = (self._tcp_staged(new_id("source")), self._tcp_staged(new_id("target"))) \
+            if staged else (make_transport(backend, new_id("source")), make_transport(backend, new_id("target")))
         self.source.register(self.source_kv)
         self.target.register(self.target_kv)
+
+    @staticmethod
+    def _tcp_staged(worker_id: str):
+        from services.kv_transfer.tcp import TcpTransport
+        return TcpTransport(worker_id, staged=True)
 
     def refill(self, seed: int) -> torch.Tensor:
         """Random values in both pools; -> a copy of the target pool before any transfer."""

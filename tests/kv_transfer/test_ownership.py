@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.kv_transfer import KVTransferError, tcp
-from tests.kv_transfer.helpers import DST, LAYOUT, SRC, Pair, new_id
+from tests.kv_transfer.helpers import DST, LAYOUT, SRC, Pair, expected_target, new_id
 
 STOPPING = ["tcp", "local"]
 
@@ -86,9 +86,8 @@ def finish_before_the_third_block(target) -> None:
 def test_tcp_staged_a_receiver_that_finishes_mid_commit_gets_no_later_block(monkeypatch):
     """A device pool is received into staging, then written into the pool a block at a time (here: a CPU pool
     taking that path); the decode worker gives up before the third."""
-    pair = Pair("tcp")
+    pair = Pair("tcp", staged=True)
     try:
-        pair.source._flat = pair.target._flat = None
         before = pair.refill(seed=47)
         monkeypatch.setattr(tcp, "RECV_CHUNK", LAYOUT.bytes_per_block)
         tid = new_id()
@@ -153,3 +152,30 @@ def test_a_write_past_its_own_deadline_does_not_land_when_the_expect_comes():
         assert torch.equal(pair.target_kv.data, before)
     finally:
         pair.close()
+
+
+def test_tcp_staged_both_ends_land_the_blocks_in_order():
+    """A device pool's path (here on CPU pools): the source gathers its blocks into host staging,
+    the target receives into staging and writes its blocks from it; the result is the in-place
+    path's."""
+    pair = Pair("tcp", staged=True)
+    try:
+        assert pair.source._flat is None and pair.target._flat is None
+        before = pair.refill(seed=53)
+        tid = new_id()
+        target = pair.target.expect(tid, DST, timeout_s=10.0)
+        pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=10.0, checksum=True).wait(10.0)
+        target.wait(1.0)
+        assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
+    finally:
+        pair.close()
+
+
+def test_host_staging_is_pinned_exactly_for_a_cuda_pool():
+    from services.kv_transfer.base import host_staging, staging_is_pinned
+    assert staging_is_pinned(torch.device("cuda", 0))
+    assert not staging_is_pinned(torch.device("cpu"))
+    pool = torch.zeros(3, 2, 5, 4, 2, 8, dtype=torch.bfloat16)
+    staged = host_staging(pool, 2)
+    assert staged.shape == (3, 2, 2, 4, 2, 8) and staged.dtype == torch.bfloat16
+    assert not staged.is_pinned()
