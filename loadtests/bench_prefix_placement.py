@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests.local_fleet import FleetSetup, kvfleet_up, up_command, write_fleet_config
+from loadtests.local_fleet import FleetSetup, kvfleet_up, up_options, write_fleet_config
 from loadtests.workload import load_workload
 
 
@@ -45,14 +45,16 @@ def prefill_metrics(lines: list[str]) -> list[str]:
 
 def one_run(placement: str, workload: str, duration: float, folder: Path) -> dict:
     spec = load_workload(workload)
-    engine_yaml, keys_yaml = write_fleet_config(list(spec.tenants), FleetSetup(mode="disagg"), folder)
-    command = up_command(FleetSetup(mode="disagg"), engine_yaml, keys_yaml, None)
-    command[command.index("--prefill") + 1] = "2"
-    command += ["--placement", placement]
+    setup = FleetSetup(mode="disagg")
+    engine_yaml, keys_yaml = write_fleet_config(list(spec.tenants), setup, folder)
+    args, options = up_options(setup, engine_yaml, keys_yaml, None)
+    args[args.index("--prefill") + 1] = "2"
+    args += ["--placement", placement]
     out = folder / placement
-    with kvfleet_up(command) as (gateway, lines):
+    with kvfleet_up(setup.model, *args, **options) as up:
+        lines = up.lines
         subprocess.run([sys.executable, "-m", "services.cli.cli", "bench", "serve", "--endpoint",
-                        f"http://{gateway}", "--workload", workload, "--api-keys", keys_yaml,
+                        up.url, "--workload", workload, "--api-keys", keys_yaml,
                         "--duration", str(duration), "--out", str(out), "--no-progress"],
                        check=True, stdout=subprocess.DEVNULL)
         hits = queries = 0.0

@@ -106,6 +106,34 @@ def prediction_error(records: list[RequestRecord]) -> dict | None:
     return {"requests": len(errors), "p50": percentile(errors, 50), "p90": percentile(errors, 90)}
 
 
+NO_STAGE = "none"     # the stage key of a refusal that named none (decided outside the router)
+
+
+def stage_level(stage: str | None) -> int | None:
+    """An overload stage's number, from its name (S0_NORMAL -> 0, ..., S4_REJECT -> 4; None:
+    not a stage name)."""
+    if stage and len(stage) >= 2 and stage[0] == "S" and stage[1].isdigit():
+        return int(stage[1])
+    return None
+
+
+def rejections_by_stage(records: list[RequestRecord]) -> dict[str, int]:
+    """Rejected requests (429/503) counted by the stage their refusal named (`NO_STAGE` when it
+    named none: a quota, or a server that does not say)."""
+    return dict(sorted(Counter(r.stage or NO_STAGE for r in records if is_rejected(r)).items()))
+
+
+def queue_time(records: list[RequestRecord]) -> dict | None:
+    """How long the ok requests that reported it waited in the router's wait queue (the server's
+    `wait_queue_s`, 0 when admitted at once): its stats, and how many waited at all. None when
+    no request reported it."""
+    waits = [r.timing["wait_queue_s"] for r in records
+             if r.ok and r.timing and "wait_queue_s" in r.timing]
+    if not waits:
+        return None
+    return {"requests": len(waits), "queued": sum(w > 0 for w in waits), **latency_stats(waits)}
+
+
 def class_summary(records: list[RequestRecord], slo: ClassSLO, duration_s: float) -> dict:
     """Counts, latency stats, SLO attainment, goodput and token throughput of one class."""
     good = [r for r in records if r.ok]
@@ -127,6 +155,7 @@ def class_summary(records: list[RequestRecord], slo: ClassSLO, duration_s: float
         "output_tokens_per_s": tokens / duration_s,
         "phases": phase_breakdown(records),
         "prediction_error": prediction_error(records),
+        "queue_time_s": queue_time(records),
     }
 
 
@@ -185,8 +214,10 @@ def tenant_summary(records: list[RequestRecord], weight: float, total_tokens: in
 
 def timeline(records: list[RequestRecord]) -> list[dict]:
     """One row per second of the run (dense, from second 0): requests sent in it (bucketed by
-    floor(send_s)), how many of those were ok, their median TTFT, and ok requests completed in it
-    (bucketed by floor(send_s + e2e_s)). Requests never sent are left out."""
+    floor(send_s)), how many of those were ok and how many rejected, their median TTFT, the
+    highest overload stage any of them was decided in (`stage_level`; None when none said), and
+    ok requests completed in it (bucketed by floor(send_s + e2e_s)). Requests never sent are
+    left out."""
     sent = [r for r in records if r.send_s is not None]
     by_send: dict[int, list[RequestRecord]] = defaultdict(list)
     for r in sent:
@@ -195,7 +226,10 @@ def timeline(records: list[RequestRecord]) -> list[dict]:
                         for r in sent if r.ok and r.e2e_s is not None)
     last = max([*by_send, *completed], default=-1)
     return [{"t_s": t, "sent": len(by_send[t]), "ok": sum(r.ok for r in by_send[t]),
+             "rejected": sum(is_rejected(r) for r in by_send[t]),
              "ttft_p50_s": percentile([r.ttft_s for r in by_send[t] if r.ok], 50),
+             "stage": max((lv for r in by_send[t] if (lv := stage_level(r.stage)) is not None),
+                          default=None),
              "completed": completed[t]}
             for t in range(last + 1)]
 
@@ -211,12 +245,17 @@ def summarize(run: RunResult) -> dict:
                                {p50 p95 p99 mean share_p50})
                        prediction_error (None, or {requests p50 p90} of |predicted - actual|
                                          / actual TTFT, from the server's timing)
+                       queue_time_s (None, or {requests queued p50 p95 p99 mean}: the time in
+                                     the router's wait queue, the server's wait_queue_s)
         overall: requests ok errors rejected met goodput_rps output_tokens output_tokens_per_s
                  request_throughput_rps
         prediction_error: overall, as the classes' (None when no request reported it)
+        rejections_by_stage{stage: count}: rejected requests by the stage their refusal named
+                                           ("none": it named none)
+        queue_time_s_by_class{name: the class's queue_time_s}
         tenants[name]: requests ok output_tokens output_tokens_per_s share weight demand_served
         jain_index, errors_by_reason{reason: count}, retry_after_s{count median}
-        timeline: [{t_s sent ok ttft_p50_s completed}, ...]
+        timeline: [{t_s sent ok rejected ttft_p50_s stage completed}, ...]
 
     Classes are those of `run.classes` plus any seen in records (no targets: met when ok); tenants
     those of `run.tenant_weights` plus any seen (weight 1.0). Statistics with nothing to measure
@@ -260,4 +299,6 @@ def summarize(run: RunResult) -> dict:
         "retry_after_s": {"count": len(retry_after), "median": percentile(retry_after, 50)},
         "timeline": timeline(run.records),
         "prediction_error": prediction_error(run.records),
+        "rejections_by_stage": rejections_by_stage(run.records),
+        "queue_time_s_by_class": {name: c["queue_time_s"] for name, c in classes.items()},
     }

@@ -45,7 +45,10 @@ class RequestRecord:
     finish_reason: str | None = None
     timing: dict[str, float] | None = None   # the server's per-request phase times, when it sends
                                              # them (kvfleet: queue_s prefill_s transfer_s decode_s
-                                             # ttft_s e2e_s, in the final chunk's `timing`)
+                                             # ttft_s e2e_s, wait_queue_s, in the final
+                                             # chunk's `timing`)
+    stage: str | None = None         # the overload stage the fleet decided it in (kvfleet's
+                                     # x-kvfleet-stage header, refusals too); None: not said
 
     @property
     def ok(self) -> bool:

@@ -111,6 +111,8 @@ def render_markdown(summary: dict, plots: Mapping[str, str] | None = None) -> st
                else []),
              *(["", "## TTFT prediction error (server-reported)", "", errors]
                if (errors := prediction_table(summary)) else []),
+             *(["", "## Time in the router's wait queue (server-reported)", "", waits]
+               if (waits := queue_table(summary)) else []),
              "", "## Tenants", "", _tenant_table(summary), "",
              f"Jain's fairness index (service against each tenant's weighted max-min fair share): "
              f"{_num(summary['jain_index'], digits=3)}",
@@ -120,6 +122,9 @@ def render_markdown(summary: dict, plots: Mapping[str, str] | None = None) -> st
         lines += [f"| {k} | {v} |" for k, v in summary["errors_by_reason"].items()]
     else:
         lines.append("None.")
+    if summary.get("rejections_by_stage"):
+        lines += ["", "Rejections by overload stage: " + ", ".join(
+            f"{stage} {n}" for stage, n in summary["rejections_by_stage"].items()) + "."]
     if retry["count"]:
         lines += ["", f"Retry-After sent on {retry['count']} rejections, "
                       f"median {_num(retry['median'], digits=2)} s."]
@@ -138,6 +143,18 @@ def prediction_table(summary: dict) -> str | None:
     rows += [f"| {n} | {e['requests']} | {_num(e['p50'], 100)} | {_num(e['p90'], 100)} |"
              for n, e in parts if e]
     return "\n".join(rows) if summary.get("prediction_error") else None
+
+
+def queue_table(summary: dict) -> str | None:
+    """Per class, how many ok requests waited in the router's wait queue and for how long (ms);
+    None when no class reported it."""
+    rows = ["| class | requests | queued | p50 / p95 / p99 (ms) | mean (ms) |",
+            "|---|---:|---:|---|---:|"]
+    parts = [(n, c.get("queue_time_s")) for n, c in summary["classes"].items()]
+    rows += [f"| {n} | {q['requests']} | {q['queued']} "
+             f"| {_triple(q, 1000, 1, ('p50', 'p95', 'p99'))} | {_num(q['mean'], 1000)} |"
+             for n, q in parts if q]
+    return "\n".join(rows) if any(q for _, q in parts) else None
 
 
 # --- plots -----------------------------------------------------------------------------------
@@ -213,6 +230,31 @@ def _latency_over_time(run: RunResult, summary: dict, ax) -> None:
     ax.set_title("TTFT over time, with offered rate")
 
 
+STAGE_NAMES = ("S0 normal", "S1 no batch", "S2 cap output", "S3 fallback", "S4 reject")
+
+
+def _stage_timeline(run: RunResult, summary: dict, ax) -> None:
+    """The highest overload stage requests were decided in, per second of sending (a gap where
+    no request said), with the requests rejected per second on a second axis."""
+    rows = summary["timeline"]
+    ts = [row["t_s"] for row in rows]
+    stages = [float("nan") if row["stage"] is None else row["stage"] for row in rows]
+    if any(row["stage"] is not None for row in rows):
+        ax.step(ts + [len(rows)], stages + stages[-1:], where="post", color="C3")
+    else:
+        ax.text(0.5, 0.5, "no request named a stage", ha="center", transform=ax.transAxes)
+    ax.set_yticks(range(len(STAGE_NAMES)), STAGE_NAMES)
+    ax.set_ylim(-0.3, len(STAGE_NAMES) - 0.7)
+    ax.set_xlabel("send time (s from run start)")
+    rejected = ax.twinx()
+    if rows:
+        rejected.bar(ts, [row["rejected"] for row in rows], width=1.0, align="edge",
+                     color="grey", alpha=0.35)
+    rejected.set_ylim(bottom=0)
+    rejected.set_ylabel("requests rejected per second (grey)")
+    ax.set_title("Overload stage over time (highest per second), with rejections")
+
+
 def _tenant_throughput(run: RunResult, summary: dict, ax) -> None:
     names = list(summary["tenants"])
     rates = [summary["tenants"][n]["output_tokens_per_s"] for n in names]
@@ -227,6 +269,7 @@ def _tenant_throughput(run: RunResult, summary: dict, ax) -> None:
 
 PLOTS: dict[str, Callable] = {"ttft_cdf": _ttft_cdf, "itl_cdf": _itl_cdf,
                               "latency_over_time": _latency_over_time,
+                              "stage_timeline": _stage_timeline,
                               "tenant_throughput": _tenant_throughput}
 
 
@@ -243,9 +286,10 @@ def _save_plot(draw: Callable, run: RunResult, summary: dict, path: Path) -> Non
 # --- entry point -----------------------------------------------------------------------------
 
 def write_report(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
-    """Write run.json, summary.json (summarize() plus "meta"), the four PNG plots and report.md
+    """Write run.json, summary.json (summarize() plus "meta"), the five PNG plots and report.md
     into out_dir (created if needed). Returns the paths by name: "run", "summary", "report" and
-    one per plot ("ttft_cdf", "itl_cdf", "latency_over_time", "tenant_throughput")."""
+    one per plot ("ttft_cdf", "itl_cdf", "latency_over_time", "stage_timeline",
+    "tenant_throughput")."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"meta": run.meta, **summarize(run)}

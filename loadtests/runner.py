@@ -6,8 +6,9 @@ Each request is a streamed `/v1/completions` over httpx (`stream_options.include
 `ignore_eos` so outputs run to their planned length, as vLLM's benchmarks do); its record keeps
 the send time, TTFT, every gap between token events (a token the server holds back, such as
 part of a UTF-8 character, arrives with the next: that gap spans two tokens, as in vLLM's
-benchmark_serving), end-to-end time, token counts, and for a
-failure the HTTP status, the reason (the OpenAI error's code or type) and `Retry-After`.
+benchmark_serving), end-to-end time, token counts, the overload stage kvfleet decided it in
+(`x-kvfleet-stage`, refusals too), and for a failure the HTTP status, the reason (the OpenAI
+error's code or type) and `Retry-After`.
 
 The generator's own lateness (sent later than planned: the client is the bottleneck) is measured
 and reported as `meta.send_lag_p99_s` rather than silently charged to the server.
@@ -26,6 +27,8 @@ import httpx
 from loadtests.prompts import PromptBuilder, make_prompt_builder
 from loadtests.records import RequestRecord, RunResult
 from loadtests.workload import PlannedRequest, WorkloadSpec, plan_requests, slo_table
+
+STAGE_HEADER = "x-kvfleet-stage"     # the overload stage kvfleet decided a request in
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ async def _stream(client: httpx.AsyncClient, headers: dict[str, str], body: dict
                   rec: RequestRecord, sent: float) -> None:
     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
         rec.status = resp.status_code
+        rec.stage = resp.headers.get(STAGE_HEADER)
         if resp.status_code != 200:
             await resp.aread()
             rec.error, rec.detail = _reason(resp), resp.text[:300]

@@ -15,7 +15,8 @@ admission) + the engine queue the prefill (or mixed) worker reports; prefill_s, 
 decode_s as the workers report them; ttft_s = received -> first token sent; e2e_s = received ->
 now (the final chunk). The phases are disjoint intervals inside [received, final chunk], so
 queue + prefill + transfer + decode <= e2e and ttft <= e2e.
-Once admitted with a prediction, `timing` also has predicted_ttft_s (the gateway's own time until
+Once planned, `timing` has wait_queue_s: the part of queue_s the request spent in the router's wait
+queue (Plan.queue_wait_s; 0 when it was admitted at its first try). Once admitted with a prediction, `timing` also has predicted_ttft_s (the gateway's own time until
 the plan came, known then, plus the router's predicted_ttft_s) and, from the first token on,
 ttft_prediction_error = (predicted - actual) / actual TTFT (negative: slower than predicted), which
 the metrics (kvfleet_ttft_prediction_{relative,abs_relative}_error, by class) and the request
@@ -115,6 +116,7 @@ class RequestTelemetry:
         self.predicted_ttft_s = 0.0
         self.stage = NO_STAGE
         self.pool = ""                 # the pool that serves it, once the router planned it
+        self.wait_queue_s: float | None = None   # in the router's wait queue (the plan says)
         self.quality_version = ""      # ... and the quality version of its worker
         self.first_at: float | None = None        # first token sent
         self.last_at: float | None = None         # last token sent
@@ -192,6 +194,7 @@ class RequestTelemetry:
             self.predicted_ttft_s = (at - self.received) + plan.predicted_ttft_s
         if plan is not None:
             self.pool = plan.pool or "primary"
+            self.wait_queue_s = plan.queue_wait_s
             self.quality_version = plan.quality_version
             if self.span is not None and plan.quality_version:
                 self._attrs[tracing.QUALITY_VERSION] = plan.quality_version
@@ -244,6 +247,8 @@ class RequestTelemetry:
         out = {"queue_s": own_queue + q, "prefill_s": p, "transfer_s": t, "decode_s": d,
                "ttft_s": (self.first_at if self.first_at is not None else now) - self.received,
                "e2e_s": now - self.received, "pool": self.pool}
+        if self.wait_queue_s is not None:
+            out["wait_queue_s"] = self.wait_queue_s
         if self.predicted_ttft_s > 0:
             out["predicted_ttft_s"] = self.predicted_ttft_s
             if self.first_at is not None:

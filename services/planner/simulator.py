@@ -20,6 +20,10 @@ What runs is the fleet's own decision code, with time modelled instead of spent:
     bytes over --sim-network-gbps for a profile), then the decode worker starts decoding
     (start_decode) and the prefill worker frees the pages (release).
 
+The simulated router runs no overload stages and has no wait queue: it admits or refuses at once,
+so a record names no stage (its refusals count under "none" in the summary's rejections_by_stage)
+and its time in the router's wait queue (`wait_queue_s`) is 0.
+
 Each request becomes the `RequestRecord` the load tester would have written (TTFT, every
 inter-token gap, e2e, status, and the server's phase times), so `loadtests/report.py` writes the
 same run.json / summary.json / report.md as `kvfleet bench serve`, and `kvfleet bench compare
@@ -338,7 +342,8 @@ class Simulation:
         decode_from = track.landed_s if track.landed_s is not None else first
         return {"queue_s": track.queue_s, "prefill_s": track.prefill_s,
                 "transfer_s": decode_from - first, "decode_s": now - decode_from,
-                "ttft_s": first - track.record.send_s, "e2e_s": now - track.record.send_s}
+                "ttft_s": first - track.record.send_s, "e2e_s": now - track.record.send_s,
+                "wait_queue_s": 0.0}
 
     def _strand_unfinished(self) -> None:
         """Requests still open when no event is left could never finish (a bug, or a request no

@@ -4,9 +4,9 @@ Pure functions over the `pb.WorkerStats` workers heartbeat into Redis (services/
 A worker whose heartbeat went stale has no record there (its key's TTL ran out), so it is never a
 candidate; staleness is Redis's TTL, not a clock compared here.
 
-  prefill: predicted TTFT (services/router/predict.py): the queue ahead, then only the prompt
-           tokens the worker does not hold in its prefix cache (`cached`, by worker id: the
-           router's prefix index, services/router/prefix_index.py)            (lowest first)
+  prefill: the DESIGN's token score: prefill tokens queued ahead there, plus the prompt tokens
+           the worker does not hold in its prefix cache (`cached`, by worker id: the router's
+           prefix index, services/router/prefix_index.py)                      (lowest first)
   decode:  most free unreserved KV blocks first, then the smaller batch  (num_running),
            both less what routers placed there since the worker's beat  (`Placed`)
   mixed:   as decode, but a worker holding more of the prompt's prefix comes first while it has
@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 from services.engine.admission import blocks_for_samples
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.predict import (PATH_S, Prior, free_unreserved_blocks, prefill_rate,
-                                     queued_ahead)
+from services.router.predict import free_unreserved_blocks, queued_ahead
 
 
 @dataclass(frozen=True)
@@ -51,15 +50,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def prefill_cost(w: pb.WorkerStats, prompt_tokens: int, cached_tokens: int = 0,
-                 prior: Prior = Prior()) -> float:
-    """The ranking's score of `w` for a prompt (DESIGN section 3: uncached prompt tokens plus the
-    tokens queued there), in seconds at the worker's drain rate. Token counts, not the fitted step
-    cost: a fit's fixed per-step term differs from worker to worker by measurement noise (and a
-    simulated engine's fixed step has no per-token term at all), which would hide the prefix a
-    worker holds. The admission decision prices the chosen worker with the full prediction."""
-    uncached = max(0, prompt_tokens - cached_tokens)
-    return PATH_S + (queued_ahead(w) + uncached) / prefill_rate(w, prior)
+def prefill_score(w: pb.WorkerStats, prompt_tokens: int, cached_tokens: int = 0) -> int:
+    """The ranking's score of `w` for a prompt (DESIGN section 3): the prefill tokens queued there
+    plus the prompt tokens it does not hold. Token counts, never the worker's own rates: its fitted
+    step cost has a fixed term that differs from worker to worker by measurement noise (a
+    simulated engine's has no per-token term at all), and its drain rate is its prior's until it
+    has run a few prefill steps, then whatever the prompts it happened to serve drained at (short
+    prompts drain slowly), so two workers' rates are not comparable and a prior beside a
+    measurement hid the prefix a worker held. The admission decision prices the chosen worker
+    with the full prediction (services/router/predict.py)."""
+    return queued_ahead(w) + max(0, prompt_tokens - cached_tokens)
 
 
 def kv_blocks_needed(w: pb.WorkerStats, prompt_tokens: int, params: pb.SamplingParams) -> int:
@@ -88,7 +88,7 @@ def rank_prefill(workers: Sequence[pb.WorkerStats], prompt_tokens: int, turn: in
     cached = cached or {}
     mine = [w for w in workers if w.role == "prefill"]
     tie = ring(mine, turn)
-    return sorted(mine, key=lambda w: (prefill_cost(w, prompt_tokens, cached.get(w.worker_id, 0)),
+    return sorted(mine, key=lambda w: (prefill_score(w, prompt_tokens, cached.get(w.worker_id, 0)),
                                        tie[w.worker_id]))
 
 

@@ -269,11 +269,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         bound_s = self.timeouts.queue_s
         if remaining is not None:     # leave the call admit_s to place it after the wait
             bound_s = max(0.0, min(bound_s, remaining - self.timeouts.admit_s))
-        began, until, queued = time.monotonic(), None, False
+        began, until, queued_at = time.monotonic(), None, None
         try:
             while True:
                 outcome = await self._try(request, cls, first=until is None)
                 if isinstance(outcome, pb.Plan):
+                    if queued_at is not None:     # how long it waited in the queue
+                        outcome.queue_wait_s = time.monotonic() - queued_at
                     return outcome
                 now = time.monotonic()
                 if until is None:
@@ -283,19 +285,19 @@ class RouterServicer(pb_grpc.RouterServicer):
                         until = now + bound_s
                 if outcome.final or now >= until:
                     raise self._refusal(outcome, cls, waited_s=now - began)
-                if not queued:
+                if queued_at is None:
                     try:
                         await self.queue.enqueue(request.request_id, cls.name,
                                                  time.time() + (until - now), time.time())
                     except (RedisError, OSError):     # no queue to wait in: refused now
                         raise self._refusal(outcome, cls, waited_s=0.0) from None
-                    queued = True
+                    queued_at = time.monotonic()
                 await self._wait(request.request_id, cls.name, until, outcome.from_stats)
         finally:
             span = trace.get_current_span()
             if span.is_recording():
                 span.set_attribute(tracing.QUEUE_WAIT, time.monotonic() - began)
-            if queued:
+            if queued_at is not None:
                 await asyncio.shield(self._leave(request.request_id, cls.name))
 
     async def _leave(self, request_id: str, cls: str) -> None:

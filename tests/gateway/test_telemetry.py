@@ -41,8 +41,10 @@ def openai_client(gateway, key: str = "acme") -> OpenAI:
 
 def assert_consistent(timing: dict) -> None:
     """Every phase measured, none negative, and together inside the end-to-end time."""
-    assert set(TIMING) | {"pool"} <= set(timing) <= {*TIMING, "pool", *PREDICTION}, timing
+    assert set(TIMING) | {"pool", "wait_queue_s"} <= set(timing) <= {
+        *TIMING, "pool", "wait_queue_s", *PREDICTION}, timing
     assert timing["pool"] == "primary", timing
+    assert 0 <= timing["wait_queue_s"] <= timing["queue_s"], timing     # part of the queue
     assert all(timing[k] >= 0 for k in TIMING), timing
     if "ttft_prediction_error" in timing:               # (predicted - actual) / actual
         assert timing["ttft_prediction_error"] > -1 and timing["predicted_ttft_s"] > 0

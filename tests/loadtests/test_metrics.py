@@ -220,12 +220,13 @@ def test_timeline_buckets_by_send_second_and_counts_completions_when_they_end():
                   RequestRecord(2, "interactive", "a", 1.5, send_s=1.5, status=429,
                                 error="rate_limited"),
                   ok(3, 0.2, [], 1.0, send=3.1)])
+    row = dict(rejected=0, stage=None)
     assert summarize(run)["timeline"] == [
-        {"t_s": 0, "sent": 2, "ok": 2, "ttft_p50_s": approx(0.2), "completed": 1},
-        {"t_s": 1, "sent": 1, "ok": 0, "ttft_p50_s": None, "completed": 1},
-        {"t_s": 2, "sent": 0, "ok": 0, "ttft_p50_s": None, "completed": 0},
-        {"t_s": 3, "sent": 1, "ok": 1, "ttft_p50_s": approx(0.2), "completed": 0},
-        {"t_s": 4, "sent": 0, "ok": 0, "ttft_p50_s": None, "completed": 1}]
+        {**row, "t_s": 0, "sent": 2, "ok": 2, "ttft_p50_s": approx(0.2), "completed": 1},
+        {**row, "t_s": 1, "sent": 1, "ok": 0, "rejected": 1, "ttft_p50_s": None, "completed": 1},
+        {**row, "t_s": 2, "sent": 0, "ok": 0, "ttft_p50_s": None, "completed": 0},
+        {**row, "t_s": 3, "sent": 1, "ok": 1, "ttft_p50_s": approx(0.2), "completed": 0},
+        {**row, "t_s": 4, "sent": 0, "ok": 0, "ttft_p50_s": None, "completed": 1}]
 
 
 def test_summary_is_json_serialisable_and_needs_the_run_duration():
@@ -255,3 +256,54 @@ def test_phase_breakdown_summarises_the_servers_phase_times_of_ok_requests_only(
 
 def test_a_run_without_server_phase_times_has_no_phase_breakdown():
     assert summarize(mixed_run())["classes"]["interactive"]["phases"] is None
+
+
+def test_rejections_are_counted_by_the_stage_their_refusal_named():
+    """Two refusals at S4, one at S1 (a 503 counts as a rejection too), one quota refusal that
+    named no stage; an ok request's stage and a timeout are not rejections."""
+    run = run_of([failed(0, 429, "overloaded", stage="S4_REJECT"),
+                  failed(1, 429, "overloaded", stage="S4_REJECT"),
+                  failed(2, 503, "unavailable", stage="S1_NO_BATCH"),
+                  failed(3, 429, "quota_streams"),
+                  failed(4, 0, "timeout"),
+                  ok(5, 0.2, [], 1.0)])
+    run.records[5].stage = "S4_REJECT"
+    assert summarize(run)["rejections_by_stage"] == {"S1_NO_BATCH": 1, "S4_REJECT": 2,
+                                                     "none": 1}
+    assert summarize(run_of([ok(0, 0.2, [], 1.0)]))["rejections_by_stage"] == {}
+
+
+def test_queue_time_is_summarised_by_class_from_the_servers_wait_queue_s():
+    """Interactive: three ok requests waited 0, 0.2 and 0.4 s in the router's queue (p50 0.2,
+    two queued at all); a failed one's wait is left out. Batch reported none: None."""
+    chats = [ok(0, 0.2, [], 1.0), ok(1, 0.4, [], 1.0), ok(2, 0.6, [], 1.0),
+             failed(3, 200, "stream_error")]
+    for r, wait in zip(chats, (0.0, 0.2, 0.4, 9.0)):
+        r.timing = {"queue_s": wait + 0.01, "wait_queue_s": wait}
+    s = summarize(run_of([*chats, ok(4, 0.1, [], 1.0, cls="batch")]))
+    chat = s["classes"]["interactive"]["queue_time_s"]
+    assert chat["requests"] == 3 and chat["queued"] == 2
+    assert chat["p50"] == approx(0.2) and chat["mean"] == approx(0.2)
+    assert chat["p99"] == approx(0.2 + 0.98 * 0.2)         # rank 1.98 between 0.2 and 0.4
+    assert s["classes"]["batch"]["queue_time_s"] is None
+    assert s["queue_time_s_by_class"] == {"interactive": chat, "batch": None}
+
+
+def test_the_timeline_names_the_highest_stage_of_each_second():
+    """Second 0: S0 and S2 decisions -> 2; second 1: only a request that named no stage -> None;
+    second 2: an S4 refusal -> 4, rejected 1."""
+    rows = [ok(0, 0.1, [], 0.5, send=0.1), ok(1, 0.1, [], 0.5, send=0.6),
+            ok(2, 0.1, [], 0.5, send=1.2),
+            RequestRecord(3, "interactive", "a", 2.5, send_s=2.5, status=429, error="overloaded",
+                          stage="S4_REJECT")]
+    rows[0].stage, rows[1].stage = "S0_NORMAL", "S2_CAP_OUTPUT"
+    timeline = summarize(run_of(rows))["timeline"]
+    assert [(r["stage"], r["rejected"]) for r in timeline] == [(2, 0), (None, 0), (4, 1)]
+
+
+def test_a_record_saved_before_stages_were_recorded_still_loads(tmp_path):
+    """run.json written by an older tester has no `stage`: it loads as None."""
+    run = run_of([ok(0, 0.1, [], 0.5)])
+    d = run.to_dict()
+    del d["records"][0]["stage"]
+    assert RunResult.from_dict(d).records[0].stage is None

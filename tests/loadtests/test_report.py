@@ -11,7 +11,7 @@ from loadtests.report import class_table, render_markdown, write_report
 
 FILES = {"run": "run.json", "summary": "summary.json", "report": "report.md",
          "ttft_cdf": "ttft_cdf.png", "itl_cdf": "itl_cdf.png",
-         "latency_over_time": "latency_over_time.png",
+         "latency_over_time": "latency_over_time.png", "stage_timeline": "stage_timeline.png",
          "tenant_throughput": "tenant_throughput.png"}
 
 
@@ -78,7 +78,8 @@ def test_report_writes_every_file_and_the_markdown_shows_the_class_rows(tmp_path
     assert "| acme | 2 | 8 | 5 | 20 | 3.3 |" in md
     assert "| rate_limited | 3 |" in md
     assert "Jain's fairness index (service against each tenant's weighted max-min fair share): 0.785" in md
-    for name in ("ttft_cdf", "itl_cdf", "latency_over_time", "tenant_throughput"):
+    for name in ("ttft_cdf", "itl_cdf", "latency_over_time", "stage_timeline",
+                 "tenant_throughput"):
         assert f"({name}.png)" in md
 
 
@@ -109,3 +110,24 @@ def test_the_report_has_a_phase_table_only_when_the_server_reported_phases():
     md = render_markdown(summarize(run))
     assert "## Phases (server-reported)" in md
     assert "| 10.0 / 10.0 | 20.0 / 20.0 | 3.0 / 3.0 | 100.0 / 100.0 |" in md
+
+
+def test_the_report_shows_queue_time_and_rejections_by_stage_when_the_server_said_them(tmp_path):
+    """The server named a stage on every decision (S0 for the first half, S4 after) and reported
+    each admitted request's time in the router's wait queue (20 ms): the markdown has the queue
+    table and the rejections by stage, and the stage timeline is drawn from the summary."""
+    run = make_run()
+    md = render_markdown(summarize(run))
+    assert "## Time in the router's wait queue" not in md
+    assert "Rejections by overload stage: none 3." in md        # no stage said: "none"
+    for r in run.records:
+        r.stage = "S0_NORMAL" if r.send_s < 3 else "S4_REJECT"
+        if r.ok:
+            r.timing = {"queue_s": 0.03, "wait_queue_s": 0.02}
+    summary = check_complete_report(run, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "## Time in the router's wait queue (server-reported)" in md
+    assert "| interactive | 9 | 9 | 20.0 / 20.0 / 20.0 | 20.0 |" in md
+    # rejected: i = 3, 7, 11 sent at 1.06, 2.46 and 3.86 s
+    assert "Rejections by overload stage: S0_NORMAL 2, S4_REJECT 1." in md
+    assert [row["stage"] for row in summary["timeline"]] == [0, 0, 0, 4, 4, 4]

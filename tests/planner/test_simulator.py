@@ -90,7 +90,10 @@ def test_a_tiny_decode_pool_refuses_what_it_cannot_reserve():
     refused = [r for r in outcome.run.records if r.status == 429]
     assert refused and all(r.error == "http_429:overloaded" for r in refused)
     assert any(r.ok for r in outcome.run.records)
-    assert summarize(outcome.run)["overall"]["rejected"] == len(refused)
+    summary = summarize(outcome.run)
+    assert summary["overall"]["rejected"] == len(refused)
+    # no overload stages in the simulation: its refusals name none
+    assert summary["rejections_by_stage"] == {"none": len(refused)}
 
 
 def test_the_summary_has_the_bench_keys_and_bench_compare_reads_it(tmp_path):
@@ -102,10 +105,16 @@ def test_the_summary_has_the_bench_keys_and_bench_compare_reads_it(tmp_path):
     written = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert printed == written
     assert {"meta", "duration_s", "classes", "overall", "tenants", "jain_index",
-            "errors_by_reason", "retry_after_s", "timeline"} <= written.keys()
+            "errors_by_reason", "retry_after_s", "timeline", "prediction_error",
+            "rejections_by_stage", "queue_time_s_by_class"} <= written.keys()
     assert written["meta"]["workload"] == "mixed" and written["meta"]["simulated"] is True
     for c in written["classes"].values():
-        assert {"ttft_s", "itl_s", "e2e_s", "attainment", "goodput_rps", "phases"} <= c.keys()
+        assert {"ttft_s", "itl_s", "e2e_s", "attainment", "goodput_rps", "phases",
+                "queue_time_s"} <= c.keys()
+    # the simulated router admits at once: every served request waited 0 in its queue
+    chat = written["queue_time_s_by_class"]["interactive"]
+    assert chat["queued"] == 0 and chat["p99"] == 0.0 and chat["requests"] >= 1
+    assert {"stage_timeline.png"} <= {p.name for p in (tmp_path / "sim").iterdir()}
     assert {"report.md", "run.json", "ttft_cdf.png"} <= {p.name for p in (tmp_path / "sim").iterdir()}
     compared = kvfleet("bench", "compare", "--summary", str(tmp_path / "sim" / "summary.json"),
                        "--summary", str(tmp_path / "sim" / "summary.json"),

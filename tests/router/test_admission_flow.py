@@ -19,10 +19,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tests.waiting import wait_until
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant, TrafficClass
 from services.protocol import status
+from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.admission import AdmissionConfig
 from services.router.placement import kv_blocks_needed
+from services.router.service import RouterServicer
 from services.router.stages import S1, S2, S4, StageConfig
+from services.router.waiting import RETRY_MIN_S, DrainRate
 from services.state.fleet_state import FleetState
 from services.state.stage_record import StageStore
 from services.state.wait_queue import WaitQueue
@@ -100,6 +104,7 @@ def test_a_request_waits_for_a_full_pool_and_is_admitted_when_a_reservation_free
                 await cancel(workers, plans.pop(0))      # a reservation frees: the worker says so
                 plan = await waiter
                 assert plan.decode.worker_id == "decode-0"
+                assert plan.queue_wait_s > 0 and plans[0].queue_wait_s == 0   # it says it waited
                 plans.append(plan)
                 assert await _waiting(queue, "document", 0)
         finally:
@@ -262,3 +267,55 @@ def test_queue_entries_and_reservations_come_back_to_zero_however_waiters_end(
                 await close()
     asyncio.run(story())
     assert wait_until(lambda: held(workers.stats("decode-0")) == 0, 10)
+
+
+def test_a_refusals_retry_after_follows_the_fleets_drain_rate(workers, normal_stage):  # noqa: F811
+    """At S4 a refusal prices its Retry-After as the blocks the request needs over the decode
+    blocks the fleet freed per second (the workers' capacity notifications through Redis, over
+    the router's 10-s window, on a clock the test holds): nothing freed yet, the floor; 1x its
+    blocks freed, 10 s; 5x, 2 s; once the window has passed, the floor again."""
+    stats = workers.stats("decode-0")
+    blocks = kv_blocks_needed(stats, len(PROMPT), pb.SamplingParams(max_tokens=8))
+    now = [0.0]
+
+    async def story():
+        await set_stage(workers.redis_url, S4)
+        state = FleetState(workers.redis_url)
+        servicer = RouterServicer(state, "disagg", "r-drain", auth=workers.auth, policy=POLICY)
+        servicer.wakeups.drain = DrainRate(window_s=10.0, clock=lambda: now[0])
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = internal_channel(f"127.0.0.1:{port}", workers.auth)
+        router = pb_grpc.RouterStub(channel)
+        ids = itertools.count()
+
+        async def retry_after() -> float:
+            st = await refusal(router, request(f"drain-{next(ids)}", PROMPT, 8, "interactive"))
+            assert st.stage == pb.S4_REJECT
+            return st.retry_after_s
+
+        async def freed(n: int) -> None:
+            before = servicer.wakeups.drain.blocks_per_s()
+            async with FleetState(workers.redis_url) as notifier:
+                await WaitQueue(notifier.redis, notifier.ns).notify(n)
+
+            async def counted() -> bool:
+                return servicer.wakeups.drain.blocks_per_s() > before
+            await until(counted)
+        try:
+            assert await retry_after() == pytest.approx(RETRY_MIN_S)     # nothing freed yet
+            await asyncio.wait_for(servicer.wakeups.subscribed.wait(), 30)
+            await freed(blocks)                      # blocks / 10 s: the request's in 10 s
+            assert await retry_after() == pytest.approx(10.0)
+            await freed(4 * blocks)                  # five times as fast: 2 s
+            assert await retry_after() == pytest.approx(2.0)
+            now[0] += 10.5                           # the window forgets both
+            assert await retry_after() == pytest.approx(RETRY_MIN_S)
+        finally:
+            await channel.close()
+            await server.stop(0)
+            await servicer.close()
+            await state.close()
+    asyncio.run(story())

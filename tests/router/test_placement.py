@@ -4,14 +4,12 @@ then by batch size, each less what routers placed there since the beat; ties go 
 worker ids from the router's turn, so a burst over equal replicas alternates."""
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router.predict import PATH_S
 from services.router.placement import (Placed, can_ever_hold, free_unreserved_blocks,
-                                       kv_blocks_needed, prefill_cost, rank_decode, rank_mixed, rank_prefill,
+                                       kv_blocks_needed, prefill_score, rank_decode, rank_mixed, rank_prefill,
                                        room_after)
 from services.router.service import RouterServicer
 from tests.state.test_fleet_state import make_stats
@@ -71,22 +69,32 @@ def test_a_worker_promised_past_its_free_blocks_has_no_room_not_negative_room():
     assert free_unreserved_blocks(over) == 0
 
 
-def test_prefill_prefers_the_shortest_queue_and_counts_the_prompt_at_the_prefill_rate():
+def test_prefill_prefers_the_shortest_queue_and_counts_the_prompt_in_tokens():
     p0 = make_stats("p0", "prefill", queued_prefill_tokens=4096, prefill_tokens_per_s=1000)
     p1 = make_stats("p1", "prefill", queued_prefill_tokens=0, prefill_tokens_per_s=1000)
-    # the prompt at the rate, no queue, plus the fixed hops to a first token
-    assert prefill_cost(p1, 33) == pytest.approx(PATH_S + 33 / 1000)
+    assert prefill_score(p1, 33) == 33 and prefill_score(p0, 33) == 4096 + 33
     assert ids(rank_prefill([p0, p1], 33)) == ["p1", "p0"]
 
 
 def test_prefill_counts_only_the_tokens_a_worker_does_not_hold():
     busy = make_stats("p0", "prefill", queued_prefill_tokens=300, prefill_tokens_per_s=1000)
     idle = make_stats("p1", "prefill", queued_prefill_tokens=0, prefill_tokens_per_s=1000)
-    assert prefill_cost(busy, 1000, cached_tokens=960) == pytest.approx(PATH_S + (300 + 40) / 1000)
+    assert prefill_score(busy, 1000, cached_tokens=960) == 300 + 40
     # busy holds 960 of the prompt's 1000 tokens: waiting 300 beats computing 1000
     assert ids(rank_prefill([busy, idle], 1000, cached={"p0": 960})) == ["p0", "p1"]
     # a prefix worth less than the queue ahead of it does not win
     assert ids(rank_prefill([busy, idle], 1000, cached={"p0": 160})) == ["p1", "p0"]
+
+
+def test_a_held_prefix_wins_whatever_rates_the_workers_publish():
+    """One worker has measured its drain rate on short prompts (slow); the other still publishes
+    its prior's full-budget rate (40 times faster). Rates measured on different prompts, or a
+    prior beside a measurement, say nothing about which worker is faster: the worker holding
+    112 of the prompt's 138 tokens computes 26, the other 138, and it wins."""
+    measured = make_stats("p0", "prefill", prefill_drain_tokens_per_s=25_000)
+    prior = make_stats("p1", "prefill", prefill_drain_tokens_per_s=1_024_000)
+    for turn in range(2):
+        assert ids(rank_prefill([measured, prior], 138, turn, cached={"p0": 112})) == ["p0", "p1"]
 
 
 def test_a_mixed_worker_holding_the_prefix_wins_while_it_has_room():
@@ -190,7 +198,7 @@ def test_a_smaller_batch_never_ranks_below_a_larger_one_at_equal_room(fleet):
 def test_prefill_rank_is_by_cost_and_a_shorter_queue_never_loses(fleet, prompt_tokens):
     ranked = rank_prefill(fleet, prompt_tokens)
     assert sorted(ids(ranked)) == sorted(w.worker_id for w in fleet if w.role == "prefill")
-    costs = [prefill_cost(w, prompt_tokens) for w in ranked]
+    costs = [prefill_score(w, prompt_tokens) for w in ranked]
     assert costs == sorted(costs)
     pos = {w.worker_id: i for i, w in enumerate(ranked)}
     for a in ranked:

@@ -279,7 +279,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage", "predicted_wait_s", "predicted_prefill_s", "predicted_transfer_s", "predicted_decode_wait_s", "pool", "model", "quality_version", "output_cap")
+    __slots__ = ("request_id", "mode", "prefill", "decode", "target", "deadline_unix_s", "router_id", "predicted_ttft_s", "stage", "predicted_wait_s", "predicted_prefill_s", "predicted_transfer_s", "predicted_decode_wait_s", "pool", "model", "quality_version", "output_cap", "queue_wait_s")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[Plan.Mode]
@@ -305,6 +305,7 @@ class Plan(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUALITY_VERSION_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CAP_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Plan.Mode
     prefill: _containers.RepeatedCompositeFieldContainer[WorkerRef]
@@ -322,7 +323,8 @@ class Plan(_message.Message):
     model: str
     quality_version: str
     output_cap: int
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_transfer_s: _Optional[float] = ..., predicted_decode_wait_s: _Optional[float] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., quality_version: _Optional[str] = ..., output_cap: _Optional[int] = ...) -> None: ...
+    queue_wait_s: float
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_transfer_s: _Optional[float] = ..., predicted_decode_wait_s: _Optional[float] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., quality_version: _Optional[str] = ..., output_cap: _Optional[int] = ..., queue_wait_s: _Optional[float] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype", "tensor_parallel_size", "k_scale", "v_scale")
