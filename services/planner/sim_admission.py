@@ -195,7 +195,8 @@ class SimAdmission:
         self.predicted: dict[str, float] = {}        # request id -> predicted TTFT from arrival
         self.decisions: list[Decided] = []
         self._wake_due = False
-        self.keeper_ticks = 0
+        self._changes = 0
+        self._cached: tuple | None = None
 
     @property
     def now(self) -> float:
@@ -211,16 +212,19 @@ class SimAdmission:
 
     def stepped(self, w) -> None:
         s = w.engine.last_step
+        self._changes += 1
         if s is not None:
             self.rates[w.worker_id].on_step(s.prefill_tokens, s.decode_tokens, s.attention_pairs,
                                             s.duration_s, s.gap_s)
 
     def kv_written(self, w, nbytes: int, seconds: float) -> None:
+        self._changes += 1
         self.rates[w.worker_id].kv_written(nbytes, seconds)
 
     def freed(self, w, blocks: int, finished: bool) -> None:
         """A decode (or mixed) worker freed `blocks` (a sequence ended, a reservation released):
         its capacity notification, delivered to the waiters once this instant's events are done."""
+        self._changes += 1
         if w.role not in ("decode", "mixed"):
             return
         if finished:
@@ -238,6 +242,11 @@ class SimAdmission:
                 actual = max(r.ttft_s, 1e-9)
                 r.timing["predicted_ttft_s"] = predicted
                 r.timing["ttft_prediction_error"] = (predicted - actual) / actual
+
+    def refused_indices(self) -> list[int]:
+        """The planned indices of the requests the router refused (an engine may refuse more)."""
+        return sorted(int(d.request_id.removeprefix("sim-")) for d in self.decisions
+                      if not d.admitted)
 
     def summary(self) -> dict:
         """The summary's admission fields (see docs/benchmarks.md)."""
@@ -371,7 +380,6 @@ class SimAdmission:
 
     # ------------------------------------------------------------ the stage keeper
     def _keeper(self) -> None:
-        self.keeper_ticks += 1
         now = self.now
         decision = self.machine.decide(self.stage, self.since, self.signals(), now)
         if decision.changed:
@@ -396,16 +404,27 @@ class SimAdmission:
 
     # ------------------------------------------------------------ what workers publish
     def _stats(self) -> list[pb.WorkerStats]:
-        from services.planner.simulator import worker_stats  # noqa: PLC0415
-        out = []
-        for w in self.sim.workers:
-            s = worker_stats(w.worker_id, w.role, w.engine)
-            es = w.engine.stats()
-            s.queued_prefill_tokens_ahead.update(es.prefill_tokens_ahead)
-            for tenant, seqs, kv in es.tenants:
-                s.tenants.add(tenant=tenant, sequences=seqs, kv_blocks=kv)
-            for k, v in self.rates[w.worker_id].fields().items():
-                setattr(s, k, v)
-            out.append(s)
-        return out
+        """What every worker would publish now. Built once per state of the fleet: the engines
+        change only by a step (steps), a placement (turn), or an ending, a rejection or a KV
+        hand-off (the hooks count those in `_changes`)."""
+        key = (self.now, self.sim.steps, self.sim.turn, self._changes)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, [self._published(w) for w in self.sim.workers])
+        return self._cached[1]
+
+    def _published(self, w) -> pb.WorkerStats:
+        es = w.engine.stats()
+        s = pb.WorkerStats(worker_id=w.worker_id, role=w.role, kv_blocks_total=es.kv_blocks_total,
+                           kv_blocks_free=es.kv_blocks_free, kv_blocks_used=es.kv_blocks_used,
+                           kv_blocks_reserved=es.kv_blocks_reserved, num_running=es.num_running,
+                           num_queued=es.num_queued,
+                           queued_prefill_tokens=es.queued_prefill_tokens,
+                           block_size=w.engine.config.block_size,
+                           max_model_len=w.engine.max_model_len)
+        s.queued_prefill_tokens_ahead.update(es.prefill_tokens_ahead)
+        for tenant, seqs, kv in es.tenants:
+            s.tenants.add(tenant=tenant, sequences=seqs, kv_blocks=kv)
+        for k, v in self.rates[w.worker_id].fields().items():
+            setattr(s, k, v)
+        return s
 

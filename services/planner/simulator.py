@@ -448,6 +448,8 @@ def simulate(spec: WorkloadSpec, cfg: SimRunConfig) -> SimOutcome:
     run = sim.run()
     t2 = time.perf_counter()
     run.meta["target"] = target_meta(sim_cfg.sim)    # meta holds no wall time: same seed, same file
+    if sim.gate is not None:
+        run.meta["router_refused"] = sim.gate.refused_indices()
     return SimOutcome(run, wall_s=t2 - t0, setup_s=t1 - t0, simulated_s=sim.end_s, steps=sim.steps,
                       admission=sim.gate.summary() if sim.gate is not None else None)
 

@@ -89,9 +89,9 @@ def test_a_request_is_refused_only_when_even_its_best_case_misses_its_target():
 
 def test_stages_are_entered_in_order_under_a_ramp_one_change_per_dwell():
     # overload-ramp far past what one small-KV replica holds, a short dwell to see the stages
-    spec = load_workload("overload-ramp").with_overrides(duration_s=12.0, rate_scale=6.0)
+    spec = load_workload("overload-ramp").with_overrides(duration_s=6.0, rate_scale=6.0)
     policy = AdmissionConfig(stages=StageConfig(min_dwell_s=1.0))
-    sim = run_sim(spec, config(spec, "colocated:1", kv_tokens=120_000, policy=policy))
+    sim = run_sim(spec, config(spec, "colocated:1", kv_tokens=60_000, policy=policy))
     timeline = sim.gate.timeline
     stages = [e["stage"] for e in timeline]
     assert stages[0] == S0 and max(stages) >= 2, timeline
