@@ -90,7 +90,28 @@ def ramp(on_dir: str, off_dir: str, n: int) -> str:
               f"- admitted SLO attainment {met_on / max(1, len(admitted)):.1%} "
               f"({met_on} of {len(admitted)}); with admission off "
               f"{1 - missed_off / max(1, len(run_off.records)):.1%}"]
+    lines.append(waited_and_missed(run_on, by_router))
     return "\n".join(lines)
+
+
+def waited_and_missed(run: RunResult, by_router: set[int]) -> str:
+    """Admitted requests that waited in the router's queue, and how many of them then missed
+    their TTFT target (the router compares its prediction from the moment it admits with the
+    whole target, not with what is left of it)."""
+    if not any(r.timing and "router_wait_s" in r.timing for r in run.records):
+        return "- admitted after waiting: not recorded in this run"
+    waited = [r for r in run.records if r.index not in by_router and r.timing
+              and r.timing.get("predicted_ttft_s") is not None and r.ok
+              and r.timing["predicted_ttft_s"] > 0 and _queued(r)]
+    slo = {r.index: _slo(run, r) for r in waited}
+    missed = sum(slo[r.index].ttft_s is not None and r.ttft_s > slo[r.index].ttft_s
+                 for r in waited)
+    return f"- admitted after waiting in the router's queue: {len(waited)}, of which {missed} " \
+           f"missed their TTFT target"
+
+
+def _queued(r) -> bool:
+    return r.timing.get("router_wait_s", 0.0) > 0
 
 
 def tenants(run_dir: str, solo_dir: str, names: list[str]) -> str:

@@ -194,6 +194,7 @@ class SimAdmission:
         self.queue_s: dict[str, list[float]] = defaultdict(list)
         self.predicted: dict[str, float] = {}        # request id -> predicted TTFT from arrival
         self.decisions: list[Decided] = []
+        self.waited: dict[str, float] = {}           # request id -> seconds in the wait queue
         self._wake_due = False
         self._changes = 0
         self._cached: tuple | None = None
@@ -241,6 +242,7 @@ class SimAdmission:
             if predicted is not None and r.ok and r.timing is not None:
                 actual = max(r.ttft_s, 1e-9)
                 r.timing["predicted_ttft_s"] = predicted
+                r.timing["router_wait_s"] = self.waited.get(f"sim-{r.index}", 0.0)
                 r.timing["ttft_prediction_error"] = (predicted - actual) / actual
 
     def refused_indices(self) -> list[int]:
@@ -342,6 +344,7 @@ class SimAdmission:
             return Miss("decode slot", p, blocks)
         waited = self.now - self.waiters[rid].began
         self.predicted[rid] = waited + p.total_s - PATH_S
+        self.waited[rid] = waited
         return p
 
     # ------------------------------------------------------------ outcomes
