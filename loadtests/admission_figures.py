@@ -84,12 +84,15 @@ def ramp(on_dir: str, off_dir: str, n: int) -> str:
     met_on = sum(meets_slo(r, _slo(run_on, r)) for r in admitted)
     run_off = runs["off"][0]
     missed_off = sum(not meets_slo(r, _slo(run_off, r)) for r in run_off.records)
+    served_off = [r for r in run_off.records if not (r.status == 429 and r.ttft_s is None)]
+    met_off = sum(meets_slo(r, _slo(run_off, r)) for r in served_off)
     lines += [f"- would it have met: refused by the router {refused} (and {late} late by an "
               f"engine) vs missed their SLO with admission off {missed_off} "
-              f"(of {len(run_off.records)})",
+              f"(of {len(run_off.records)}; {len(run_off.records) - len(served_off)} of them "
+              f"refused before a token with admission off)",
               f"- admitted SLO attainment {met_on / max(1, len(admitted)):.1%} "
-              f"({met_on} of {len(admitted)}); with admission off "
-              f"{1 - missed_off / max(1, len(run_off.records)):.1%}"]
+              f"({met_on} of {len(admitted)}); with admission off, of those not refused "
+              f"{met_off / max(1, len(served_off)):.1%} ({met_off} of {len(served_off)})"]
     lines.append(waited_and_missed(run_on, by_router))
     return "\n".join(lines)
 
