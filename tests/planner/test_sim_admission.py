@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loadtests.metrics import summarize
 from loadtests.workload import load_workload
@@ -110,3 +112,22 @@ def test_the_cli_refuses_an_unknown_admission_mode(value, capsys):
     with pytest.raises(SystemExit):
         main(["sim", "run", "--workload", "chat-only", "--fleet", "colocated:1",
               "--admission", value])
+
+
+@given(st.lists(st.tuples(st.floats(0, 100), st.booleans()), max_size=40),
+       st.integers(1, 8))
+def test_the_wait_line_wakes_waiters_in_deadline_order_and_forgets_those_gone(entries, width):
+    from services.planner.sim_admission import WaitLine
+    line = WaitLine()
+    for i, (deadline, _) in enumerate(entries):
+        line.enqueue(f"r{i}", "interactive", deadline, now=float(i))
+    for i, (_, gone) in enumerate(entries):
+        if gone:
+            line.leave(f"r{i}", "interactive")
+    left = sorted((d, i) for i, (d, gone) in enumerate(entries) if not gone)
+    assert line.waiting("interactive") == len(left)
+    assert line.first("interactive", width) == [f"r{i}" for _, i in left[:width]]
+    assert line.waiting("batch") == 0 and line.first("batch", width) == []
+    oldest = min((i for _, i in left), default=None)
+    now = float(len(entries))
+    assert line.oldest_age_s("interactive", now) == (0.0 if oldest is None else now - oldest)
