@@ -90,6 +90,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="sim-report",
                    help="folder for run.json, summary.json, report.md, PNGs (as kvfleet bench serve)")
     p.add_argument("--json", action="store_true", help="print summary.json's content")
+    p.add_argument("--admission", choices=("on", "off"), default="off",
+                   help="on: the router's admission, wait queue and overload stages decide each "
+                        "request (services/planner/sim_admission.py); off: every request is placed")
 
 
 def sim_config_of(args: argparse.Namespace):
@@ -115,8 +118,10 @@ def run_sim(args: argparse.Namespace) -> int:
     from services.planner.simulator import Fleet, SimRunConfig, simulate  # noqa: PLC0415
     try:
         spec = spec_from_args(args)
-        cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim_config_of(args), model=args.model,
+        sim = sim_config_of(args)
+        cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim, model=args.model,
                            engine=EngineConfig(kv_cache_mib=args.kv_cache_mib),
+                           admission=admission_of(args.admission, spec, sim.network_gbps),
                            hybrid_threshold_tokens=args.hybrid_threshold_tokens)
         if args.hybrid_threshold_tokens < 0:
             raise ValueError("--hybrid-threshold-tokens must be >= 1 (0: the model's split)")
@@ -130,6 +135,8 @@ def run_sim(args: argparse.Namespace) -> int:
     out = Path(args.out)
     paths = write_report(run, out)
     summary = json.loads(paths["summary"].read_text())
+    if outcome.admission is not None:
+        summary = add_admission(paths, summary, outcome.admission)
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
@@ -199,3 +206,22 @@ def run_study(args: argparse.Namespace) -> int:
               f"{k['goodput_rps']:.2f} req/s = {k['goodput_rps_per_gpu']:.3f} per GPU "
               f"({k['gpus']} GPUs)")
     return 0
+
+
+def admission_of(mode: str, spec, network_gbps: float):
+    """The router's admission for `--admission on` (None: off)."""
+    if mode != "on":
+        return None
+    from services.planner.sim_admission import SimAdmissionConfig, policy_for  # noqa: PLC0415
+    return SimAdmissionConfig(policy=policy_for(spec, network_gbps))
+
+
+def add_admission(paths: dict, summary: dict, fields: dict) -> dict:
+    """summary.json and report.md gain the admission's fields: refusals by stage, queue time by
+    class and the stage timeline."""
+    from services.planner.sim_report import admission_markdown  # noqa: PLC0415
+    summary = {**summary, **fields}
+    paths["summary"].write_text(json.dumps(summary, indent=1))
+    with paths["report"].open("a") as f:
+        f.write(admission_markdown(fields))
+    return summary

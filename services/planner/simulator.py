@@ -105,6 +105,8 @@ class SimRunConfig:
     # hybrid: the longest prompt served co-located (0: the capacity model's split for a target,
     # else the router's default; services/planner/hybrid.py)
     hybrid_threshold_tokens: int = 0
+    # the router's admission and stages (services/planner/sim_admission.py); None: place all
+    admission: object | None = None
 
 
 class VirtualClock:
@@ -143,12 +145,12 @@ class _Worker:
     steps: int = 0
 
 
-ARRIVE, STEP_END, KV_LANDED = 0, 1, 2
+ARRIVE, STEP_END, KV_LANDED, CALL = 0, 1, 2, 3
 
 
 class Simulation:
     def __init__(self, spec: WorkloadSpec, cfg: SimRunConfig, timer: StepTimer,
-                 transfer_s: Callable[[int], float]) -> None:
+                 transfer_s: Callable[[int], float], kv_bytes_per_token: int = 0) -> None:
         self.spec = spec
         self.cfg = cfg
         self.clock = VirtualClock()
@@ -166,6 +168,10 @@ class Simulation:
         self.turn = 0            # where placement ties start; turned once a placement (the router's)
         self.paths = Paths(cfg.fleet.mode, hybrid_threshold(cfg))   # the router's path choice
         self.roles = set(cfg.fleet.roles())
+        self.gate = None         # the router's admission (sim_admission.SimAdmission), if on
+        if cfg.admission is not None:
+            from services.planner.sim_admission import SimAdmission  # noqa: PLC0415
+            self.gate = SimAdmission(self, cfg.admission, kv_bytes_per_token)
 
     # ------------------------------------------------------------------ setup
     def _engine(self, role: str):
@@ -186,6 +192,8 @@ class Simulation:
     def run(self) -> RunResult:
         for p in self.planned:
             self._push(p.at_s, ARRIVE, p)
+        if self.gate is not None:
+            self.gate.start()
         while self._events:
             at, _, kind, data = heapq.heappop(self._events)
             self.clock.now = at
@@ -194,8 +202,10 @@ class Simulation:
                 self._arrive(data)
             elif kind == STEP_END:
                 self._step_end(*data)
-            else:
+            elif kind == KV_LANDED:
                 self._kv_landed(data)
+            else:
+                data()
         self._strand_unfinished()
         return self._result()
 
@@ -207,23 +217,47 @@ class Simulation:
         # as the load tester sends: greedy, ignore_eos, max_tokens as planned
         params = SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True)
         track = self.tracks[rid] = _Track(rec, p, prompt, params)
-        if self.paths.path(len(prompt), self.roles) == "colocated":
-            self._place_colocated(rid, track)
-        else:
-            self._place_disagg(rid, track)
+        if self.gate is not None:
+            self.gate.arrive(rid)
+        elif not self.place(rid, track):
+            self.refuse(track, "no decode replica can reserve KV for this request", 1.0)
 
-    def _place_colocated(self, rid: str, track: _Track) -> None:
+    # ---------------------------------------------------------------- hooks
+    def call_at(self, at: float, fn: Callable[[], None]) -> None:
+        self._push(at, CALL, fn)
+
+    def pending(self) -> bool:
+        return bool(self._events)
+
+    def place(self, rid: str, track: _Track, only: list[str] | None = None) -> bool:
+        """Place a request (on the workers `only` names, when given); False: no decode worker
+        could reserve KV for it (nothing placed)."""
+        if self.path(len(track.prompt)) == "colocated":
+            self._place_colocated(rid, track, only)
+            return True
+        return self._place_disagg(rid, track, only)
+
+    def path(self, prompt_tokens: int) -> str:
+        """"colocated" or "disagg": the router's path for a prompt (services/router/paths.py)."""
+        return self.paths.path(prompt_tokens, self.roles)
+
+    def refuse(self, track: _Track, detail: str, retry_after_s: float) -> None:
+        self._fail(track, 429, "http_429:overloaded", detail, retry_after_s=retry_after_s)
+
+    def _place_colocated(self, rid: str, track: _Track, only: list[str] | None = None) -> None:
         ranked = rank_decode(self._stats(), "mixed", None, self.turn)
+        ranked = [s for s in ranked if only is None or s.worker_id in only]
         w = self._by_id(ranked[0].worker_id)
         self.turn += 1
         if self._add(w, rid, track):
             track.prefill_worker = track.decode_worker = self.workers.index(w)
             self._kick(w)
 
-    def _place_disagg(self, rid: str, track: _Track) -> None:
+    def _place_disagg(self, rid: str, track: _Track, only: list[str] | None = None) -> bool:
         stats = self._stats()
         p, n = track.planned, len(track.prompt)
         ranked = rank_decode(stats, "decode", None, self.turn)
+        ranked = [s for s in ranked if only is None or s.worker_id in only]
         prefill = self._by_id(rank_prefill(stats, n, self.turn)[0].worker_id)
         candidates = [s for s in ranked if can_ever_hold(s, n, _pb_params(track.params))] or ranked[:1]
         decode = None
@@ -234,21 +268,20 @@ class Simulation:
                                                  tenant=p.tenant, traffic_class=p.traffic_class)
             except InvalidRequestError as e:
                 self._fail(track, 400, f"http_400:{e.code}", str(e))
-                return
+                return True
             if blocks is not None:
                 decode = w
                 self.turn += 1
                 break
         if decode is None:
-            self._fail(track, 429, "http_429:overloaded",
-                       "no decode replica can reserve KV for this request", retry_after_s=1.0)
-            return
+            return False
         track.decode_worker = self.workers.index(decode)
         if self._add(prefill, rid, track):
             track.prefill_worker = self.workers.index(prefill)
             self._kick(prefill)
         else:
             decode.engine.cancel(rid)
+        return True
 
     def _add(self, w: _Worker, rid: str, track: _Track) -> bool:
         p = track.planned
@@ -272,6 +305,8 @@ class Simulation:
             return
         w.busy = True
         w.steps += 1
+        if self.gate is not None:
+            self.gate.stepped(w)
         self.steps += 1
         d = max(w.engine.last_step_modelled_s, MIN_STEP_S)
         self._push(self.clock.now + d, STEP_END, (w, outputs))
@@ -297,6 +332,7 @@ class Simulation:
                            retry_after_s=out.retry_after_s)
                 if track.decode_worker is not None and w.role == "prefill":
                     self.workers[track.decode_worker].engine.cancel(out.request_id)
+                self._freed(track, finished=False)
             elif out.finish_reason == "prefilled":
                 first = out.new_token_ids[-1] if out.new_token_ids else 0
                 self._push(now + self.transfer_s(len(track.prompt)), KV_LANDED,
@@ -307,6 +343,15 @@ class Simulation:
                 rec.timing = self._timing(track, now)
                 if w.role == "prefill":          # ended at its first token: nothing to decode
                     self.workers[track.decode_worker].engine.cancel(out.request_id)
+                self._freed(track, finished=True)
+
+    def _freed(self, track: _Track, finished: bool) -> None:
+        """The request's decode (or mixed) worker gave back its KV: the router hears of it."""
+        if self.gate is not None and track.decode_worker is not None:
+            w = self.workers[track.decode_worker]
+            blocks = -(-(len(track.prompt) + track.record.output_tokens)
+                       // w.engine.config.block_size)
+            self.gate.freed(w, blocks, finished)
 
     def _token(self, track: _Track, now: float) -> None:
         rec = track.record
@@ -326,6 +371,9 @@ class Simulation:
         decode = self.workers[track.decode_worker]
         prefill.engine.release(rid)
         decode.engine.start_decode(rid, first)
+        if self.gate is not None:
+            n = len(track.prompt)
+            self.gate.kv_written(prefill, n * self.gate.kv_bytes_per_token, self.transfer_s(n))
         self._kick(prefill)              # pages freed: a queued prompt may now be admitted
         self._kick(decode)
 
@@ -356,6 +404,8 @@ class Simulation:
     def _result(self) -> RunResult:
         records = [t.record for t in self.tracks.values()]
         records.sort(key=lambda r: r.index)
+        if self.gate is not None:
+            self.gate.finish(records)
         meta = {"workload": self.spec.name, "workload_path": self.spec.path, "seed": self.spec.seed,
                 "scale": {"rate": self.spec.scale.rate, "prompt": self.spec.scale.prompt,
                           "output": self.spec.scale.output},
@@ -398,6 +448,7 @@ class SimOutcome:
     setup_s: float               # of which setting up (engines, block pools)
     simulated_s: float
     steps: int
+    admission: dict | None = None    # the router's admission fields for the summary, when on
 
     @property
     def speedup(self) -> float:
@@ -413,12 +464,22 @@ def simulate(spec: WorkloadSpec, cfg: SimRunConfig) -> SimOutcome:
         # a profile of this machine: the served model's own KV capacity, as its real worker has
         sim_cfg = replace(cfg, sim=replace(cfg.sim, kv_tokens=served_kv_tokens(cfg)))
     t0 = time.perf_counter()
-    sim = Simulation(spec, sim_cfg, timer, transfer_s)
+    sim = Simulation(spec, sim_cfg, timer, transfer_s,
+                     kv_bytes_per_token=kv_bytes_per_token_of(sim_cfg, timer))
     t1 = time.perf_counter()
     run = sim.run()
     t2 = time.perf_counter()
     run.meta["target"] = target_meta(sim_cfg.sim)    # meta holds no wall time: same seed, same file
-    return SimOutcome(run, wall_s=t2 - t0, setup_s=t1 - t0, simulated_s=sim.end_s, steps=sim.steps)
+    if sim.gate is not None:
+        run.meta["router_refused"] = sim.gate.refused_indices()
+    return SimOutcome(run, wall_s=t2 - t0, setup_s=t1 - t0, simulated_s=sim.end_s, steps=sim.steps,
+                      admission=sim.gate.summary() if sim.gate is not None else None)
+
+
+def kv_bytes_per_token_of(cfg: SimRunConfig, timer) -> int:
+    """The KV bytes a token a simulated worker publishes: the target's, else the served model's."""
+    target = getattr(timer, "target", None)
+    return target.kv_bytes_per_token if target is not None else served_kv_bytes_per_token(cfg)
 
 
 def hybrid_threshold(cfg: SimRunConfig) -> int:
