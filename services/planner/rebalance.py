@@ -48,6 +48,7 @@ class Reason(str, enum.Enum):
     BUDGET = "budget"                   # wanted more, the budget had no room
     OVER_BUDGET = "over_budget"         # the fleet is larger than the budget
     NO_DATA = "no_data"                 # no replica served in the window
+    MANUAL = "manual"                   # an operator set the size (kvfleet rebalance --replicas)
 
 
 @dataclass(frozen=True)
