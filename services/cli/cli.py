@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(ssub, "kvfleet sim run", "a workload through a simulated fleet on a virtual clock "
               "(the real scheduler and router placement, modelled step times): the bench's "
               "report", "services.cli.sim_cmd:add_run_args", "services.cli.sim_cmd:run_sim")
+    _delegate(ssub, "kvfleet sim rebalance", "the rebalancer in the loop: a trace whose mix shifts, "
+              "pool sizes over time and goodput against fixed-ratio fleets (a PNG and JSON)",
+              "services.cli.sim_rebalance_cmd:add_args", "services.cli.sim_rebalance_cmd:run")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)

@@ -5,7 +5,9 @@ Measured over `--window-s` (services/planner/rebalance.py decides on it):
   replicas     the fleet's primary-pool workers by role (their Redis records); only the workers
                present at both ends of the window count (one that started inside it is warming up)
   busy_s       each counted worker's `kvfleet_busy_seconds_total` (its /metrics, every phase)
-               at the window's end less at its start
+               at the window's end less at its start; a decode pool's weighted by its steps'
+               share of the ITL target (`kvfleet_iteration_tokens_count{phase="decode"}` steps;
+               services/planner/rebalance.py, decode_work_s)
   tails        TTFT p99 (`gen_ai_server_time_to_first_token_seconds`) and ITL p99
                (`kvfleet_inter_token_latency_seconds`) of the window, from the gateways' /metrics
                histograms (the bucket counts' growth, interpolated inside the bucket)
@@ -43,12 +45,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.planner.rebalance import (POOLS, Decision, Outcome, PoolWindow, RebalanceConfig,
-                                        RebalanceState, Reason, decide)
+                                        RebalanceState, Reason, decide, decode_work_s)
 
 SCRAPE_TIMEOUT_S = 2.0
 TTFT = "gen_ai_server_time_to_first_token_seconds"
 ITL = "kvfleet_inter_token_latency_seconds"
 BUSY = "kvfleet_busy_seconds"
+STEPS = "kvfleet_iteration_tokens"
 NAMESPACE = "kvfleet:"
 
 
@@ -72,6 +75,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=None,
                    help="most replicas, all pools together (default: the fleet's size now: "
                         "replicas move between pools, the fleet does not grow)")
+    p.add_argument("--down-windows", type=int, default=None,
+                   help="low windows in a row before a pool shrinks (default: 1 for one "
+                        "decision, --dry-run / --apply; 3 for --advisory)")
     p.add_argument("--ttft-p99-s", type=float, default=RebalanceConfig.ttft_p99_target_s)
     p.add_argument("--itl-p99-s", type=float, default=RebalanceConfig.itl_p99_target_s)
     p.add_argument("--replicas", action="append", default=[], metavar="POOL=N",
@@ -90,7 +96,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Snapshot:
     at_s: float
-    workers: dict[str, tuple[str, float]]          # worker id -> (role, busy seconds so far)
+    workers: dict[str, tuple[str, float, float]]   # worker id -> (role, busy s, decode steps)
     ttft: dict[float, float]                       # le -> cumulative count, all gateways
     itl: dict[float, float]
 
@@ -126,7 +132,9 @@ async def snapshot(redis_url: str) -> Snapshot:
         pages = await asyncio.gather(*(page(w.metrics_url) for w in workers))
         gw_pages = await asyncio.gather(*(page(g.metrics_url) for g in gateways))
     busy = {w.worker_id: (w.role, sum(s.value for s in p.get(BUSY, [])
-                                      if s.name == BUSY + "_total"))
+                                      if s.name == BUSY + "_total"),
+                          sum(s.value for s in p.get(STEPS, []) if s.name == STEPS + "_count"
+                              and s.labels.get("phase") == "decode"))
             for w, p in zip(workers, pages) if p}
     ttft: dict[float, float] = {}
     itl: dict[float, float] = {}
@@ -152,30 +160,34 @@ def p99(before: dict[float, float], after: dict[float, float]) -> float | None:
     return prev_le
 
 
-def windows_of(a: Snapshot, b: Snapshot) -> dict[str, PoolWindow]:
+def windows_of(a: Snapshot, b: Snapshot, itl_target_s: float) -> dict[str, PoolWindow]:
     """Each pool's window between two snapshots (only workers present in both count)."""
     span = max(b.at_s - a.at_s, 1e-6)
     ttft, itl = p99(a.ttft, b.ttft), p99(a.itl, b.itl)
-    roles = {role for role, _ in b.workers.values()} | {role for role, _ in a.workers.values()}
+    roles = {x[0] for x in b.workers.values()} | {x[0] for x in a.workers.values()}
     out = {}
     for role in sorted(roles & set(POOLS)):
-        both = [w for w, (r, _) in b.workers.items() if r == role and w in a.workers]
+        both = [w for w, x in b.workers.items() if x[0] == role and w in a.workers]
         busy = sum(max(0.0, b.workers[w][1] - a.workers[w][1]) for w in both)
+        if role == "decode":
+            steps = sum(max(0.0, b.workers[w][2] - a.workers[w][2]) for w in both)
+            busy = decode_work_s(busy, int(steps), itl_target_s)
         out[role] = PoolWindow(len(both), busy, span, ttft_p99_s=ttft, itl_p99_s=itl)
     return out
 
 
-async def measure(redis_url: str, window_s: float) -> dict[str, PoolWindow]:
+async def measure(redis_url: str, window_s: float, itl_target_s: float) -> dict[str, PoolWindow]:
     first = await snapshot(redis_url)
     await asyncio.sleep(window_s)
-    return windows_of(first, await snapshot(redis_url))
+    return windows_of(first, await snapshot(redis_url), itl_target_s)
 
 
 # ------------------------------------------------------------------------------ deciding
 def config_of(args: argparse.Namespace, windows: dict[str, PoolWindow]) -> RebalanceConfig:
     budget = args.budget if args.budget is not None else sum(w.replicas for w in windows.values())
+    down = args.down_windows or (3 if args.advisory else 1)
     return RebalanceConfig(target_utilization=args.target_utilization, band=args.band,
-                           cooldown_s=args.cooldown_s, budget=max(1, budget),
+                           cooldown_s=args.cooldown_s, budget=max(1, budget), down_windows=down,
                            ttft_p99_target_s=args.ttft_p99_s, itl_p99_target_s=args.itl_p99_s)
 
 
@@ -218,7 +230,8 @@ def record(outcome: Outcome, mode: str, cfg: RebalanceConfig, windows: dict[str,
             "config": {"target_utilization": cfg.target_utilization, "band": cfg.band,
                        "cooldown_s": cfg.cooldown_s, "budget": cfg.budget,
                        "ttft_p99_target_s": cfg.ttft_p99_target_s,
-                       "itl_p99_target_s": cfg.itl_p99_target_s},
+                       "itl_p99_target_s": cfg.itl_p99_target_s,
+                       "down_windows": cfg.down_windows},
             **({"orders": applied} if applied is not None else {})}
 
 
@@ -377,7 +390,7 @@ def _decide(args, sizes, windows, state) -> tuple[Outcome, RebalanceConfig]:
 
 
 def _once(args: argparse.Namespace, sizes: dict[str, int]) -> int:
-    windows = asyncio.run(measure(args.redis_url, args.window_s))
+    windows = asyncio.run(measure(args.redis_url, args.window_s, args.itl_p99_s))
     state = RebalanceState(last_change_s(args.redis_url))
     outcome, cfg = _decide(args, sizes, windows, state)
     applied, ok = None, True
@@ -400,7 +413,7 @@ def _advisory(args: argparse.Namespace, sizes: dict[str, int]) -> int:
     state, n = RebalanceState(), 0
     try:
         while not stop.is_set() and (args.decisions is None or n < args.decisions):
-            windows = asyncio.run(measure(args.redis_url, args.window_s))
+            windows = asyncio.run(measure(args.redis_url, args.window_s, args.itl_p99_s))
             outcome, cfg = _decide(args, sizes, windows, state)
             state, n = outcome.state, n + 1
             exported.show(outcome)

@@ -7,7 +7,9 @@ Per pool (prefill, decode, or mixed for a co-located fleet), from one window:
 
   demand       replica-seconds of engine work per second = busy seconds / window seconds (the
                busy seconds of the replicas that served in the window: a worker still starting
-               is no replica yet, so its warm-up is not load)
+               is no replica yet, so its warm-up is not load). A decode pool's busy seconds are
+               first weighted by its steps' share of the ITL target (`decode_work_s`): a decode
+               replica is busy whenever one sequence runs, whatever its batch
   utilization  demand / replicas
   wanted       ceil(demand / target_utilization): the replicas that run at the target
   tail         TTFT p99 over its target pushes prefill (mixed: either tail), ITL p99 over its
@@ -15,8 +17,9 @@ Per pool (prefill, decode, or mixed for a co-located fleet), from one window:
 
   up      utilization > target + band, or the tail breaks its target
   down    utilization < target - band and the tail holds, and the pool stays at or under the
-          target after it (down only to what `wanted` says): the hysteresis that keeps a steady
-          load from flapping between two sizes
+          target after it (down only to what `wanted` says), in `down_windows` windows in a row
+          (ups act at once, downs wait: a noisy window does not shrink a pool): the hysteresis
+          that keeps a load from flapping between two sizes
   step    at most max(1, floor(max_step_fraction x replicas)) replicas per decision
   budget  the recommended total never exceeds `budget` (more than one pool wants up: the one
           under most pressure first, a breaking tail before a high utilization); a fleet already
@@ -49,6 +52,7 @@ class Reason(str, enum.Enum):
     OVER_BUDGET = "over_budget"         # the fleet is larger than the budget
     NO_DATA = "no_data"                 # no replica served in the window
     MANUAL = "manual"                   # an operator set the size (kvfleet rebalance --replicas)
+    STABILIZING = "stabilizing"         # wants fewer, not yet for down_windows windows in a row
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class RebalanceConfig:
     min_replicas: int = 1               # per pool
     ttft_p99_target_s: float = 1.0      # DESIGN section 2, interactive class
     itl_p99_target_s: float = 0.100
+    down_windows: int = 3               # a pool shrinks only after this many low windows in a row
 
     def __post_init__(self) -> None:
         problems = []
@@ -72,6 +77,8 @@ class RebalanceConfig:
             problems.append(f"max_step_fraction must be in (0, 1], got {self.max_step_fraction}")
         if not (self.cooldown_s >= 0 and math.isfinite(self.cooldown_s)):
             problems.append(f"cooldown_s must be a finite number >= 0, got {self.cooldown_s}")
+        if self.down_windows < 1:
+            problems.append(f"down_windows must be >= 1, got {self.down_windows}")
         if self.min_replicas < 1:
             problems.append(f"min_replicas must be >= 1, got {self.min_replicas}")
         if self.budget < self.min_replicas:
@@ -132,6 +139,10 @@ class Decision:
 @dataclass(frozen=True)
 class RebalanceState:
     last_change_s: float | None = None  # when a decision last changed a pool (None: never)
+    low: tuple[tuple[str, int], ...] = ()   # (pool, windows in a row it wanted fewer)
+
+    def low_windows(self, pool: str) -> int:
+        return dict(self.low).get(pool, 0)
 
 
 @dataclass(frozen=True)
@@ -198,12 +209,15 @@ def decide(windows: Mapping[str, PoolWindow], cfg: RebalanceConfig, state: Rebal
     if total > cfg.budget:
         return _trim(windows, cfg, current, state, now_s)
     wanted = {p: _wanted(p, windows[p], cfg) for p in pools}
+    low = {p: state.low_windows(p) + 1 if wanted[p][0] < current[p] else 0 for p in pools}
     rec, reason = {}, {}
     for p in pools:                     # downs first: what they free the ups may take
         n, why = wanted[p]
         step = cfg.max_step(current[p])
         rec[p] = max(n, current[p] - step) if n < current[p] else current[p]
         reason[p] = why
+        if rec[p] < current[p] and low[p] < cfg.down_windows:
+            rec[p], reason[p] = current[p], Reason.STABILIZING
     ups = sorted((p for p in pools if wanted[p][0] > current[p]),
                  key=lambda p: _pressure(wanted[p][1], windows[p]), reverse=True)
     for p in ups:
@@ -214,8 +228,10 @@ def decide(windows: Mapping[str, PoolWindow], cfg: RebalanceConfig, state: Rebal
             reason[p] = Reason.BUDGET
     decisions = tuple(Decision(p, current[p], rec[p], reason[p], windows[p].utilization,
                                windows[p].demand) for p in pools)
-    changed = any(d.delta for d in decisions)
-    return Outcome(decisions, RebalanceState(now_s if changed else state.last_change_s), now_s)
+    if any(d.delta for d in decisions):
+        return Outcome(decisions, RebalanceState(now_s), now_s)
+    return Outcome(decisions, RebalanceState(state.last_change_s,
+                                             tuple((p, n) for p, n in low.items() if n)), now_s)
 
 
 def _trim(windows: Mapping[str, PoolWindow], cfg: RebalanceConfig, current: dict[str, int],
@@ -236,6 +252,17 @@ def _trim(windows: Mapping[str, PoolWindow], cfg: RebalanceConfig, current: dict
     changed = any(d.delta for d in decisions)
     return Outcome(tuple(decisions), RebalanceState(now_s if changed else state.last_change_s),
                    now_s)
+
+
+def decode_work_s(busy_s: float, steps: int, itl_target_s: float) -> float:
+    """A decode pool's busy seconds as load: a decode replica steps whenever one sequence runs,
+    so its busy seconds say nothing of how many more it could batch. Each busy second is weighted
+    by how much of the ITL target its steps took (mean step / target, at most 1): a replica
+    stepping back to back at the ITL target is full, one stepping at a tenth of it is a tenth
+    loaded."""
+    if busy_s <= 0 or steps <= 0:
+        return 0.0
+    return busy_s * min(1.0, busy_s / steps / itl_target_s)
 
 
 def starting_ratio(prefill_demand: float, decode_demand: float, budget: int) -> tuple[int, int]:

@@ -128,7 +128,7 @@ class _Worker:
     steps: int = 0
 
 
-ARRIVE, STEP_END, KV_LANDED = 0, 1, 2
+ARRIVE, STEP_END, KV_LANDED, CALL = 0, 1, 2, 3
 
 
 class Simulation:
@@ -177,8 +177,10 @@ class Simulation:
                 self._arrive(data)
             elif kind == STEP_END:
                 self._step_end(*data)
-            else:
+            elif kind == KV_LANDED:
                 self._kv_landed(data)
+            else:                        # CALL: a hook's own event (rebalance_sim.py's windows)
+                data()
         self._strand_unfinished()
         return self._result()
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from services.planner.rebalance import (PoolWindow, RebalanceConfig, RebalanceState, Reason,
                                         decide, starting_ratio)
 
-CFG = RebalanceConfig(target_utilization=0.7, band=0.15, cooldown_s=60, budget=8)
+CFG = RebalanceConfig(target_utilization=0.7, band=0.15, cooldown_s=60, budget=8, down_windows=1)
 
 
 def windows(prefill: tuple[int, float], decode: tuple[int, float], window_s: float = 30.0,
@@ -35,6 +35,18 @@ def test_an_idle_pool_shrinks_but_only_down_to_what_keeps_it_at_target():
     out = decide(windows((4, 0.2), (2, 0.7)), CFG, RebalanceState(), now_s=0)
     assert out.recommended()["prefill"] == 3        # 25% of 4: one step
     assert {d.pool: d.reason for d in out.decisions}["prefill"] is Reason.UTILIZATION_LOW
+
+
+def test_a_pool_shrinks_only_after_enough_low_windows_in_a_row():
+    cfg = RebalanceConfig(cooldown_s=60, budget=8, down_windows=3)
+    state, seen = RebalanceState(), []
+    for k, util in enumerate([0.2, 0.2, 0.7, 0.2, 0.2, 0.2]):    # a window at target resets it
+        out = decide(windows((4, util), (2, 0.7)), cfg, state, now_s=k * 30.0)
+        state = out.state
+        [prefill] = [d for d in out.decisions if d.pool == "prefill"]
+        seen.append((prefill.recommended, prefill.reason))
+    S, H, L = Reason.STABILIZING, Reason.HOLD, Reason.UTILIZATION_LOW
+    assert seen == [(4, S), (4, S), (4, H), (4, S), (4, S), (3, L)]
 
 
 def test_a_broken_ttft_tail_adds_prefill_even_inside_the_band():
