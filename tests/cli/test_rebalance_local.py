@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -134,11 +135,36 @@ def test_rebalance_adds_a_decode_worker_then_drains_one_while_its_stream_finishe
     wait_for(drained_line)
     assert "decode-1" not in live(up) and "decode-0" in live(up)
 
+    # advisory: decides every window, exports its recommendation, changes nothing
+    exported = advisory(up, audit)
+    assert 'kvfleet_rebalance_replicas{kind="current",pool="decode"} 1.0' in exported
+    assert 'kvfleet_rebalance_decision_info{pool="decode",reason=' in exported
+
     lines = [json.loads(x) for x in open(audit)]
-    assert [x["mode"] for x in lines] == ["apply", "dry-run", "apply"]
-    assert [x["changed"] for x in lines] == [True, True, True]
+    assert [x["mode"] for x in lines] == ["apply", "dry-run", "apply", "advisory", "advisory"]
+    assert [x["changed"] for x in lines][:3] == [True, True, True]
     assert all({"decisions", "config", "at_unix_s", "window_s"} <= set(x) for x in lines)
-    assert "orders" not in lines[1]                 # the dry run gave none
+    assert "orders" not in lines[1] and "orders" not in lines[3]   # only --apply gives orders
+    assert {"decode-0", "prefill-0"} == set(live(up))
+
+
+def advisory(up, audit: str) -> str:
+    """Run `--advisory` for two windows; its /metrics page once it holds a decision."""
+    env = {**os.environ, ENV_TOKEN: TOKEN, redis_auth.ENV_PASSWORD: up.redis_password}
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.cli", "rebalance", "--advisory",
+                             "--redis-url", up.redis_url, "--audit-log", audit, "--json",
+                             "--window-s", "1", "--decisions", "2", "--cooldown-s", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = proc.stdout.readline().split("metrics at ")[1].split(";")[0]
+        assert json.loads(proc.stdout.readline())["mode"] == "advisory"   # the first decision
+        page = httpx.get(url, timeout=10).text
+        assert proc.wait(timeout=DEADLINE_S) == 0
+        return page
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_kubernetes_and_ray_are_refused_with_a_message(tmp_path):
