@@ -25,6 +25,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="fixed-ratio fleets to compare (same budget)")
     p.add_argument("--rate-scale", type=float, default=None, help="x every hour's arrival rates")
     p.add_argument("--out", default="docs/img/rebalance_loop.png", help="the PNG to write")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs side by side, one process each (default 1: one after the other)")
     p.add_argument("--json-out", default=None, help="the runs as JSON (default: --out as .json)")
 
 
@@ -50,12 +52,16 @@ def run(args: argparse.Namespace) -> int:
     except (SpecError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"kvfleet sim rebalance: {e}", file=sys.stderr)
         return 2
-    cfg = SimRunConfig(fleet=start, sim=SimConfig())
-    runs = [run_one(specs, cfg, loop, args.hour_s)]
-    print(_line(runs[-1]), flush=True)
-    for f in fixed:
-        runs.append(run_one(specs, SimRunConfig(fleet=f, sim=SimConfig()), None, args.hour_s))
-        print(_line(runs[-1]), flush=True)
+    jobs = [(specs, SimRunConfig(fleet=start, sim=SimConfig()), loop, args.hour_s)]
+    jobs += [(specs, SimRunConfig(fleet=f, sim=SimConfig()), None, args.hour_s) for f in fixed]
+    if args.jobs > 1:                   # the runs are independent: one process each
+        from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+        with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
+            runs = list(pool.map(run_one, *zip(*jobs)))
+    else:
+        runs = [run_one(*job) for job in jobs]
+    for r in runs:
+        print(_line(r), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs[0], runs[1:], args.hour_s, str(out))
