@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                  "budget": args.budget, "down_windows": args.down_windows,
                  "cooldown_s": loop.policy.cooldown_s},
         "runs": [{"label": r.label, "gpu_hours": round(r.gpu_hours, 3),
-                  "overall": r.summary["overall"], "timeline": r.timeline,
+                  "overall": r.summary["overall"], "classes": r.summary.get("classes"),
+                  "timeline": r.timeline,
                   "decisions": r.decisions} for r in runs]}, indent=1))
     print(f"plot {out}; runs {json_out}")
     return 0
