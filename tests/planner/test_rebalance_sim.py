@@ -3,7 +3,6 @@ trace: the pools follow the mix, a new worker serves only after its start-up, th
 and the plot is written."""
 from __future__ import annotations
 
-
 import pytest
 
 from services.engine.config import SimConfig
