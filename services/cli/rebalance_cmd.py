@@ -9,8 +9,11 @@ Measured over `--window-s` (services/planner/rebalance.py decides on it):
                share of the ITL target (`kvfleet_iteration_tokens_count{phase="decode"}` steps;
                services/planner/rebalance.py, decode_work_s)
   tails        TTFT p99 (`gen_ai_server_time_to_first_token_seconds`) and ITL p99
-               (`kvfleet_inter_token_latency_seconds`) of the window, from the gateways' /metrics
-               histograms (the bucket counts' growth, interpolated inside the bucket)
+               (`kvfleet_inter_token_latency_seconds`) of the window by traffic class, from the
+               gateways' /metrics histograms (the bucket counts' growth, interpolated inside the
+               bucket); each class against its own target (the engine config's, `--config`, else
+               DESIGN section 2's), the worst class's p99 / target is what the policy weighs.
+               `--ttft-p99-s` / `--itl-p99-s` put every class on one target instead
 
 Modes:
   --dry-run    (default) print the recommendation; change nothing
@@ -78,8 +81,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--down-windows", type=int, default=None,
                    help="low windows in a row before a pool shrinks (default: 1 for one "
                         "decision, --dry-run / --apply; 3 for --advisory)")
-    p.add_argument("--ttft-p99-s", type=float, default=RebalanceConfig.ttft_p99_target_s)
-    p.add_argument("--itl-p99-s", type=float, default=RebalanceConfig.itl_p99_target_s)
+    p.add_argument("--ttft-p99-s", type=float, default=None,
+                   help="one TTFT p99 target for every class (default: each class's own)")
+    p.add_argument("--itl-p99-s", type=float, default=None,
+                   help="one ITL p99 target for every class (default: each class's own)")
+    p.add_argument("--config", default=None,
+                   help="the fleet's engine config YAML (its classes' targets), as kvfleet up's")
     p.add_argument("--replicas", action="append", default=[], metavar="POOL=N",
                    help="set a pool's size by hand instead of the policy (repeatable)")
     p.add_argument("--audit-log", default="rebalance-audit.jsonl", metavar="FILE",
@@ -97,8 +104,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
 class Snapshot:
     at_s: float
     workers: dict[str, tuple[str, float, float]]   # worker id -> (role, busy s, decode steps)
-    ttft: dict[float, float]                       # le -> cumulative count, all gateways
-    itl: dict[float, float]
+    ttft: dict[str, dict[float, float]]            # class -> le -> cumulative count, all gateways
+    itl: dict[str, dict[float, float]]
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Each class's p99 targets, and the units the policy's config compares the worst ratio in."""
+    ttft: dict[str, float]
+    itl: dict[str, float]
+    unit_ttft_s: float = RebalanceConfig.ttft_p99_target_s
+    unit_itl_s: float = RebalanceConfig.itl_p99_target_s
+
+    def worst(self, before: dict[str, dict[float, float]], after: dict[str, dict[float, float]],
+              targets: dict[str, float], unit_s: float) -> float | None:
+        """The worst class's p99 over its target, times `unit_s` (None: no sample; a class with
+        no target of its own is held to `unit_s`; one with an infinite target is not held)."""
+        ratios = []
+        for cls, buckets in after.items():
+            q = p99(before.get(cls, {}), buckets)
+            target = targets.get(cls, unit_s)
+            if q is not None and math.isfinite(target) and target > 0:
+                ratios.append(q / target)
+        return max(ratios) * unit_s if ratios else None
 
 
 def _families(text: str) -> dict[str, list]:
@@ -108,11 +136,12 @@ def _families(text: str) -> dict[str, list]:
     return out
 
 
-def _buckets(families: dict[str, list], name: str, into: dict[float, float]) -> None:
+def _buckets(families: dict[str, list], name: str, into: dict[str, dict[float, float]]) -> None:
     for sample in families.get(name, []):
         if sample.name == name + "_bucket":
             le = float(sample.labels["le"])
-            into[le] = into.get(le, 0.0) + sample.value
+            per = into.setdefault(sample.labels.get("traffic_class", ""), {})
+            per[le] = per.get(le, 0.0) + sample.value
 
 
 async def snapshot(redis_url: str) -> Snapshot:
@@ -136,8 +165,8 @@ async def snapshot(redis_url: str) -> Snapshot:
                           sum(s.value for s in p.get(STEPS, []) if s.name == STEPS + "_count"
                               and s.labels.get("phase") == "decode"))
             for w, p in zip(workers, pages) if p}
-    ttft: dict[float, float] = {}
-    itl: dict[float, float] = {}
+    ttft: dict[str, dict[float, float]] = {}
+    itl: dict[str, dict[float, float]] = {}
     for p in gw_pages:
         _buckets(p, TTFT, ttft)
         _buckets(p, ITL, itl)
@@ -160,10 +189,13 @@ def p99(before: dict[float, float], after: dict[float, float]) -> float | None:
     return prev_le
 
 
-def windows_of(a: Snapshot, b: Snapshot, itl_target_s: float) -> dict[str, PoolWindow]:
+def windows_of(a: Snapshot, b: Snapshot, targets: Targets) -> dict[str, PoolWindow]:
     """Each pool's window between two snapshots (only workers present in both count)."""
     span = max(b.at_s - a.at_s, 1e-6)
-    ttft, itl = p99(a.ttft, b.ttft), p99(a.itl, b.itl)
+    ttft = targets.worst(a.ttft, b.ttft, targets.ttft, targets.unit_ttft_s)
+    itl = targets.worst(a.itl, b.itl, targets.itl, targets.unit_itl_s)
+    finite_itl = [t for t in targets.itl.values() if math.isfinite(t) and t > 0]
+    itl_target_s = min(finite_itl, default=targets.unit_itl_s)
     roles = {x[0] for x in b.workers.values()} | {x[0] for x in a.workers.values()}
     out = {}
     for role in sorted(roles & set(POOLS)):
@@ -176,10 +208,21 @@ def windows_of(a: Snapshot, b: Snapshot, itl_target_s: float) -> dict[str, PoolW
     return out
 
 
-async def measure(redis_url: str, window_s: float, itl_target_s: float) -> dict[str, PoolWindow]:
+async def measure(redis_url: str, window_s: float, targets: Targets) -> dict[str, PoolWindow]:
     first = await snapshot(redis_url)
     await asyncio.sleep(window_s)
-    return windows_of(first, await snapshot(redis_url), itl_target_s)
+    return windows_of(first, await snapshot(redis_url), targets)
+
+
+def targets_of(args: argparse.Namespace) -> Targets:
+    """Each class's targets: --ttft-p99-s / --itl-p99-s for all, else the engine config's."""
+    from services.engine.config import EngineConfig  # noqa: PLC0415
+    from services.engine.config_file import load_engine_config  # noqa: PLC0415
+    classes = (load_engine_config(args.config) if args.config else EngineConfig()).scheduler.classes
+    ttft = {c.name: args.ttft_p99_s or c.ttft_target_s for c in classes}
+    itl = {c.name: args.itl_p99_s or c.itl_target_s for c in classes}
+    return Targets(ttft, itl, args.ttft_p99_s or RebalanceConfig.ttft_p99_target_s,
+                   args.itl_p99_s or RebalanceConfig.itl_p99_target_s)
 
 
 # ------------------------------------------------------------------------------ deciding
@@ -188,7 +231,8 @@ def config_of(args: argparse.Namespace, windows: dict[str, PoolWindow]) -> Rebal
     down = args.down_windows or (3 if args.advisory else 1)
     return RebalanceConfig(target_utilization=args.target_utilization, band=args.band,
                            cooldown_s=args.cooldown_s, budget=max(1, budget), down_windows=down,
-                           ttft_p99_target_s=args.ttft_p99_s, itl_p99_target_s=args.itl_p99_s)
+                           ttft_p99_target_s=args.ttft_p99_s or RebalanceConfig.ttft_p99_target_s,
+                           itl_p99_target_s=args.itl_p99_s or RebalanceConfig.itl_p99_target_s)
 
 
 def manual_sizes(specs: list[str]) -> dict[str, int]:
@@ -390,7 +434,7 @@ def _decide(args, sizes, windows, state) -> tuple[Outcome, RebalanceConfig]:
 
 
 def _once(args: argparse.Namespace, sizes: dict[str, int]) -> int:
-    windows = asyncio.run(measure(args.redis_url, args.window_s, args.itl_p99_s))
+    windows = asyncio.run(measure(args.redis_url, args.window_s, targets_of(args)))
     state = RebalanceState(last_change_s(args.redis_url))
     outcome, cfg = _decide(args, sizes, windows, state)
     applied, ok = None, True
@@ -413,7 +457,7 @@ def _advisory(args: argparse.Namespace, sizes: dict[str, int]) -> int:
     state, n = RebalanceState(), 0
     try:
         while not stop.is_set() and (args.decisions is None or n < args.decisions):
-            windows = asyncio.run(measure(args.redis_url, args.window_s, args.itl_p99_s))
+            windows = asyncio.run(measure(args.redis_url, args.window_s, targets_of(args)))
             outcome, cfg = _decide(args, sizes, windows, state)
             state, n = outcome.state, n + 1
             exported.show(outcome)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from services.cli import fleet_orders as fo
-from services.cli.rebalance_cmd import Snapshot, manual_sizes, p99, windows_of
+from services.cli.rebalance_cmd import Snapshot, Targets, manual_sizes, p99, windows_of
 from services.state.records import RecordSeal
 
 SEAL = RecordSeal.from_token("a-fleet-token-of-enough-length")
@@ -57,8 +57,18 @@ def test_only_workers_present_through_the_window_count():
     a = Snapshot(0.0, {"prefill-0": ("prefill", 10.0, 0)}, {}, {})
     b = Snapshot(10.0, {"prefill-0": ("prefill", 15.0, 0), "prefill-1": ("prefill", 3.0, 0)},
                  {}, {})
-    [(pool, w)] = windows_of(a, b, 0.1).items()
+    [(pool, w)] = windows_of(a, b, Targets({}, {})).items()
     assert pool == "prefill" and w.replicas == 1 and w.busy_s == 5.0
+
+
+def test_each_class_is_held_to_its_own_target_and_the_worst_counts():
+    targets = Targets({"interactive": 1.0, "document": 10.0, "batch": math.inf},
+                      {"interactive": 0.1}, unit_ttft_s=1.0)
+    after = {"interactive": {0.5: 100.0, math.inf: 100.0},        # p99 ~0.5 s: half its target
+             "document": {8.0: 0.0, 16.0: 100.0, math.inf: 100.0},  # p99 ~16 s: 1.6x its target
+             "batch": {100.0: 0.0, 1000.0: 10.0, math.inf: 10.0}}    # no target: not held
+    assert targets.worst({}, after, targets.ttft, 1.0) == pytest.approx(1.59, abs=0.01)
+    assert targets.worst(after, after, targets.ttft, 1.0) is None
 
 
 def test_hand_set_sizes_are_checked():
