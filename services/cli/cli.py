@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(sub, "kvfleet status", "every process of a fleet, its load, the overload stage and "
               "the top tenants, from Redis and the services' /metrics",
               "services.cli.status:add_status_args", "services.cli.status:run_status")
+    _delegate(sub, "kvfleet rebalance", "replicas per pool from the measured busy seconds and "
+              "tail latency: print (--dry-run), carry out on a running kvfleet up (--apply "
+              "--target local), or export (--advisory); every decision to a JSONL audit log",
+              "services.cli.rebalance_cmd:add_args", "services.cli.rebalance_cmd:run")
     _delegate(sub, "kvfleet capacity", "memory, KV capacity, prefill / decode / KV transfer time "
               "of a (model, GPU, TP, dtype) target by roofline; --check against published numbers",
               "services.cli.capacity_cmd:add_args", "services.cli.capacity_cmd:run")
@@ -220,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(ssub, "kvfleet sim study", "fleets of the same GPUs (co-located, disaggregated, "
               "hybrid) swept past their knee on the simulator: goodput at SLO per GPU and a plot",
               "services.cli.sim_cmd:add_study_args", "services.cli.sim_cmd:run_study")
+    _delegate(ssub, "kvfleet sim rebalance", "the rebalancer in the loop: a trace whose mix shifts, "
+              "pool sizes over time and goodput against fixed-ratio fleets (a PNG and JSON)",
+              "services.cli.sim_rebalance_cmd:add_args", "services.cli.sim_rebalance_cmd:run")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)

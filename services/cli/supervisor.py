@@ -1,7 +1,8 @@
 """Keep `kvfleet up`'s children running: a child that exits is restarted, with backoff.
 
 Only Ctrl-C / SIGTERM to `kvfleet up` stops the fleet; any one child (gateway, router, a worker)
-dying, whatever its exit status, is logged and restarted while the rest keep serving:
+dying, whatever its exit status, is logged and restarted while the rest keep serving (except a
+worker being drained, `retire`: services/cli/fleet_orders.py; its exit is its end):
 
   died at t, after running u seconds
     -> failures = 0 if u >= stable_after_s else failures + 1
@@ -58,6 +59,12 @@ class Supervisor:
     pinned: dict[str, list[str]] = field(default_factory=dict)   # name -> args added on restart
     health: HealthWatch | None = None        # None: only exits are noticed
     _tracks: dict[str, _Track] = field(default_factory=dict)
+    retiring: set[str] = field(default_factory=set)   # draining: not restarted when they exit
+    retired: list[str] = field(default_factory=list)  # drained and gone
+
+    def retire(self, name: str) -> None:
+        """`name` is being drained: once it exits it leaves the fleet instead of restarting."""
+        self.retiring.add(name)
 
     def restarts(self, name: str) -> int:
         track = self._tracks.get(name)
@@ -70,6 +77,9 @@ class Supervisor:
         restarted = []
         for name, child in list(self.launcher.children.items()):
             track = self._tracks.setdefault(name, _Track(started_at=now))
+            if name in self.retiring:
+                self._retire_if_gone(name, child)
+                continue
             if track.restart_at is None and child.proc.poll() is None:
                 self._check_health(name, child, now)
             status = child.proc.poll()
@@ -81,6 +91,17 @@ class Supervisor:
                 track.restarts += 1
                 restarted.append(name)
         return restarted
+
+    def _retire_if_gone(self, name: str, child) -> None:
+        status = child.proc.poll()
+        if status is None:
+            return
+        self.launcher.children.pop(name, None)
+        self._tracks.pop(name, None)
+        self.pinned.pop(name, None)
+        self.retiring.discard(name)
+        self.retired.append(name)
+        self.say(f"kvfleet up: {name} drained and exited with status {status}")
 
     def _check_health(self, name: str, child, now: float) -> None:
         """SIGKILL (its whole group) a running child that answered no probe for unresponsive_s;

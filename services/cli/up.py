@@ -23,7 +23,8 @@ OTEL_* environment of `kvfleet up` reaches every child (launcher.py passes the e
 
 Prints the endpoints, then supervises: a child that exits, or answers no health probe for
 --timeout-unresponsive-s (it is SIGKILLed), is restarted with backoff, on the same port
-(services/cli/supervisor.py), while the rest keep serving. Children get SIGTERM from the kernel
+(services/cli/supervisor.py), while the rest keep serving. `kvfleet rebalance --apply --target
+local` adds a worker or drains one through Redis (services/cli/fleet_orders.py). Children get SIGTERM from the kernel
 when `kvfleet up` dies, even by kill -9 (services/cli/lifeline.py). Only Ctrl-C or SIGTERM stops
 the fleet, within SHUTDOWN_BUDGET_S (3 s) even with streams in flight: SIGTERM to every child
 at once, SIGKILL to whatever of them and their own children is left at the grace
@@ -376,6 +377,18 @@ def stop_grace_s(limits: Timeouts) -> float:
     return min(limits.shutdown_grace_s + 1.0, SHUTDOWN_BUDGET_S - 0.5)
 
 
+def order_desk(launcher: Launcher, supervisor: Supervisor, redis_url: str):
+    """What reads `kvfleet rebalance --apply`'s orders from Redis (services/cli/fleet_orders.py)."""
+    import redis as redis_sync  # noqa: PLC0415
+
+    from services.cli.fleet_orders import OrderDesk  # noqa: PLC0415
+    client = redis_sync.Redis.from_url(
+        redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
+        **redis_auth.RedisCredentials.from_env(launcher.env).client_kwargs())
+    seal = records.RecordSeal.from_token(FleetAuth.from_env(launcher.env).token, launcher.env)
+    return OrderDesk(launcher, supervisor, client, seal)
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT, then stop everything. Once the fleet is stopped nothing is left
     to clean up, so the process ends at once: the interpreter's own teardown (torch's, which the
@@ -421,8 +434,10 @@ def _up(args: argparse.Namespace) -> int:
         supervisor = Supervisor(launcher, RestartPolicy(unresponsive_s=limits.unresponsive_s),
                                 pinned=pinned_ports(endpoints), health=HealthWatch(FleetProbe(
                                     FleetAuth.from_env(launcher.env), limits.health_s)))
+        orders = order_desk(launcher, supervisor, redis_url)
         while not launcher.stopping.wait(SUPERVISE_EVERY_S):
             supervisor.poll()
+            orders.poll()
         return 0
     except LaunchError as e:
         if launcher.stopping.is_set():

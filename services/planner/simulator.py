@@ -204,7 +204,7 @@ class Simulation:
                 self._step_end(*data)
             elif kind == KV_LANDED:
                 self._kv_landed(data)
-            else:
+            else:                        # CALL: a hook's own event (admission timers, rebalance windows)
                 data()
         self._strand_unfinished()
         return self._result()

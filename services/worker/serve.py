@@ -11,7 +11,8 @@ Prints one line `READY <worker_id> <host:port>` on stdout once serving (launcher
 for it), after `METRICS <worker_id> <url>` and `KV <worker_id> <host:port>` (the tcp backend's
 receiver) or `UCX <worker_id> <host:port>` (nixl: UCX's tcp listener) for the listeners it has.
 SIGTERM / SIGINT: stop accepting, drop the Redis record,
-stop the engine core, exit 0. The engine core dies: its requests fail, the worker reports
+stop the engine core, exit 0. SIGUSR1: drain (services/worker/drain.py: leave Redis, finish what it
+holds), then stop as on SIGTERM. The engine core dies: its requests fail, the worker reports
 NOT_SERVING and exits ENGINE_FAILED_EXIT (the supervisor restarts it).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -36,7 +38,7 @@ from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
-from services.protocol.standard_health import add_standard_health
+from services.protocol.standard_health import StandardHealth, add_standard_health
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.shutdown import wait_for_stop_signal
@@ -46,6 +48,7 @@ from services.state.outage import UNREACHABLE, Backoff, Outage
 from services.telemetry import exposition, tracing
 from services.worker.engine_client import EngineClient, EngineFailed
 from services.worker.config import POOLS, WorkerConfig
+from services.worker.drain import drain
 from services.worker.kv_events import KVEventPublisher, PublisherConfig
 from services.worker.rates import WorkerRates, prior_for, prior_from_timer
 from services.worker.servicer import WorkerServicer
@@ -314,6 +317,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
         servicer.capacity.queue = WaitQueue(state.redis, state.ns)
         notify = asyncio.create_task(servicer.capacity.run())
     stopping = asyncio.create_task(wait_for_stop_signal(stop))
+    draining = on_drain_signal(servicer, state, lambda: beat, stop, probe)
     await asyncio.sleep(0)             # its SIGTERM handler is in place before anyone sees READY
     if telemetry.metrics_url:
         print(f"METRICS {config.worker_id} {telemetry.metrics_url}", flush=True)
@@ -328,7 +332,7 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if failed:
         print(f"worker {config.worker_id}: {engine.failure}; exiting with status "
               f"{ENGINE_FAILED_EXIT}", file=sys.stderr, flush=True)
-    for task in (beat, events, notify):
+    for task in (beat, events, notify, *draining):
         if task:
             task.cancel()
     if state is not None:
@@ -343,6 +347,40 @@ async def _serve(args, auth, config: WorkerConfig, engine: EngineClient,
     if transport is not None:
         transport.close()
     return ENGINE_FAILED_EXIT if failed else 0
+
+
+def on_drain_signal(servicer: WorkerServicer, state: FleetState | None, beat, stop,
+                    probe: StandardHealth | None = None) -> list:
+    """SIGUSR1 drains this worker (services/worker/drain.py), then sets `stop`; the list holds
+    the drain's task once it runs (`beat`: a callable giving the heartbeat task). The standard
+    health probe says NOT_SERVING first, before the worker leaves Redis."""
+    tasks: list[asyncio.Task] = []
+
+    async def leave() -> None:
+        if probe is not None:
+            await probe.stopping()
+        if beat() is not None:             # a beat in flight lands before the record goes
+            beat().cancel()
+            await asyncio.gather(beat(), return_exceptions=True)
+        if state is not None:
+            await state.remove_worker(servicer.config.worker_id)
+
+    async def run() -> None:
+        log.info("worker %s: draining (SIGUSR1)", servicer.config.worker_id)
+        try:
+            done = await drain(servicer.stats, leave)
+            log.info("worker %s: %s", servicer.config.worker_id,
+                     "drained" if done else "drain limit reached; stopping with work held")
+        except Exception as e:  # noqa: BLE001 - a drain that fails still ends in the stop
+            log.warning("worker %s: drain failed (%s); stopping", servicer.config.worker_id, e)
+        stop.set()
+
+    def start() -> None:
+        if not tasks:
+            tasks.append(asyncio.get_running_loop().create_task(run()))
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, start)
+    return tasks
 
 
 def paced_transport(transport, config: EngineConfig):
