@@ -1,7 +1,8 @@
 """A Kubernetes gRPC probe asks each kvfleet service `grpc.health.v1.Health/Check` with no fleet token:
 a worker, a router and a gateway of a running (simulated) fleet answer SERVING for the server and for
 their own service name, NOT_FOUND for a name they do not serve, while the kvfleet calls still demand
-the token; and a worker told to stop says NOT_SERVING to a watching probe before it goes away."""
+the token; and a worker told to stop or to drain says NOT_SERVING to a watching probe before it goes
+away."""
 from __future__ import annotations
 
 import signal
@@ -47,17 +48,19 @@ def test_every_service_answers_the_standard_probe_without_the_fleet_token(redis_
                 pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-        # a decode worker told to stop says NOT_SERVING to a watching probe before it goes
-        assert NOT_SERVING in watch_through_stop(fleet, "decode-0")[1:]
+        # a worker told to stop (SIGTERM) or to drain (SIGUSR1, `kvfleet rebalance`) says
+        # NOT_SERVING to a watching probe before it goes
+        assert NOT_SERVING in watch_through_stop(fleet, "prefill-0", signal.SIGTERM)[1:]
+        assert NOT_SERVING in watch_through_stop(fleet, "decode-0", signal.SIGUSR1)[1:]
 
 
-def watch_through_stop(fleet, name: str) -> list[int]:
-    """Statuses a Watch on worker `name` streams from SERVING until the worker, sent SIGTERM, ends."""
+def watch_through_stop(fleet, name: str, how: signal.Signals) -> list[int]:
+    """Statuses a Watch on worker `name` streams from SERVING until the worker, sent `how`, ends."""
     with grpc.insecure_channel(fleet.workers[name]) as channel:
         watch = hpb_grpc.HealthStub(channel).Watch(hpb.HealthCheckRequest(service=""), timeout=30)
         seen = [next(watch).status]
         assert seen == [SERVING]
-        fleet.launcher.children[name].proc.send_signal(signal.SIGTERM)
+        fleet.launcher.children[name].proc.send_signal(how)
         try:
             for update in watch:
                 seen.append(update.status)
