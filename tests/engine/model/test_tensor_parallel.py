@@ -1,7 +1,7 @@
 """Tensor parallelism (services/engine/model/tensor_parallel.py, services/engine/tp_ranks.py).
 
 The story: a model sharded for rank r of N keeps exactly its slice of every weight and its own KV
-heads; a model whose heads do not divide is refused before any process starts; and
+heads, and a rank loading from disk reads exactly that slice and nothing more; a model whose heads do not divide is refused before any process starts; and
 `kvfleet generate --tensor-parallel 2` (rank 0 here, one real follower process, gloo on 127.0.0.1)
 produces the same greedy tokens and log-probs as the unsharded engine, within 1e-4 in fp32, and
 leaves no process behind.
@@ -48,6 +48,32 @@ def test_rank_1_of_2_keeps_its_heads_its_mlp_slice_and_its_vocab_rows(tiny_model
     assert torch.equal(sharded.model.lm_head.weight, full.lm_head.weight[2048:])
     cache = KVCache(cfg, num_blocks=4, block_size=16, dtype=torch.float32)
     assert cache.data.shape == (4, 2, 4, 16, 1, 32)          # this rank's one KV head
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_loads_from_disk_exactly_its_shard_and_nothing_else(tiny_model_dir, rank):
+    full = load_model(tiny_model_dir, dtype="float32")
+    cut = shard_model(load_model(tiny_model_dir, dtype="float32"), TPGroup(rank, 2))
+    loaded = load_model(tiny_model_dir, dtype="float32", tp=TPGroup(rank, 2))
+    assert loaded.config == cut.config and loaded.config.num_kv_heads == 1
+    _assert_same_parameters(loaded, cut)
+    norms = sum(p.numel() for name, p in full.named_parameters() if "norm" in name)
+    sharded = sum(p.numel() for name, p in loaded.named_parameters() if "norm" not in name)
+    assert sharded * 2 == sum(p.numel() for p in full.parameters()) - norms   # a half, no more
+
+
+def test_a_tied_uneven_vocab_shard_loads_padded_from_disk(config_b_dir):
+    cut = shard_model(load_model(config_b_dir, dtype="float32"), TPGroup(2, 3))
+    loaded = load_model(config_b_dir, dtype="float32", tp=TPGroup(2, 3))
+    assert loaded.model.lm_head is None and loaded.model.embed_tokens.num_real == 1364
+    _assert_same_parameters(loaded, cut)
+
+
+def _assert_same_parameters(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    got_params, want_params = dict(got.named_parameters()), dict(want.named_parameters())
+    assert got_params.keys() == want_params.keys()
+    for name, tensor in want_params.items():
+        assert torch.equal(got_params[name], tensor), name
 
 
 def test_an_uneven_vocab_is_padded_and_a_tied_head_reads_the_embedding_shard(config_b_dir):
