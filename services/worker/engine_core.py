@@ -130,6 +130,7 @@ class Ready(msgspec.Struct, tag=20, array_like=True):
     max_model_len: int
     kv_path: str                  # the shared KV file (SharedKV.attach maps it, then unlinks it)
     kv_shape: list[int]           # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+                                  # (TP N: N * num_layers, rank-major; kv_heads a rank's)
     kv_dtype: str                 # torch dtype name without "torch."
 
 
@@ -233,12 +234,16 @@ class SharedKV:
     """
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        self.path = path                  # tensor-parallel followers map their part of it too
+        self.data: torch.Tensor | None = None
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Core side (an LLMEngine kv_alloc): a zeroed tensor over a new shared file."""
         size = math.prod(shape)
-        return torch.from_file(self.path, shared=True, size=size, dtype=dtype).view(shape)
+        self.data = torch.from_file(self.path, shared=True, size=size, dtype=dtype).view(shape)
+        return self.data
+
+    __call__ = alloc
 
     @staticmethod
     def attach(ready: Ready) -> torch.Tensor:
@@ -443,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_config(sys.stdin.fileno())
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
-        engine = build_engine(config, kv.alloc)
+        engine = build_engine(config, kv)
         faults.install(engine)
-        data = engine.kv_cache.data
+        data = kv.data if kv.data is not None else engine.kv_cache.data   # TP: every rank's
         core = EngineCore(engine, commands, replies, sys.stdin.fileno())
         core.send(Ready(os.getpid(), config.model, engine.pool.block_size, engine.max_model_len,
                         kv.path, list(data.shape), str(data.dtype).removeprefix("torch.")))
