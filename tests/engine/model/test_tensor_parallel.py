@@ -14,12 +14,16 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from services.cli.cli import build_parser
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model import KVCache, load_model
-from services.engine.model.tensor_parallel import TPGroup, check_shardable, rank_config, shard_model
+from services.engine.model.config import ModelConfig
+from services.engine.model.tensor_parallel import (TPGroup, check_shardable, rank_config, shard_model,
+                                                   shard_ranges, vocab_shard_size)
 from services.engine.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [100, 200, 300]]
@@ -74,6 +78,27 @@ def _assert_same_parameters(got: torch.nn.Module, want: torch.nn.Module) -> None
     assert got_params.keys() == want_params.keys()
     for name, tensor in want_params.items():
         assert torch.equal(got_params[name], tensor), name
+
+
+@given(world=st.integers(1, 8), kv_per_rank=st.integers(1, 3), group=st.integers(1, 4),
+       inter_per_rank=st.integers(1, 64), vocab=st.integers(1, 5000))
+def test_the_ranks_ranges_tile_every_sharded_tensor_exactly_once(world, kv_per_rank, group,
+                                                                  inter_per_rank, vocab):
+    kv, d = world * kv_per_rank, 4
+    config = ModelConfig(vocab, 64, world * inter_per_rank, 1, kv * group, kv, d, 1e-5, 1e4, None,
+                         4096, False, None, (), "float32")
+    full = {"model.layers.0.self_attn.q_proj.weight": kv * group * d,
+            "model.layers.0.self_attn.k_proj.weight": kv * d,
+            "model.layers.0.self_attn.o_proj.weight": kv * group * d,
+            "model.layers.0.mlp.down_proj.weight": world * inter_per_rank,
+            "model.embed_tokens.weight": vocab}
+    per_rank = [shard_ranges(config, TPGroup(r, world)) for r in range(world)]
+    for name, size in full.items():
+        parts = [ranges[name] for ranges in per_rank]
+        assert parts[0].start == 0 and parts[-1].stop == size                # covers it all
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))     # no gap, no overlap
+    vocab_rows = vocab_shard_size(vocab, world)
+    assert all(ranges["lm_head.weight"].pad_to == vocab_rows for ranges in per_rank)
 
 
 def test_an_uneven_vocab_is_padded_and_a_tied_head_reads_the_embedding_shard(config_b_dir):
