@@ -28,6 +28,14 @@ class ModelExecutor:
             model, self.tp_leader = start_rank0(model_dir, config.dtype, tp)
         else:
             model = load_model(model_dir, dtype=config.dtype)
+        try:
+            self._build(config, model_dir, model, kv_alloc)
+        except BaseException:
+            self.close()                          # no follower rank outlives a failed start
+            raise
+
+    def _build(self, config: EngineConfig, model_dir: str, model, kv_alloc) -> None:
+        tp = config.tensor_parallel_size
         # the cache's element type: the model's, or --kv-cache-dtype (fp8: half of bf16's bytes,
         # so twice the blocks in the same kv_cache_mib; every block count below follows from it)
         dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)

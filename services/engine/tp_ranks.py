@@ -272,7 +272,10 @@ def drive(runner: ModelRunner, leader: TPLeader, model_dir: str, config, kv_path
                        str(kv.dtype).removeprefix("torch."),
                        [getattr(kv, "k_scale", 1.0), getattr(kv, "v_scale", 1.0)],
                        config.attention_backend, kv_path))
-    dist.barrier()
+    try:
+        dist.barrier()
+    except RuntimeError as e:                   # a follower failed to load or map: it is gone
+        raise TPRankFailed(leader.dead(wait_s=1.0) or f"a tensor-parallel rank failed: {e}") from e
     return DrivingRunner(runner, leader)
 
 

@@ -25,6 +25,7 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.tensor_parallel import (TPGroup, check_shardable, rank_config, shard_model,
                                                    shard_ranges, vocab_shard_size)
 from services.engine.sampling_params import SamplingParams
+from services.engine.tp_ranks import TPRankFailed
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [100, 200, 300]]
 MAX_TOKENS = 10
@@ -119,6 +120,17 @@ def test_heads_that_do_not_divide_are_refused_naming_them_before_any_process_sta
         rank_config(cfg, 4)
     with pytest.raises(ValueError, match=r"num_kv_heads 3 not divisible by 2"):
         LLMEngine(EngineConfig(model=str(config_b_dir), tensor_parallel_size=2))
+    assert not dist.is_initialized() and not _follower_children()
+
+
+def test_a_follower_that_cannot_map_the_shared_kv_file_fails_the_start_naming_it(tiny_model_dir,
+                                                                                 tmp_path):
+    def alloc(shape, dtype):                       # rank 0's memory; the followers get `path`
+        return torch.zeros(shape, dtype=dtype)
+    alloc.path = str(tmp_path / "no-such-dir" / "kv")
+    with pytest.raises(TPRankFailed, match=r"tensor-parallel rank 1 \(pid \d+\) exited with status 1"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", tensor_parallel_size=2),
+                  kv_alloc=alloc)
     assert not dist.is_initialized() and not _follower_children()
 
 
