@@ -104,6 +104,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None)
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB)
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model over N rank processes in every primary-pool worker, "
+                        "prefill and decode alike (KV ships rank to rank, so both roles need the "
+                        "same N); NCCL on CUDA, gloo on the CPU. Default 1")
     add_engine_args(p, "the workers'")
     add_sim_args(p)
     p.add_argument("--insecure", action="store_true")
@@ -152,9 +156,30 @@ def fallback_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def worker_threads(args: argparse.Namespace) -> int:
-    """Torch threads per worker: the host's cores less one, split between the workers."""
-    workers = sum(n for _, n in worker_roles(args) + fallback_roles(args))
+    """Torch threads per worker process: the host's cores less one, split between the workers
+    (a tensor-parallel worker's N ranks each run with this many)."""
+    tp = getattr(args, "tensor_parallel", 1)
+    workers = sum(n * tp for _, n in worker_roles(args)) + sum(n for _, n in fallback_roles(args))
     return max(1, ((os.cpu_count() or 1) - 1) // workers)
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """--tensor-parallel N: refused before anything starts unless N >= 1 divides the model's
+    query and KV heads (every rank needs whole heads)."""
+    tp = getattr(args, "tensor_parallel", 1)
+    if tp < 1:
+        raise SystemExit(f"kvfleet up: --tensor-parallel must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    if getattr(args, "engine", "real") == "sim":
+        raise SystemExit("kvfleet up: --tensor-parallel shards a real model; the simulated core "
+                         "models its target's tensor parallelism with --sim-tp")
+    from services.engine.model.config import ModelConfig  # noqa: PLC0415
+    from services.engine.model.tensor_parallel import check_shardable  # noqa: PLC0415
+    try:
+        check_shardable(ModelConfig.from_dir(model_dir(args.model)), tp)
+    except ValueError as e:
+        raise SystemExit(f"kvfleet up: --tensor-parallel: {e}") from None
 
 
 def check_fallback(args: argparse.Namespace) -> str | None:
@@ -227,8 +252,9 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     if getattr(args, "kv_cache_scales", None):
         common += ["--kv-cache-scales", ",".join(map(repr, args.kv_cache_scales))]
     common += sim_args(args)
+    tp = ["--tensor-parallel", str(args.tensor_parallel)] if getattr(args, "tensor_parallel", 1) > 1 else []
     specs = {f"{role}-{i}": ["services.cli.cli", "serve", role, "--worker-id", f"{role}-{i}",
-                             "--kv-backend", args.kv_backend, "--model", model, *common,
+                             "--kv-backend", args.kv_backend, "--model", model, *common, *tp,
                              *ports.child_args(plan, f"{role}-{i}")]
              for role, count in worker_roles(args) for i in range(count)}
     fallback = check_fallback(args)     # its workers take free ports, --port-base or not
@@ -406,6 +432,7 @@ def _up(args: argparse.Namespace) -> int:
     check_keys(args)
     check_fallback(args)
     check_device(args)
+    check_tensor_parallel(args)
     plan = check_ports(args)
     launcher = Launcher(env=allowed_networks_env(args))
     password, redis_env, redis_origin = redis_credentials(args, launcher.log_dir)

@@ -19,18 +19,34 @@ from services.engine.tp_ranks import TPLeader, drive, start_rank0
 
 class ModelExecutor:
     def __init__(self, config: EngineConfig, model_dir: str, kv_alloc=None) -> None:
+        """kv_alloc(shape, dtype): memory for the cache (e.g. a shared file). With tensor
+        parallelism N it is asked for all N ranks' caches at once, [N * num_layers, ...] rank-major
+        (rank 0 keeps the first part); a kv_alloc with a `path` (the file it maps) lets each
+        follower rank map its own part of that file (services/engine/tp_ranks.py)."""
         self.device = resolve_device(config.device)   # the model, the KV cache, the logits
-        model = load_model(model_dir, dtype=config.dtype, device=self.device)
+        tp = config.tensor_parallel_size
         self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
-        if config.tensor_parallel_size > 1:       # model.config becomes the rank's (its KV heads)
-            model, self.tp_leader = start_rank0(model, config.tensor_parallel_size)
+        if tp > 1:                                # model.config is the rank's (its KV heads)
+            model, self.tp_leader = start_rank0(model_dir, config.dtype, tp, self.device)
+        else:
+            model = load_model(model_dir, dtype=config.dtype, device=self.device)
+        try:
+            self._build(config, model_dir, model, kv_alloc)
+        except BaseException:
+            self.close()                          # no follower rank outlives a failed start
+            raise
+
+    def _build(self, config: EngineConfig, model_dir: str, model, kv_alloc) -> None:
+        tp = config.tensor_parallel_size
         # the cache's element type: the model's, or --kv-cache-dtype (fp8: half of bf16's bytes,
         # so twice the blocks in the same kv_cache_mib; every block count below follows from it)
         dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
         self.num_blocks = config.num_blocks or max(1, (config.kv_cache_mib << 20) // (
             kv_bytes_per_token(model.config, dtype) * config.block_size))
-        kv_data = (kv_alloc(kv_cache_shape(model.config, self.num_blocks, config.block_size), dtype)
-                   if kv_alloc is not None else None)
+        shape = kv_cache_shape(model.config, self.num_blocks, config.block_size)
+        kv_data = None
+        if kv_alloc is not None:                  # every rank's part; rank 0's is the first
+            kv_data = kv_alloc((shape[0] * tp, *shape[1:]), dtype)[:shape[0]]
         if kv_data is not None and kv_data.device != self.device:
             raise ValueError(f"the KV allocator gave memory on {kv_data.device}, the model is on "
                              f"{self.device}")
@@ -40,7 +56,8 @@ class ModelExecutor:
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
         self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
         if self.tp_leader is not None:
-            self.runner = drive(self.runner, self.tp_leader, model_dir, config)
+            self.runner = drive(self.runner, self.tp_leader, model_dir, config,
+                                getattr(kv_alloc, "path", "") if kv_alloc is not None else "")
         self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.last_prepare_s = 0.0
         self._table = None

@@ -4,7 +4,9 @@ on their shard of the model (services/engine/model/tensor_parallel.py) every ste
 
     rank 0 (LLMEngine)                                     rank r (follower)
     TPLeader.start(N): spawn, FileStore rendezvous   ->    join the group (gloo on 127.0.0.1)
-    leader.setup(Setup)                  stdin frame ->    load, shard, its own KV cache
+    leader.setup(Setup)                  stdin frame ->    load its shard, its KV cache (its part of
+                                                           the shared KV file where there is one)
+                                     <== barrier ==>   the follower's cache is mapped
     leader.copy_blocks(copies)           stdin frame ->    the same block copies (n > 1 forks)
     DrivingRunner.execute(chunks):
         leader.send_step(chunks)         stdin frame ->    ModelRunner.execute(chunks)
@@ -15,7 +17,9 @@ Frames are a 4-byte little-endian length + msgpack (typed msgspec structs). Foll
 on their stdin, never inside a collective, so an idle engine hits no collective timeout. The
 rendezvous is a FileStore in a private temp dir (removed once every rank has joined) and gloo binds
 127.0.0.1 only: nothing listens outside loopback. Each rank's KV cache holds only its KV heads; the block pool is rank 0's and
-the block ids in each Step are the same for every rank.
+the block ids in each Step are the same for every rank. In a worker the N caches are the N rank-major
+parts of one shared file (drive(), services/kv_transfer/base.py KVLayout), so the worker's KV
+transfer ships rank r's part of a block to the other worker's rank r.
 
 Failure: rank 0 gone -> followers read EOF (or their collective fails) and exit. A follower gone ->
 rank 0's next frame or collective raises TPRankFailed naming the rank and its exit status (and the
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
 import shutil
 import struct
@@ -41,10 +46,10 @@ import torch.distributed as dist
 
 from services.engine.model.batch import SeqChunk
 from services.engine.model.kv_cache import KVCache, kv_cache_shape
+from services.engine.model.config import ModelConfig
 from services.engine.model.loader import load_model
 from services.engine.model.runner import ModelRunner
-from services.engine.model.tensor_parallel import (TensorParallelLlama, TPGroup, check_shardable,
-                                                   shard_model)
+from services.engine.model.tensor_parallel import TensorParallelLlama, TPGroup, check_shardable
 
 from services.protocol import env
 
@@ -68,6 +73,7 @@ class Setup(msgspec.Struct, tag=1, array_like=True):
     kv_dtype: str                  # torch dtype name, e.g. float32, float8_e4m3fn
     kv_scales: list[float]         # (k_scale, v_scale): fp8's per-tensor scales, else 1.0
     attention_backend: str         # EngineConfig.attention_backend (auto | torch | triton)
+    kv_path: str = ""              # the shared KV file of every rank (drive()); "": own memory
 
 
 class Step(msgspec.Struct, tag=2, array_like=True):
@@ -241,26 +247,35 @@ class DrivingRunner:
             raise
 
 
-def start_rank0(model, world_size: int) -> tuple[TensorParallelLlama, TPLeader]:
-    """Rank 0's start (LLMEngine): check the model shards, start the followers, shard it."""
-    check_shardable(model.config, world_size)
-    leader = TPLeader.start(world_size, backend=backend_for(model.device))
+def start_rank0(model_dir: str, dtype: str, world_size: int,
+                device: torch.device | str = "cpu") -> tuple[TensorParallelLlama, TPLeader]:
+    """Rank 0's start (LLMEngine): check the model shards, start the followers, load rank 0's
+    shard (only its slices of the checkpoint are read; the followers read theirs)."""
+    check_shardable(ModelConfig.from_dir(model_dir), world_size)
+    leader = TPLeader.start(world_size, backend=backend_for(device))
     try:
-        return shard_model(model, leader.tp), leader
+        return load_model(model_dir, dtype=dtype, device=device, tp=leader.tp), leader
     except BaseException:
         leader.close()
         raise
 
 
-def drive(runner: ModelRunner, leader: TPLeader, model_dir: str, config) -> DrivingRunner:
+def drive(runner: ModelRunner, leader: TPLeader, model_dir: str, config, kv_path: str = "") -> DrivingRunner:
     """The followers build the same runner: the model in config.dtype, their own shard, the same
     attention backend, a KV cache like rank 0's (blocks, block size, element type, fp8 scales)
-    over their own KV heads; -> rank 0's runner that drives them. config: the EngineConfig."""
+    over their own KV heads; -> rank 0's runner that drives them. config: the EngineConfig.
+    kv_path: the shared file holding every rank's cache, rank-major (rank r's is the r-th of N
+    equal parts), which each follower maps; "" for each its own memory. Returns once every
+    follower has built its runner (and so mapped the file: its creator may unlink it then)."""
     kv = runner.kv_cache
     leader.setup(Setup(str(model_dir), config.dtype, kv.num_blocks, kv.block_size,
                        str(kv.dtype).removeprefix("torch."),
                        [getattr(kv, "k_scale", 1.0), getattr(kv, "v_scale", 1.0)],
-                       config.attention_backend))
+                       config.attention_backend, kv_path))
+    try:
+        dist.barrier()
+    except RuntimeError as e:                   # a follower failed to load or map: it is gone
+        raise TPRankFailed(leader.dead(wait_s=1.0) or f"a tensor-parallel rank failed: {e}") from e
     return DrivingRunner(runner, leader)
 
 
@@ -301,18 +316,30 @@ def follow(tp: TPGroup, fd: int) -> None:
         return
     if not isinstance(setup, Setup):
         raise RuntimeError(f"tensor-parallel rank {tp.rank}: expected Setup first, got {type(setup).__name__}")
-    model = shard_model(load_model(setup.model_dir, dtype=setup.dtype), tp)
-    data = torch.zeros(kv_cache_shape(model.config, setup.num_blocks, setup.block_size),
-                       dtype=getattr(torch, setup.kv_dtype), device=model.device)
+    model = load_model(setup.model_dir, dtype=setup.dtype, tp=tp)
+    shape = kv_cache_shape(model.config, setup.num_blocks, setup.block_size)
+    dtype = getattr(torch, setup.kv_dtype)
+    if setup.kv_path:
+        data = shared_rank_kv(setup.kv_path, shape, dtype, tp)
+    else:
+        data = torch.zeros(shape, dtype=dtype, device=model.device)
     scaled = setup.kv_scales != [1.0, 1.0]
     kv_cache = KVCache.over(data, *setup.kv_scales) if scaled else KVCache.over(data)
     runner = ModelRunner(model, kv_cache, backend=setup.attention_backend)
+    dist.barrier()                      # rank 0's drive(): this rank's cache is mapped
     while (frame := _read_frame(fd)) is not None:
         if isinstance(frame, CopyBlocks):
             for src, dst in frame.copies:
                 kv_cache.write_blocks([dst], kv_cache.read_blocks([src]))
         else:
             runner.execute([SeqChunk(*chunk) for chunk in frame.chunks])
+
+
+def shared_rank_kv(path: str, rank_shape: tuple[int, ...], dtype: torch.dtype, tp: TPGroup) -> torch.Tensor:
+    """Rank tp.rank's cache inside the shared file of all N: [N * num_layers, ...] rank-major."""
+    size = math.prod(rank_shape)
+    data = torch.from_file(path, shared=True, size=size * tp.world_size, dtype=dtype)
+    return data[tp.rank * size:(tp.rank + 1) * size].view(rank_shape)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,9 +76,13 @@ def checksum_result(checksum: bool, error: str | None) -> str | None:
 class KVLayout:
     """What one pool's blocks look like. num_blocks is not part of it: pools of any size may exchange blocks.
 
-    tensor_parallel_size: the ranks the model is sharded over; kv_heads is then one rank's. Pools of
+    tensor_parallel_size N: the ranks the model is sharded over. The pool is then every rank's cache,
+    rank-major: num_layers counts N * (model layers) rows, rows [r L, (r + 1) L) are rank r's, and
+    kv_heads is one rank's (rank r holds the model's KV heads [r kv_heads, (r + 1) kv_heads):
+    `shard`). The wire order above therefore ships rank r's part of each block into the target's
+    rank r part: a prefill rank's KV shard lands in the matching decode rank's cache. Pools of
     different tensor-parallel sizes never exchange blocks: kvfleet refuses rather than re-shards
-    (layout_mismatch). A TP > 1 worker serves colocated only (docs/engine.md, Tensor parallelism)."""
+    (layout_mismatch; docs/engine.md, Tensor parallelism)."""
     num_layers: int
     block_size: int
     kv_heads: int
@@ -91,10 +95,12 @@ class KVLayout:
     v_scale: float = 1.0
 
     @classmethod
-    def of(cls, kv_cache, tensor_parallel_size: int = 1) -> KVLayout:
+    def of(cls, kv_cache, tensor_parallel_size: int | None = None) -> KVLayout:
+        """tensor_parallel_size: the cache's own (KVCache.over) unless given."""
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.data.shape
+        tp = tensor_parallel_size or getattr(kv_cache, "tensor_parallel_size", 1)
         return cls(layers, block_size, kv_heads, head_dim, kv_dtype_name(kv_cache.data.dtype),
-                   tensor_parallel_size, float(getattr(kv_cache, "k_scale", 1.0)),
+                   tp, float(getattr(kv_cache, "k_scale", 1.0)),
                    float(getattr(kv_cache, "v_scale", 1.0)))
 
     def to_pb(self) -> pb.KVLayout:
@@ -116,6 +122,14 @@ class KVLayout:
         except ValueError as e:
             raise ValueError(f"bad KV layout {layout}: {e}") from None
         return layout
+
+    def shard(self, rank: int) -> tuple[range, range]:
+        """Rank `rank`'s part of the pool: (its layer rows, the model's KV heads it holds)."""
+        if not 0 <= rank < self.tensor_parallel_size:
+            raise ValueError(f"rank {rank} is not in [0, {self.tensor_parallel_size})")
+        layers = self.num_layers // self.tensor_parallel_size
+        return (range(rank * layers, (rank + 1) * layers),
+                range(rank * self.kv_heads, (rank + 1) * self.kv_heads))
 
     @property
     def itemsize(self) -> int:

@@ -26,9 +26,4 @@ class WorkerConfig:
             raise ValueError(f"pool {self.pool!r} is not one of {POOLS}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.role != "mixed":
-            raise ValueError(f"a {self.role} worker cannot run tensor parallel size "
-                             f"{self.tensor_parallel_size}: with TP > 1 each rank's KV heads live in "
-                             "its own cache and kvfleet does not ship them between workers; serve TP > 1 "
-                             "as role mixed (colocated), or run prefill/decode workers at TP 1")
         self.timeouts.check()

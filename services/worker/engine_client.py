@@ -200,7 +200,8 @@ class EngineClient:
             shared = core.attach_kv(self._ready)
             # the layout the transports name (KVLayout.of) carries the fp8 scales the core uses
             scales = self.config.kv_cache_scales if is_fp8(shared.dtype) else (1.0, 1.0)
-            self._kv_cache = KVCache.over(shared, *scales)
+            self._kv_cache = KVCache.over(shared, *scales,    # TP N: every rank's part
+                                          tensor_parallel_size=self.config.tensor_parallel_size)
         except BaseException as e:
             await self.close()
             if isinstance(e, asyncio.TimeoutError):

@@ -133,6 +133,7 @@ class Ready(msgspec.Struct, tag=20, array_like=True):
     max_model_len: int
     kv_path: str                  # the shared KV file (SharedKV.attach maps it, then unlinks it)
     kv_shape: list[int]           # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+                                  # (TP N: N * num_layers, rank-major; kv_heads a rank's)
     kv_dtype: str                 # torch dtype name without "torch."
     kv_device: str = "cpu"        # where the cache lives: "cpu" (kv_path) or "cuda:N" (kv_handle)
     kv_handle: bytes = b""        # a device cache's CUDA IPC handle (DeviceKV.export)
@@ -233,12 +234,16 @@ class SharedKV:
     cache is DeviceKV's)."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        self.path = path                  # tensor-parallel followers map their part of it too
+        self.data: torch.Tensor | None = None
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Core side (an LLMEngine kv_alloc): a zeroed tensor over a new shared file."""
         size = math.prod(shape)
-        return torch.from_file(self.path, shared=True, size=size, dtype=dtype).view(shape)
+        self.data = torch.from_file(self.path, shared=True, size=size, dtype=dtype).view(shape)
+        return self.data
+
+    __call__ = alloc
 
     @staticmethod
     def attach(ready: Ready) -> torch.Tensor:
@@ -286,7 +291,8 @@ def kv_allocator(config: EngineConfig, shared: SharedKV):
 
 
 def ready_message(config: EngineConfig, engine: LLMEngine, shared: SharedKV) -> Ready:
-    data = engine.kv_cache.data
+    # the shared file holds every tensor-parallel rank's part (rank 0's cache is its first part)
+    data = shared.data if shared.data is not None else engine.kv_cache.data
     on_device = data.device.type != "cpu"
     return Ready(os.getpid(), config.model, engine.pool.block_size, engine.max_model_len,
                  "" if on_device else shared.path, list(data.shape),

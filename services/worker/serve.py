@@ -91,7 +91,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     add_engine_args(p)
     add_sim_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the model over N processes (the engine core is rank 0; mixed role only)")
+                   help="shard the model over N processes (the engine core is rank 0); prefill and "
+                        "decode workers ship KV rank to rank, so both need the same N")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default); several workers on one "
                         "host should split the cores between them")

@@ -1,13 +1,15 @@
-"""The KV layout names its tensor-parallel size (kv_heads is one rank's), and KV never crosses
-tensor-parallel sizes: kvfleet refuses rather than re-shards. A TP > 1 worker serves colocated only."""
+"""The KV layout names its tensor-parallel size (kv_heads is one rank's; a TP N pool holds the N ranks'
+caches rank-major, so rank r's part lands in the target's rank r part), and KV never crosses
+tensor-parallel sizes: kvfleet refuses rather than re-shards."""
 from __future__ import annotations
 
 import pytest
 
-from services.kv_transfer import KVLayout, KVTransferError
+from services.kv_transfer import KVLayout, KVTransferError, make_transport
 from services.kv_transfer.base import layout_mismatch
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.worker.config import WorkerConfig
+from services.engine.model.kv_cache import KVCache
+import torch
 from tests.kv_transfer.helpers import LAYOUT, Pair, new_id
 
 
@@ -39,9 +41,30 @@ def test_layouts_that_differ_only_in_tensor_parallel_size_do_not_match():
     assert "target (decode) has tensor_parallel_size 1" in layout_mismatch(tp2, LAYOUT)
 
 
-def test_a_disaggregated_worker_with_tensor_parallel_2_is_refused_at_start():
-    assert WorkerConfig("m", "mixed", tensor_parallel_size=2).tensor_parallel_size == 2
-    for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match=rf"a {role} worker cannot run tensor parallel size 2.*"
-                                             "serve TP > 1 as role mixed"):
-            WorkerConfig("w", role, tensor_parallel_size=2)
+def test_a_tp2_pool_names_each_rank_its_layer_rows_and_its_kv_heads():
+    data = torch.zeros(2 * 3, 2, 5, 4, 1, 8)            # 2 ranks x 3 layers, 1 KV head per rank
+    layout = KVLayout.of(KVCache.over(data, tensor_parallel_size=2))
+    assert (layout.num_layers, layout.kv_heads, layout.tensor_parallel_size) == (6, 1, 2)
+    assert layout.shard(0) == (range(0, 3), range(0, 1))
+    assert layout.shard(1) == (range(3, 6), range(1, 2))
+    with pytest.raises(ValueError, match="cannot hold 4 tensor-parallel ranks"):
+        KVCache.over(data, tensor_parallel_size=4)
+
+
+def test_a_tp2_transfer_lands_each_ranks_part_in_the_same_ranks_part():
+    source, target = make_transport("tcp", new_id("source")), make_transport("tcp", new_id("target"))
+    try:
+        src, dst = (torch.zeros(2 * 3, 2, 8, 4, 1, 8) for _ in range(2))
+        src[3:].fill_(7.0)                             # rank 1's part of every block
+        src[:3].fill_(1.0)                             # rank 0's
+        source.register(KVCache.over(src, tensor_parallel_size=2))
+        target.register(KVCache.over(dst, tensor_parallel_size=2))
+        tid = new_id()
+        landed = target.expect(tid, [5, 6], timeout_s=10.0)
+        source.write(tid, [1, 2], target.descriptor([5, 6]), timeout_s=10.0).wait(10.0)
+        landed.wait(10.0)
+        assert (dst[:3, :, [5, 6]] == 1.0).all() and (dst[3:, :, [5, 6]] == 7.0).all()
+        assert not dst[:, :, [0, 1, 2, 3, 4, 7]].any()
+    finally:
+        source.close()
+        target.close()

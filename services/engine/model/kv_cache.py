@@ -89,11 +89,21 @@ class KVCache:
             raise ValueError(f"KVCache: data {tuple(data.shape)} {data.dtype} != {shape} {self.dtype}")
         self.data = data
 
+    tensor_parallel_size = 1    # a whole worker's pool of N ranks' caches (over(), below)
+
     @classmethod
-    def over(cls, data: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> KVCache:
+    def over(cls, data: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+             tensor_parallel_size: int = 1) -> KVCache:
         """A KVCache over existing memory of the layout above (another process's cache, shared):
-        everything it needs is in the tensor's shape and dtype, and the fp8 scales."""
+        everything it needs is in the tensor's shape and dtype, and the fp8 scales.
+        tensor_parallel_size N > 1: `data` is a worker's pool of all N ranks' caches, rank-major
+        ([N * num_layers, ...], kv_heads a rank's); num_layers counts all N * num_layers rows, so
+        reading and writing a block covers every rank's part of it (what a KV transfer ships)."""
+        if tensor_parallel_size < 1 or data.shape[0] % tensor_parallel_size:
+            raise ValueError(f"a pool of {data.shape[0]} layer rows cannot hold "
+                             f"{tensor_parallel_size} tensor-parallel ranks' caches")
         cache = cls.__new__(cls)
+        cache.tensor_parallel_size = tensor_parallel_size
         layers, _, cache.num_blocks, cache.block_size, kv_heads, head_dim = data.shape
         cache.num_layers, cache.dtype, cache.data = layers, data.dtype, data
         cache.k_scale, cache.v_scale = _check_scales(data.dtype, k_scale, v_scale)

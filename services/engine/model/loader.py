@@ -3,6 +3,11 @@
 Reads model.safetensors, or the shards named by model.safetensors.index.json. Every tensor name and
 shape is checked against the config before any data is read; q/k/v and gate/up are fused on the way in
 (see llama.py). A checkpoint without lm_head.weight gets a tied head (logits from embed_tokens).
+
+With `tp` (a TPGroup) the loader reads only that rank's shard: each sharded tensor's rows or columns
+through safetensors' get_slice (tensor_parallel.shard_ranges says which), never the whole tensor, and
+returns the rank's TensorParallelLlama. The names and shapes are checked against the full config first,
+as for a whole load.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from safetensors import safe_open
 
 from services.engine.model.config import ModelConfig, resolve_dtype
 from services.engine.model.llama import LlamaForward
+from services.engine.model.tensor_parallel import (ShardRange, TensorParallelLlama, TPGroup, assemble_shard,
+                                                   shard_ranges, shard_shape_config)
 
 log = logging.getLogger(__name__)
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -23,10 +30,14 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints save
 LM_HEAD = "lm_head.weight"
 
 
-def load_model(model_dir, dtype: str = "auto", device: torch.device | str = "cpu") -> LlamaForward:
-    """dtype: auto (the config's torch_dtype) | float32 | bfloat16 | float16."""
+def load_model(model_dir, dtype: str = "auto", device: torch.device | str = "cpu",
+               tp: TPGroup | None = None) -> LlamaForward | TensorParallelLlama:
+    """dtype: auto (the config's torch_dtype) | float32 | bfloat16 | float16. tp: load only this
+    rank's shard (-> its TensorParallelLlama; world size 1 is a whole load)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    sharded = tp is not None and tp.world_size > 1
+    ranges = shard_ranges(config, tp) if sharded else {}
     target = resolve_dtype(config.torch_dtype if dtype == "auto" else dtype)
     locations = _tensor_locations(model_dir)  # name -> shard file
     tied = config.tie_word_embeddings or LM_HEAD not in locations
@@ -41,13 +52,33 @@ def load_model(model_dir, dtype: str = "auto", device: torch.device | str = "cpu
         def read(name: str) -> torch.Tensor:
             """A fresh copy: safetensors hands out views at unaligned file offsets, and matmul
             kernels pick different (slower, differently rounded) paths for unaligned weights."""
-            tensor = files[locations[name]].get_tensor(name)
-            return torch.empty(tensor.shape, dtype=target, device=device).copy_(tensor)
+            part = ranges.get(name)
+            if part is None:
+                tensor = files[locations[name]].get_tensor(name)
+            else:
+                tensor = _read_range(files[locations[name]].get_slice(name), part)
+            out = torch.empty(tensor.shape, dtype=target, device=device).copy_(tensor)
+            return out if part is None else _pad_rows(out, part.pad_to)
 
         state = fused_state_dict(config, read, with_lm_head=not tied)
-    model = LlamaForward(config, tie_word_embeddings=tied)
+    model = LlamaForward(shard_shape_config(config, tp.world_size) if sharded else config,
+                         tie_word_embeddings=tied)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    return assemble_shard(model, config, tp).eval() if sharded else model.eval()
+
+
+def _read_range(piece, part: ShardRange) -> torch.Tensor:
+    """Only the rows (dim 0) or columns (dim 1) of the range, read from the file."""
+    return piece[part.start:part.stop] if part.dim == 0 else piece[:, part.start:part.stop]
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocab shard past V: zero rows up to `rows` (their logits are sliced off after the gather)."""
+    if rows <= tensor.shape[0]:
+        return tensor
+    padded = tensor.new_zeros(rows, *tensor.shape[1:])
+    padded[:tensor.shape[0]] = tensor
+    return padded
 
 
 def expected_shapes(config: ModelConfig, with_lm_head: bool) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,10 @@ same heads they read unsharded (query head i reads KV head i // (h / kv)). The r
 `config` is the rank's (num_heads, num_kv_heads, intermediate_size divided by N; vocab whole), so
 KVCache(model.config, ...) allocates this rank's KV heads only.
 
+Each rank reads only its shard from the checkpoint (loader.load_model(..., tp=...) reads the row or
+column ranges `shard_ranges` names with safetensors' get_slice, then `assemble_shard` wraps the
+rank-shaped model); shard_model() is the same cut made from a full model already in memory.
+
 Sums run in float32 (a bf16 model's partial sums are reduced in fp32, then cast back). Processes,
 rendezvous and who drives whom: services/engine/tp_ranks.py.
 """
@@ -84,9 +88,62 @@ def shard_model(model: LlamaForward, tp: TPGroup) -> TensorParallelLlama:
         _shard_attention(layer.self_attn, full, tp)
         _shard_mlp(layer.mlp, full, tp)
     vocab_rows = vocab_shard_size(full.vocab_size, tp.world_size)
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, full.vocab_size, tp)
+    model.embed_tokens = VocabParallelEmbedding(vocab_shard(model.embed_tokens.weight, full.vocab_size, tp),
+                                                full.vocab_size, tp)
     if model.lm_head is not None:
         model.lm_head = _linear(vocab_shard(model.lm_head.weight, full.vocab_size, tp), vocab_rows)
+    model.config = rank_config(full, tp.world_size)
+    return TensorParallelLlama(model, full.vocab_size, tp)
+
+
+# ------------------------------------------------------------------- reading a shard from disk
+@dataclass(frozen=True)
+class ShardRange:
+    """Rows (dim 0) or input columns (dim 1) [start, stop) of one checkpoint tensor; pad_to: the
+    rows the shard must have (a vocab shard past V is zero-padded), 0 for none."""
+
+    dim: int
+    start: int
+    stop: int
+    pad_to: int = 0
+
+
+def shard_ranges(config: ModelConfig, tp: TPGroup) -> dict[str, ShardRange]:
+    """HF tensor name -> the part of it rank tp.rank keeps; names not listed (the norms) are
+    read whole. The cuts are qkv_shard's, gate_up_shard's, column_shard's and vocab_shard's."""
+    check_shardable(config, tp.world_size)
+    n, r, d = tp.world_size, tp.rank, config.head_dim
+    heads, kv, inter = config.num_heads // n * d, config.num_kv_heads // n * d, config.intermediate_size // n
+    rows = vocab_shard_size(config.vocab_size, n)
+    start = min(r * rows, config.vocab_size)
+    vocab = ShardRange(0, start, min(start + rows, config.vocab_size), pad_to=rows)
+    ranges = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        ranges |= {p + "self_attn.q_proj.weight": ShardRange(0, r * heads, (r + 1) * heads),
+                   p + "self_attn.k_proj.weight": ShardRange(0, r * kv, (r + 1) * kv),
+                   p + "self_attn.v_proj.weight": ShardRange(0, r * kv, (r + 1) * kv),
+                   p + "self_attn.o_proj.weight": ShardRange(1, r * heads, (r + 1) * heads),
+                   p + "mlp.gate_proj.weight": ShardRange(0, r * inter, (r + 1) * inter),
+                   p + "mlp.up_proj.weight": ShardRange(0, r * inter, (r + 1) * inter),
+                   p + "mlp.down_proj.weight": ShardRange(1, r * inter, (r + 1) * inter)}
+    return ranges
+
+
+def shard_shape_config(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The shapes a rank's LlamaForward is built with before assemble_shard: the rank's heads and
+    MLP width, and its vocab rows (V_r)."""
+    return replace(rank_config(config, world_size),
+                   vocab_size=vocab_shard_size(config.vocab_size, world_size))
+
+
+def assemble_shard(model: LlamaForward, full: ModelConfig, tp: TPGroup) -> TensorParallelLlama:
+    """A LlamaForward built with shard_shape_config and loaded with this rank's slices -> the
+    rank's model: o_proj and down_proj reduce across ranks, the embedding is vocab-parallel."""
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj.weight, tp)
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj.weight, tp)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, full.vocab_size, tp)
     model.config = rank_config(full, tp.world_size)
     return TensorParallelLlama(model, full.vocab_size, tp)
 
@@ -165,9 +222,10 @@ class VocabParallelEmbedding(nn.Module):
     all-reduce gives every rank the full [T, hidden]. `weight` [V_r, hidden] doubles as a tied
     LM head's shard (llama.py reads embed_tokens.weight for it)."""
 
-    def __init__(self, full_weight: torch.Tensor, vocab_size: int, tp: TPGroup):
+    def __init__(self, shard: torch.Tensor, vocab_size: int, tp: TPGroup):
+        """shard: this rank's rows, cut as vocab_shard cuts them ([V_r, hidden], zero past V)."""
         super().__init__()
-        self.weight = nn.Parameter(vocab_shard(full_weight, vocab_size, tp), requires_grad=False)
+        self.weight = nn.Parameter(shard, requires_grad=False)
         rows = vocab_shard_size(vocab_size, tp.world_size)
         self.start = tp.rank * rows
         self.num_real = max(0, min(rows, vocab_size - self.start))   # rows past V are padding

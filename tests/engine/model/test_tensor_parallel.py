@@ -1,7 +1,7 @@
 """Tensor parallelism (services/engine/model/tensor_parallel.py, services/engine/tp_ranks.py).
 
 The story: a model sharded for rank r of N keeps exactly its slice of every weight and its own KV
-heads; a model whose heads do not divide is refused before any process starts; and
+heads, and a rank loading from disk reads exactly that slice and nothing more; a model whose heads do not divide is refused before any process starts; and
 `kvfleet generate --tensor-parallel 2` (rank 0 here, one real follower process, gloo on 127.0.0.1)
 produces the same greedy tokens and log-probs as the unsharded engine, within 1e-4 in fp32, and
 leaves no process behind.
@@ -14,13 +14,18 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from services.cli.cli import build_parser
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model import KVCache, load_model
-from services.engine.model.tensor_parallel import TPGroup, check_shardable, rank_config, shard_model
+from services.engine.model.config import ModelConfig
+from services.engine.model.tensor_parallel import (TPGroup, check_shardable, rank_config, shard_model,
+                                                   shard_ranges, vocab_shard_size)
 from services.engine.sampling_params import SamplingParams
+from services.engine.tp_ranks import TPRankFailed
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [100, 200, 300]]
 MAX_TOKENS = 10
@@ -50,6 +55,53 @@ def test_rank_1_of_2_keeps_its_heads_its_mlp_slice_and_its_vocab_rows(tiny_model
     assert cache.data.shape == (4, 2, 4, 16, 1, 32)          # this rank's one KV head
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_loads_from_disk_exactly_its_shard_and_nothing_else(tiny_model_dir, rank):
+    full = load_model(tiny_model_dir, dtype="float32")
+    cut = shard_model(load_model(tiny_model_dir, dtype="float32"), TPGroup(rank, 2))
+    loaded = load_model(tiny_model_dir, dtype="float32", tp=TPGroup(rank, 2))
+    assert loaded.config == cut.config and loaded.config.num_kv_heads == 1
+    _assert_same_parameters(loaded, cut)
+    norms = sum(p.numel() for name, p in full.named_parameters() if "norm" in name)
+    sharded = sum(p.numel() for name, p in loaded.named_parameters() if "norm" not in name)
+    assert sharded * 2 == sum(p.numel() for p in full.parameters()) - norms   # a half, no more
+
+
+def test_a_tied_uneven_vocab_shard_loads_padded_from_disk(config_b_dir):
+    cut = shard_model(load_model(config_b_dir, dtype="float32"), TPGroup(2, 3))
+    loaded = load_model(config_b_dir, dtype="float32", tp=TPGroup(2, 3))
+    assert loaded.model.lm_head is None and loaded.model.embed_tokens.num_real == 1364
+    _assert_same_parameters(loaded, cut)
+
+
+def _assert_same_parameters(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    got_params, want_params = dict(got.named_parameters()), dict(want.named_parameters())
+    assert got_params.keys() == want_params.keys()
+    for name, tensor in want_params.items():
+        assert torch.equal(got_params[name], tensor), name
+
+
+@given(world=st.integers(1, 8), kv_per_rank=st.integers(1, 3), group=st.integers(1, 4),
+       inter_per_rank=st.integers(1, 64), vocab=st.integers(1, 5000))
+def test_the_ranks_ranges_tile_every_sharded_tensor_exactly_once(world, kv_per_rank, group,
+                                                                  inter_per_rank, vocab):
+    kv, d = world * kv_per_rank, 4
+    config = ModelConfig(vocab, 64, world * inter_per_rank, 1, kv * group, kv, d, 1e-5, 1e4, None,
+                         4096, False, None, (), "float32")
+    full = {"model.layers.0.self_attn.q_proj.weight": kv * group * d,
+            "model.layers.0.self_attn.k_proj.weight": kv * d,
+            "model.layers.0.self_attn.o_proj.weight": kv * group * d,
+            "model.layers.0.mlp.down_proj.weight": world * inter_per_rank,
+            "model.embed_tokens.weight": vocab}
+    per_rank = [shard_ranges(config, TPGroup(r, world)) for r in range(world)]
+    for name, size in full.items():
+        parts = [ranges[name] for ranges in per_rank]
+        assert parts[0].start == 0 and parts[-1].stop == size                # covers it all
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))     # no gap, no overlap
+    vocab_rows = vocab_shard_size(vocab, world)
+    assert all(ranges["lm_head.weight"].pad_to == vocab_rows for ranges in per_rank)
+
+
 def test_an_uneven_vocab_is_padded_and_a_tied_head_reads_the_embedding_shard(config_b_dir):
     full = load_model(config_b_dir, dtype="float32")         # 6 heads, 3 KV heads, tied, V 4096
     sharded = shard_model(load_model(config_b_dir, dtype="float32"), TPGroup(2, 3))
@@ -68,6 +120,17 @@ def test_heads_that_do_not_divide_are_refused_naming_them_before_any_process_sta
         rank_config(cfg, 4)
     with pytest.raises(ValueError, match=r"num_kv_heads 3 not divisible by 2"):
         LLMEngine(EngineConfig(model=str(config_b_dir), tensor_parallel_size=2))
+    assert not dist.is_initialized() and not _follower_children()
+
+
+def test_a_follower_that_cannot_map_the_shared_kv_file_fails_the_start_naming_it(tiny_model_dir,
+                                                                                 tmp_path):
+    def alloc(shape, dtype):                       # rank 0's memory; the followers get `path`
+        return torch.zeros(shape, dtype=dtype)
+    alloc.path = str(tmp_path / "no-such-dir" / "kv")
+    with pytest.raises(TPRankFailed, match=r"tensor-parallel rank 1 \(pid \d+\) exited with status 1"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", tensor_parallel_size=2),
+                  kv_alloc=alloc)
     assert not dist.is_initialized() and not _follower_children()
 
 
