@@ -5,19 +5,18 @@ thread (tcp_gate.py) accepts and reads every header without trusting it: bounded
 the token checked there; an admitted transfer is received on a bounded pool of threads (TcpReceiverConfig).
 The source sends from its own thread, so write() returns at once.
 
-    source -> target  HEADER {token, id, layout, blocks, nbytes, checksum, timeout_s, hand_off}
+    source -> target  HEADER (kvfleet.v1.KVTransferHeader: token, transfer_id, layout, block_ids, nbytes,
+                      crc32, timeout_s, hand_off)
                       target checks the fleet token (else refuses, claiming nothing), claims its
                       expect(id) (waiting for it if need be), checks that it is still open, layout, ids, size
-    source <- target  REPLY {error: null | why refused}
+    source <- target  REPLY (kvfleet.v1.KVTransferReply: error empty | why refused)
     source -> target  PAYLOAD in wire order (base.py), recvmsg_into the destination regions
-    source <- target  REPLY {error: null | "checksum mismatch ..."}
+    source <- target  REPLY (error empty | "checksum mismatch ...")
                       target finishes its expect() handle: landed, with the hand-off
 
-Frames are a 4-byte big-endian length + UTF-8 JSON, at most MAX_FRAME bytes (a header: the config's
-max_header_bytes); the payload's size is checked against the expect()'s blocks before a byte of it is read.
-In the header, `layout` is a serialized kvfleet.v1.KVLayout
-and `hand_off` a serialized kvfleet.v1.HandOff (or null), both base64; `checksum` is a crc32 or null. A CPU
-pool is sent and received in place: each run of consecutive block ids is one contiguous region per (layer, K/V),
+Frames are a 4-byte big-endian length + a serialized protobuf message, at most MAX_FRAME bytes (a header: the
+config's max_header_bytes); the payload's size is checked against the expect()'s blocks before a byte of it is
+read. A CPU pool is sent and received in place: each run of consecutive block ids is one contiguous region per (layer, K/V),
 gathered by sendmsg, scattered by recvmsg_into; a device pool is staged through one CPU copy. Every socket op
 is bounded by what is left of the transfer's timeout; a closed or reset peer fails the transfer on both sides
 at once. `token` is the fleet token (services/protocol/fleet_token.py): a writer without this process's is
@@ -31,8 +30,6 @@ whoever finished it, nothing more is copied; the target drops the connection and
 """
 from __future__ import annotations
 
-import base64
-import json
 import math
 import select
 import socket
@@ -45,7 +42,7 @@ from contextlib import contextmanager
 from typing import Sequence
 
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -143,15 +140,15 @@ class TcpTransport(PoolTransport):
             with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock, self._tracked(sock):
                 _tune(sock)
                 views = self._source_views(src)
-                header = {"token": self._auth.presented().decode(), "id": transfer_id,
-                          "layout": b64(self._layout.to_pb()), "blocks": list(target.block_ids),
-                          "nbytes": len(src) * self._layout.bytes_per_block,
-                          "checksum": _crc(views) if checksum else None, "timeout_s": _left(deadline),
-                          "hand_off": None if hand_off is None else b64(hand_off)}
+                header = pb.KVTransferHeader(
+                    token=self._auth.presented().decode(), transfer_id=transfer_id,
+                    layout=self._layout.to_pb(), block_ids=list(target.block_ids),
+                    nbytes=len(src) * self._layout.bytes_per_block,
+                    crc32=_crc(views) if checksum else None, timeout_s=_left(deadline), hand_off=hand_off)
                 _send_frame(sock, header, deadline)
-                _check_reply(_recv_frame(sock, deadline), "refused the transfer")
+                _check_reply(_recv_reply(sock, deadline), "refused the transfer")
                 _send_views(sock, views, deadline)
-                _check_reply(_recv_frame(sock, deadline), "failed the transfer")
+                _check_reply(_recv_reply(sock, deadline), "failed the transfer")
             handle.finish()
         except Exception as e:  # a thread's last word: everything becomes the handle's error
             handle.finish(f"{handle.what}: {self._describe(e)}")
@@ -175,7 +172,7 @@ class TcpTransport(PoolTransport):
 
     # ---- target side -------------------------------------------------------------------------------------
 
-    def _admit(self, conn: socket.socket, header: dict) -> None:
+    def _admit(self, conn: socket.socket, header: pb.KVTransferHeader) -> None:
         """The gate passed this connection (its header carried the fleet token): receive it on the pool."""
         with self._lock:
             if self._closed.is_set():
@@ -183,24 +180,24 @@ class TcpTransport(PoolTransport):
             self._socks.add(conn)
         self._receivers.submit(self._serve, conn, header)
 
-    def _serve(self, conn: socket.socket, header: dict) -> None:
+    def _serve(self, conn: socket.socket, header: pb.KVTransferHeader) -> None:
         transfer_id, claimed = None, None
         with conn:
             try:
                 _tune(conn)
-                transfer_id, deadline = str(header["id"]), time.monotonic() + _timeout(header["timeout_s"])
+                transfer_id, deadline = header.transfer_id, time.monotonic() + _timeout(header.timeout_s)
                 claimed = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
                 refusal, hand_off = self._check_header(header, claimed)
-                _send_frame(conn, {"error": refusal}, deadline)
+                _send_frame(conn, pb.KVTransferReply(error=refusal), deadline)
                 if refusal:
                     if claimed is not None:
                         self._inbox.finish(transfer_id, refusal)
                     return
                 views = self._receive_payload(conn, *claimed, deadline)
                 error = None
-                if header["checksum"] is not None and _crc(views) != header["checksum"]:
+                if header.HasField("crc32") and _crc(views) != header.crc32:
                     error = "checksum mismatch: the received bytes differ from the source's"
-                _send_frame(conn, {"error": error}, deadline)
+                _send_frame(conn, pb.KVTransferReply(error=error), deadline)
                 self._inbox.finish(transfer_id, error, hand_off=hand_off)
             except Exception as e:  # a thread's last word: a claimed expect always hears it
                 if claimed is not None:
@@ -209,28 +206,26 @@ class TcpTransport(PoolTransport):
                 with self._lock:
                     self._socks.discard(conn)
 
-    def _check_header(self, header: dict, claimed) -> tuple[str | None, pb.HandOff | None]:
+    def _check_header(self, header: pb.KVTransferHeader, claimed) -> tuple[str | None, pb.HandOff | None]:
         """-> (why the transfer is refused, or None; the hand-off it carries)."""
+        tid = header.transfer_id
         if claimed is None:
-            return (f"{self.worker_id} expects no transfer {header['id']!r} (no expect() in time, or already "
-                    "taken)"), None
+            return f"{self.worker_id} expects no transfer {tid!r} (no expect() in time, or already taken)", None
         ids, handle = claimed
         if handle.done():
-            return f"the target's expect() of {header['id']!r} is over: {handle.error}", None
+            return f"the target's expect() of {tid!r} is over: {handle.error}", None
         try:
-            layout = KVLayout.from_pb(pb.KVLayout.FromString(base64.b64decode(header["layout"], validate=True)))
-            raw = header["hand_off"]
-            hand_off = None if raw is None else pb.HandOff.FromString(base64.b64decode(raw, validate=True))
-        except (ValueError, TypeError, DecodeError) as e:
+            layout = KVLayout.from_pb(header.layout)
+        except ValueError as e:
             return f"bad header: {e}", None
         mismatch = layout_mismatch(layout, self._layout)
         if mismatch is not None:
             return mismatch, None
-        if header["blocks"] != ids:
-            return f"blocks {header['blocks']} are not the ones expected for {header['id']!r}: {ids}", None
-        if header["nbytes"] != len(ids) * self._layout.bytes_per_block:
-            return f"payload of {header['nbytes']} bytes does not fill {len(ids)} blocks", None
-        return None, hand_off
+        if list(header.block_ids) != ids:
+            return f"blocks {list(header.block_ids)} are not the ones expected for {tid!r}: {ids}", None
+        if header.nbytes != len(ids) * self._layout.bytes_per_block:
+            return f"payload of {header.nbytes} bytes does not fill {len(ids)} blocks", None
+        return None, header.hand_off if header.HasField("hand_off") else None
 
     def _receive_payload(self, conn: socket.socket, ids: list[int], handle: Completion,
                          deadline: float) -> list[memoryview]:
@@ -292,11 +287,6 @@ class TcpTransport(PoolTransport):
 _OVER = "the target's expect() is over (finished or past its deadline): nothing more is written"
 
 
-def b64(message) -> str:
-    """A protobuf message as a header field."""
-    return base64.b64encode(message.SerializeToString()).decode()
-
-
 def _timeout(value) -> float:
     """A header's timeout_s: a positive finite number of seconds."""
     seconds = float(value)
@@ -325,25 +315,30 @@ def _crc(views: list[memoryview]) -> int:
     return crc
 
 
-def _check_reply(reply: dict, verb: str) -> None:
-    if reply.get("error"):
-        raise KVTransferError(f"target {verb}: {reply['error']}")
+def _check_reply(reply: pb.KVTransferReply, verb: str) -> None:
+    if reply.error:
+        raise KVTransferError(f"target {verb}: {reply.error}")
 
 
-def _send_frame(sock: socket.socket, obj: dict, deadline: float) -> None:
-    body = json.dumps(obj).encode()
+def _send_frame(sock: socket.socket, message: Message, deadline: float) -> None:
+    body = message.SerializeToString()
     sock.settimeout(_left(deadline))
     sock.sendall(struct.pack(">I", len(body)) + body)
 
 
-def _recv_frame(sock: socket.socket, deadline: float) -> dict:
+def _recv_reply(sock: socket.socket, deadline: float) -> pb.KVTransferReply:
     (size,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
     if size > MAX_FRAME:
         raise KVTransferError(f"frame of {size} bytes is over the {MAX_FRAME} limit")
-    return json.loads(_recv_exact(sock, size, deadline))
+    try:
+        return pb.KVTransferReply.FromString(_recv_exact(sock, size, deadline))
+    except DecodeError as e:
+        raise KVTransferError(f"a reply that is no KVTransferReply: {e}") from None
 
 
 def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
+    if size == 0:
+        return b""  # an empty message (a reply with no error) is 0 bytes on the wire
     buf = bytearray(size)
     _recv_views(sock, [memoryview(buf)], deadline)
     return bytes(buf)

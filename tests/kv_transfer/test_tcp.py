@@ -9,6 +9,7 @@ import torch
 
 from services.protocol import fleet_token
 from services.protocol.fleet_token import FleetAuth
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer import KVLayout, KVTransferError, tcp
 from services.kv_transfer.peer import make_cache
 from tests.kv_transfer.helpers import DST, LAYOUT, SOURCE_BLOCKS, SRC, Pair, expected_target, new_id
@@ -92,10 +93,10 @@ def test_a_source_that_dies_mid_payload_fails_the_target_at_once(pair):
     deadline = time.monotonic() + 5.0
     host, port = pair.target.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5.0) as sock:
-        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": tcp.b64(layout),
-                  "blocks": [1, 2], "nbytes": nbytes, "checksum": None, "timeout_s": 30.0, "hand_off": None}
+        header = pb.KVTransferHeader(token=fleet_token.active().presented().decode(), transfer_id=tid,
+                                     layout=layout, block_ids=[1, 2], nbytes=nbytes, timeout_s=30.0)
         tcp._send_frame(sock, header, deadline)
-        assert tcp._recv_frame(sock, deadline) == {"error": None}
+        assert tcp._recv_reply(sock, deadline) == pb.KVTransferReply()
         sock.sendall(bytes(nbytes // 2))
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="peer closed the connection mid-transfer"):
@@ -124,7 +125,7 @@ def test_a_writer_without_the_fleet_token_is_refused_and_claims_nothing(pair):
     assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
 
 
-def test_a_header_with_a_garbled_hand_off_is_refused_and_writes_nothing(pair):
+def test_a_header_with_a_bad_layout_is_refused_and_writes_nothing(pair):
     before = pair.refill(seed=29)
     tid = new_id()
     target = pair.target.expect(tid, [1], timeout_s=5.0)
@@ -132,11 +133,11 @@ def test_a_header_with_a_garbled_hand_off_is_refused_and_writes_nothing(pair):
     deadline = time.monotonic() + 5.0
     host, port = pair.target.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5.0) as sock:
-        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": tcp.b64(layout),
-                  "blocks": [1], "nbytes": KVLayout.from_pb(layout).bytes_per_block, "checksum": None,
-                  "timeout_s": 5.0, "hand_off": "not base64 of a HandOff!"}
+        header = pb.KVTransferHeader(token=fleet_token.active().presented().decode(), transfer_id=tid,
+                                     layout=pb.KVLayout(dtype="float32"), block_ids=[1],
+                                     nbytes=KVLayout.from_pb(layout).bytes_per_block, timeout_s=5.0)
         tcp._send_frame(sock, header, deadline)
-        assert "bad header" in tcp._recv_frame(sock, deadline)["error"]
+        assert "bad header" in tcp._recv_reply(sock, deadline).error
     with pytest.raises(KVTransferError, match="bad header"):
         target.wait(5.0)
     assert torch.equal(pair.target_kv.data, before)

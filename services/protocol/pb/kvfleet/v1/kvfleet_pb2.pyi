@@ -404,6 +404,32 @@ class KVNotice(_message.Message):
     hand_off: HandOff
     def __init__(self, transfer_id: _Optional[str] = ..., crc32: _Optional[int] = ..., hand_off: _Optional[_Union[HandOff, _Mapping]] = ...) -> None: ...
 
+class KVTransferHeader(_message.Message):
+    __slots__ = ("token", "transfer_id", "layout", "block_ids", "nbytes", "crc32", "timeout_s", "hand_off")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    transfer_id: str
+    layout: KVLayout
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    crc32: int
+    timeout_s: float
+    hand_off: HandOff
+    def __init__(self, token: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., timeout_s: _Optional[float] = ..., hand_off: _Optional[_Union[HandOff, _Mapping]] = ...) -> None: ...
+
+class KVTransferReply(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
