@@ -366,7 +366,7 @@ class LLMEngine:
         index). A sample's last output has its finish_reason; `finished` is set on the last
         output of the request's last sample only."""
         out = self._states[req.request_id].delta()
-        if out.finish_reason == "prefilled" and req.index == 0:  # blocks held until release()
+        if out.prefilled and req.index == 0:  # blocks held until release()
             out.block_ids = list(self.pool.block_table(req.request_id))
         if out.finished:
             self._forget(req.request_id)

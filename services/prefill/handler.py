@@ -75,9 +75,6 @@ class PrefillRole:
             firsts: dict[int, int] = {}        # sample index -> its first token (n > 1)
             samples = max(1, request.params.n)
             async for out in stream:
-                prefilled = out.finish_reason == "prefilled"     # the engine's own control state
-                if prefilled:
-                    out.finished, out.finish_reason = False, None
                 failure = output_failure(out)
                 if failure is not None:
                     await status.abort(context, ending.failed(failure))
@@ -92,7 +89,7 @@ class PrefillRole:
                     end_span(span, output_tokens=out.num_output_tokens,
                              finish_reason=out.finish_reason if out.finished else None)
                     span_open = False
-                if prefilled:
+                if out.prefilled:
                     firsts[out.index] = out.new_token_ids[0]
                     if out.index == 0:
                         first, blocks = chunk, out.block_ids

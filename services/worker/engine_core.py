@@ -31,7 +31,7 @@ one) mapped MAP_SHARED; the server maps the same file (`SharedKV.attach`) and un
 memory lives exactly as long as the two mappings. The KV transport backends run in the server and
 write straight into the pages the core's model reads. Who may touch which blocks when is ordered by
 the messages: the server writes a reservation's blocks before it sends StartDecode, and reads a
-prefilled prompt's blocks after the step that sent "prefilled" (and before it cancels the request);
+prefilled prompt's blocks after the step that sent its prefilled output (and before it cancels the request);
 the socket round trip orders the memory accesses.
 """
 from __future__ import annotations

@@ -150,7 +150,7 @@ def test_prefill_and_decode_roles_hand_over_kv_and_match_the_mixed_engine(tiny_m
     assert blocks is not None and decode.stats().kv_blocks_reserved > 0
     rid = prefill.add_request(ids, params, request_id="r1")        # 2. prefill
     first = [o for o in prefill.stream()]
-    assert first[-1].finish_reason == "prefilled" and len(first[-1].new_token_ids) == 1
+    assert first[-1].prefilled and first[-1].finish_reason is None and len(first[-1].new_token_ids) == 1
     kv = prefill.export_kv(rid)                                      # 3. transfer
     prefill.release(rid)
     assert prefill.stats().kv_blocks_used == 0

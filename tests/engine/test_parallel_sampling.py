@@ -128,7 +128,8 @@ def test_prefill_and_decode_roles_fork_after_the_kv_lands(tiny_model_dir, engine
     assert decode.pool.num_reserved + len(blocks) == blocks_for_samples(14, 21, 2, BLOCK) == 3 + 2 * 3
     prefill.add_request(ids, params, request_id="r")
     firsts = list(prefill.stream())
-    assert [(o.index, o.finish_reason) for o in firsts] == [(0, "prefilled"), (1, "prefilled")]
+    assert [(o.index, o.prefilled, o.finish_reason) for o in firsts] == [(0, True, None),
+                                                                          (1, True, None)]
     assert firsts[-1].finished and firsts[0].block_ids
     assert firsts[0].new_token_ids == firsts[1].new_token_ids == mixed.token_ids[:1]
     kv = prefill.export_kv("r")

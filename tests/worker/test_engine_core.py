@@ -180,7 +180,7 @@ def test_a_command_that_does_not_decode_is_refused_and_the_core_goes_on(tiny_mod
 
 
 def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_model_dir):
-    """Core -> server: the prefill role keeps the prompt's KV after "prefilled"; the server reads
+    """Core -> server: the prefill role keeps the prompt's KV after its prefilled output; the server reads
     those blocks straight from its view of the cache (what the KV senders do)."""
     ref = LLMEngine(config(tiny_model_dir, role="prefill"))
     ref.add_request(PROMPT, GREEDY, request_id="p")
@@ -195,7 +195,7 @@ def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_mo
         return outs, client.kv_cache.read_blocks(blocks)
 
     outs, kv = with_core(config(tiny_model_dir, role="prefill"), scenario)
-    assert outs[-1].finish_reason == "prefilled" and outs[-1].new_token_ids == ref_first
+    assert outs[-1].prefilled and outs[-1].new_token_ids == ref_first
     assert kv.abs().sum() > 0 and torch.allclose(kv, ref_kv, atol=1e-5)
 
 
