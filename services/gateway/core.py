@@ -26,8 +26,6 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
-import grpc
-
 from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.timeouts import Timeouts
@@ -111,9 +109,9 @@ class Session:
             if self.aborted:             # stopped before it asked: nothing more will come
                 raise asyncio.CancelledError()
             chunk = await self.run.next()
-        except grpc.aio.AioRpcError as e:
+        except status.CallFailed as e:
             self._ended = True
-            raise errors.from_status(status.of(e)) from None
+            raise errors.from_status(e.status) from None
         except asyncio.CancelledError:
             if not self.aborted or asyncio.current_task().cancelling():
                 raise
