@@ -34,6 +34,7 @@ from services.engine.config import (EngineConfig, add_engine_args, add_sim_args,
 from services.engine.config_file import load_engine_config
 from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
+from services.kv_transfer import PROCESS_BACKENDS
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -77,7 +78,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
                    help="the tcp KV backend's receiver on 127.0.0.1 (0 picks a free port)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
-    p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
+    p.add_argument("--kv-backend", default="tcp", choices=PROCESS_BACKENDS)
     p.add_argument("--pool", default="primary", choices=list(POOLS),
                    help="the pool this worker serves in (the router's fallback pool: DESIGN 6, S3)")
     p.add_argument("--kv-cache-mib", type=int, default=None)

@@ -110,3 +110,16 @@ def test_a_worker_names_the_budget_it_runs_and_where_it_came_from(tmp_path):
         args = p.parse_args([role, "--config", str(tmp_path / "engine.yaml")])
         line = config_line(f"{role}-0", args, engine_config_for(args))
         assert "token_budget 384, chunk_size 32" in line and "engine.yaml" in line
+
+
+def test_a_worker_process_is_not_offered_the_in_process_kv_backend(capsys):
+    """`local` moves blocks between pools of one process: no two workers could share it."""
+    import argparse
+
+    from services.worker.serve import add_worker_args
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    assert p.parse_args(["decode", "--kv-backend", "nixl"]).kv_backend == "nixl"
+    with pytest.raises(SystemExit):
+        p.parse_args(["decode", "--kv-backend", "local"])
+    assert "invalid choice: 'local'" in capsys.readouterr().err
