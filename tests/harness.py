@@ -36,7 +36,7 @@ import httpx
 from loadtests import local_fleet
 from loadtests.local_fleet import Service, UpFleet  # noqa: F401 - the harness's types
 from services.cli.launcher import Launcher
-from services.gateway.plan import Channels, PlanRun, Routers
+from services.gateway.fleet_run import Channels, FleetRun, Routers
 from services.protocol.fleet_token import METADATA_KEY, FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -172,7 +172,7 @@ class _Loop:
 class FleetCall:
     """One request through the fleet, as a blocking call: iterate for its chunks; `cancel()`."""
 
-    def __init__(self, loop: _Loop, run: PlanRun) -> None:
+    def __init__(self, loop: _Loop, run: FleetRun) -> None:
         self._loop = loop
         self.run = run
         self._pending: asyncio.Future | None = None   # a first read start() began
@@ -232,7 +232,7 @@ class Fleet:
             self._loop = _Loop()
             self._channels = Channels(self.auth)
             self._routers = Routers(self.routers, self._channels, self.timeouts)
-        return FleetCall(self._loop, PlanRun(request, self._routers, self._channels,
+        return FleetCall(self._loop, FleetRun(request, self._routers, self._channels,
                                              self.timeouts))
 
     def close(self) -> None:
@@ -493,7 +493,7 @@ class InProcessGateway:
         from services.gateway.core import GatewayCore  # noqa: PLC0415
         from services.gateway.grpc_api import GatewayServicer, add_to_server  # noqa: PLC0415
         from services.gateway.model import load_served_model  # noqa: PLC0415
-        from services.gateway.plan import Channels  # noqa: PLC0415
+        from services.gateway.fleet_run import Channels  # noqa: PLC0415
         from services.gateway.quota import Quotas  # noqa: PLC0415
         from services.gateway.server import _HttpServer, bind, gateway_id  # noqa: PLC0415
         from services.state.fleet_state import FleetState  # noqa: PLC0415

@@ -1,8 +1,8 @@
 """What REST and gRPC share: authenticate, admit (quotas), run the request's plan, end it cleanly.
 
 A `Session` is one live generation:
-  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a `PlanRun`
-     (plan.py): a router's Admit answers with the plan, and the run streams from the workers it
+  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a `FleetRun`
+     (fleet_run.py): a router's Admit answers with the plan, and the run streams from the workers it
      names; the session is registered under its request id;
   2. `first()`, then `next()` until None: the workers' TokenChunks; typed failures
      (services/protocol/status.py) become GatewayErrors;
@@ -34,7 +34,7 @@ from services.gateway import errors
 from services.gateway.auth import KeyRing
 from services.gateway.config import ANONYMOUS_KEY, ApiKey, GatewayConfig
 from services.gateway.model import ServedModel
-from services.gateway.plan import Channels, PlanRun, Routers
+from services.gateway.fleet_run import Channels, FleetRun, Routers
 from services.gateway.quota import Quotas
 from services.gateway.telemetry import GatewayTelemetry, RequestTelemetry
 from services.gateway.validation import Generation, Validator
@@ -69,7 +69,7 @@ CLIENT_FINISH_REASONS = ("stop", "length")
 
 
 class Session:
-    def __init__(self, core: GatewayCore, gen: Generation, run: PlanRun,
+    def __init__(self, core: GatewayCore, gen: Generation, run: FleetRun,
                  telemetry: RequestTelemetry) -> None:
         self.core = core
         self.gen = gen
@@ -220,7 +220,7 @@ class GatewayCore:
                 lease = await self.quotas.admit(gen.key, len(gen.prompt_ids))
         finally:
             self._opening.discard(rid)
-        run = PlanRun(pb.WorkRequest(
+        run = FleetRun(pb.WorkRequest(
             request_id=rid, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
             prompt_token_ids=gen.prompt_ids, params=gen.params,
             degradable=self._degradable(gen)), self.routers, self.channels,

@@ -16,6 +16,9 @@ the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
      touched (fire and forget: the decode worker owns the safety of its blocks, so the order of
      these Cancels does not matter).
 
+Words: the router's answer is the request's plan (pb.Plan); a FleetRun is one request's calls to
+the workers the plan names; how the REST answer is shaped is openai_schema.ResponseShape.
+
 Every call has a deadline (services/protocol/timeouts.py); failures come back typed
 (services/protocol/status.py) and are raised as status.CallFailed carrying a CallStatus: the
 stubs convert grpc's exception once (services/protocol/typed_stub.py), and the run raises the same
@@ -230,7 +233,7 @@ def _router_unreachable(e: status.CallFailed) -> bool:
                               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
 
-class PlanRun:
+class FleetRun:
     """One request's run through the fleet. `next()` returns TokenChunks (client-visible fields
     only) until None; any failure raises status.CallFailed.
 

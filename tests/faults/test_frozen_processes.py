@@ -1,6 +1,6 @@
 """A frozen process (SIGSTOP, then SIGCONT) holds no client past a deadline, and leaves the fleet.
 
-A real disaggregated fleet per test (workers, a router, the gateway's PlanRun; real redis-server),
+A real disaggregated fleet per test (workers, a router, the gateway's FleetRun; real redis-server),
 two prefill workers so that the plan has a fallback. Every wait has a deadline; no timing is
 asserted (docs/benchmarks.md has the measured failover).
 
