@@ -1,6 +1,6 @@
 """How a test starts kvfleet: the one module for it.
 
-A whole fleet: `kvfleet_up(model, ...)` runs `kvfleet up` as a real subprocess (the product's
+A whole fleet: `up_fleet(model, ...)` runs `kvfleet up` as a real subprocess (the product's
 runner, loadtests/local_fleet.py, which the benches use too) and yields an `UpFleet`: gateway
 `http` / `grpc`, `redis_url`, `routers` and `workers` (name -> Service: role, address, pid,
 metrics_url), `lines`, `pid(name)` / `signal(name, sig)` (following restarts). It stops it on
@@ -95,7 +95,7 @@ def _engine_args(engine: str | None, args: tuple[str, ...], kv_cache_mib: int) -
     return (*(() if given else ("--engine", engine or ENGINE, *sim_args(kv_cache_mib))), *args)
 
 
-def kvfleet_up(model, *args: str, env: dict[str, str] | None = None, **flags):
+def up_fleet(model, *args: str, env: dict[str, str] | None = None, **flags):
     """loadtests.local_fleet.kvfleet_up with the tests' defaults (KV_CACHE_MIB per worker, ENGINE,
     UP_READY_S, the embedded Redis's password REDIS_PASSWORD; on the simulated core, sim_args of
     the fleet's KV_CACHE_MIB unless the test gives its own or passes --engine itself)."""
