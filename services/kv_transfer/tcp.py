@@ -46,7 +46,7 @@ from google.protobuf.message import DecodeError, Message
 
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
+from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError, PoolTransport,
                                        byte_view, check_write, layout_mismatch, make_descriptor)
 from services.kv_transfer.tcp_gate import GateCounts, HeaderGate, TcpReceiverConfig
 
@@ -151,7 +151,7 @@ class TcpTransport(PoolTransport):
                 _check_reply(_recv_reply(sock, deadline), "failed the transfer")
             handle.finish()
         except Exception as e:  # a thread's last word: everything becomes the handle's error
-            handle.finish(f"{handle.what}: {self._describe(e)}")
+            handle.finish(f"{handle.what}: {self._describe(e)}", failure=self._failure(e))
 
     def _source_views(self, ids: list[int]) -> list[memoryview]:
         if self._flat is not None:
@@ -187,45 +187,48 @@ class TcpTransport(PoolTransport):
                 _tune(conn)
                 transfer_id, deadline = header.transfer_id, time.monotonic() + _timeout(header.timeout_s)
                 claimed = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
-                refusal, hand_off = self._check_header(header, claimed)
-                _send_frame(conn, pb.KVTransferReply(error=refusal), deadline)
+                refusal, failure, hand_off = self._check_header(header, claimed)
+                _send_frame(conn, reply(refusal, failure), deadline)
                 if refusal:
                     if claimed is not None:
-                        self._inbox.finish(transfer_id, refusal)
+                        self._inbox.finish(transfer_id, refusal, failure=failure)
                     return
                 views = self._receive_payload(conn, *claimed, deadline)
                 error = None
                 if header.HasField("crc32") and _crc(views) != header.crc32:
                     error = "checksum mismatch: the received bytes differ from the source's"
-                _send_frame(conn, pb.KVTransferReply(error=error), deadline)
-                self._inbox.finish(transfer_id, error, hand_off=hand_off)
+                _send_frame(conn, reply(error, KVFailure.CHECKSUM_MISMATCH), deadline)
+                self._inbox.finish(transfer_id, error, hand_off=hand_off, failure=KVFailure.CHECKSUM_MISMATCH)
             except Exception as e:  # a thread's last word: a claimed expect always hears it
                 if claimed is not None:
-                    self._inbox.finish(transfer_id, f"receive failed: {self._describe(e)}")
+                    self._inbox.finish(transfer_id, f"receive failed: {self._describe(e)}",
+                                       failure=self._failure(e))
             finally:
                 with self._lock:
                     self._socks.discard(conn)
 
-    def _check_header(self, header: pb.KVTransferHeader, claimed) -> tuple[str | None, pb.HandOff | None]:
-        """-> (why the transfer is refused, or None; the hand-off it carries)."""
-        tid = header.transfer_id
+    def _check_header(self, header: pb.KVTransferHeader,
+                      claimed) -> tuple[str | None, KVFailure, pb.HandOff | None]:
+        """-> (why the transfer is refused, or None; the failure that is; the hand-off it carries)."""
+        tid, refused = header.transfer_id, KVFailure.REFUSED
         if claimed is None:
-            return f"{self.worker_id} expects no transfer {tid!r} (no expect() in time, or already taken)", None
+            return f"{self.worker_id} expects no transfer {tid!r} (no expect() in time, or already taken)", \
+                refused, None
         ids, handle = claimed
         if handle.done():
-            return f"the target's expect() of {tid!r} is over: {handle.error}", None
+            return f"the target's expect() of {tid!r} is over: {handle.error}", refused, None
         try:
             layout = KVLayout.from_pb(header.layout)
         except ValueError as e:
-            return f"bad header: {e}", None
+            return f"bad header: {e}", refused, None
         mismatch = layout_mismatch(layout, self._layout)
         if mismatch is not None:
-            return mismatch, None
+            return mismatch, KVFailure.LAYOUT_MISMATCH, None
         if list(header.block_ids) != ids:
-            return f"blocks {list(header.block_ids)} are not the ones expected for {tid!r}: {ids}", None
+            return f"blocks {list(header.block_ids)} are not the ones expected for {tid!r}: {ids}", refused, None
         if header.nbytes != len(ids) * self._layout.bytes_per_block:
-            return f"payload of {header.nbytes} bytes does not fill {len(ids)} blocks", None
-        return None, header.hand_off if header.HasField("hand_off") else None
+            return f"payload of {header.nbytes} bytes does not fill {len(ids)} blocks", refused, None
+        return None, refused, header.hand_off if header.HasField("hand_off") else None
 
     def _receive_payload(self, conn: socket.socket, ids: list[int], handle: Completion,
                          deadline: float) -> list[memoryview]:
@@ -242,7 +245,7 @@ class TcpTransport(PoolTransport):
         for i in range(0, len(ids), step):
             with handle.writing() as still_open:
                 if not still_open:
-                    raise KVTransferError(_OVER)
+                    raise KVTransferError(_OVER, KVFailure.DEADLINE)
                 self._kv.write_blocks(ids[i:i + step], staged[:, :, i:i + step])
                 if data.is_cuda:  # copied, not just queued, before finish() may return
                     torch.cuda.current_stream(data.device).synchronize()
@@ -272,6 +275,18 @@ class TcpTransport(PoolTransport):
             with self._lock:
                 self._socks.discard(sock)
 
+    def _failure(self, e: Exception) -> KVFailure:
+        """Why a socket thread's exception failed its transfer."""
+        if self._closed.is_set():
+            return KVFailure.CLOSED
+        if isinstance(e, TimeoutError):
+            return KVFailure.TIMEOUT
+        if isinstance(e, ConnectionError):
+            return KVFailure.PEER_GONE
+        if isinstance(e, KVTransferError):
+            return e.failure
+        return KVFailure.OTHER
+
     def _describe(self, e: Exception) -> str:
         if self._closed.is_set():
             return "transport closed"
@@ -285,6 +300,20 @@ class TcpTransport(PoolTransport):
 
 
 _OVER = "the target's expect() is over (finished or past its deadline): nothing more is written"
+
+
+def reply(error: str | None, failure: KVFailure) -> pb.KVTransferReply:
+    """A reply frame: accepted / landed (no error), or the error and, typed, why."""
+    if not error:
+        return pb.KVTransferReply()
+    return pb.KVTransferReply(error=error, failure=pb.KVFailure.Value(f"KV_{failure.name}"))
+
+
+def reply_failure(message: pb.KVTransferReply) -> KVFailure:
+    """A reply's failure (a target that named none: refused)."""
+    if message.failure == pb.KV_FAILURE_UNSPECIFIED:
+        return KVFailure.REFUSED
+    return KVFailure[pb.KVFailure.Name(message.failure).removeprefix("KV_")]
 
 
 def _timeout(value) -> float:
@@ -315,9 +344,9 @@ def _crc(views: list[memoryview]) -> int:
     return crc
 
 
-def _check_reply(reply: pb.KVTransferReply, verb: str) -> None:
-    if reply.error:
-        raise KVTransferError(f"target {verb}: {reply.error}")
+def _check_reply(message: pb.KVTransferReply, verb: str) -> None:
+    if message.error:
+        raise KVTransferError(f"target {verb}: {message.error}", reply_failure(message))
 
 
 def _send_frame(sock: socket.socket, message: Message, deadline: float) -> None:
@@ -362,7 +391,7 @@ def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float,
             got = (_recv_some(sock, batch, deadline) if guard is None else
                    _recv_guarded(sock, batch, deadline, guard))
             if got == 0:
-                raise KVTransferError("peer closed the connection mid-transfer")
+                raise KVTransferError("peer closed the connection mid-transfer", KVFailure.PEER_GONE)
             batch = _advance(batch, got)
 
 
@@ -376,7 +405,7 @@ def _recv_guarded(sock: socket.socket, batch: list[memoryview], deadline: float,
     while True:
         with guard.writing() as still_open:
             if not still_open:
-                raise KVTransferError(_OVER)
+                raise KVTransferError(_OVER, KVFailure.DEADLINE)
             try:
                 return sock.recvmsg_into(_first_bytes(batch, RECV_CHUNK))[0]
             except BlockingIOError:

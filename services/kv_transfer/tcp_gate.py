@@ -181,7 +181,7 @@ class HeaderGate:
 
 def _refuse(conn: socket.socket, why: str, timeout_s: float) -> None:
     """The refusal is one small frame: it fits the socket's buffer, so this does not wait on the peer."""
-    body = pb.KVTransferReply(error=why).SerializeToString()
+    body = pb.KVTransferReply(error=why, failure=pb.KV_REFUSED).SerializeToString()
     try:
         conn.settimeout(timeout_s)
         conn.sendall(LENGTH.pack(len(body)) + body)

@@ -11,6 +11,7 @@ from services.protocol import fleet_token
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer import KVLayout, KVTransferError, tcp
+from services.kv_transfer.base import KVFailure
 from services.kv_transfer.peer import make_cache
 from tests.kv_transfer.helpers import DST, LAYOUT, SOURCE_BLOCKS, SRC, Pair, expected_target, new_id
 
@@ -61,10 +62,12 @@ def test_a_payload_corrupted_in_flight_is_caught_by_the_checksum(pair, monkeypat
     monkeypatch.setattr(tcp, "_send_views", corrupting)
     tid = new_id()
     target = pair.target.expect(tid, DST, timeout_s=5.0)
-    with pytest.raises(KVTransferError, match="target failed the transfer: checksum mismatch"):
+    with pytest.raises(KVTransferError, match="target failed the transfer: checksum mismatch") as source:
         pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=5.0, checksum=True).wait(5.0)
     with pytest.raises(KVTransferError, match="checksum mismatch"):
         target.wait(5.0)
+    # the reason is typed on both sides: the target's reply carries it to the writer
+    assert source.value.failure == target.failure == KVFailure.CHECKSUM_MISMATCH
 
 
 def test_the_receiver_writes_only_into_the_blocks_it_expects(pair):

@@ -27,6 +27,18 @@ class OverloadStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     S2_CAP_OUTPUT: _ClassVar[OverloadStage]
     S3_FALLBACK: _ClassVar[OverloadStage]
     S4_REJECT: _ClassVar[OverloadStage]
+
+class KVFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_FAILURE_UNSPECIFIED: _ClassVar[KVFailure]
+    KV_CHECKSUM_MISMATCH: _ClassVar[KVFailure]
+    KV_LAYOUT_MISMATCH: _ClassVar[KVFailure]
+    KV_CLOSED: _ClassVar[KVFailure]
+    KV_TIMEOUT: _ClassVar[KVFailure]
+    KV_DEADLINE: _ClassVar[KVFailure]
+    KV_PEER_GONE: _ClassVar[KVFailure]
+    KV_REFUSED: _ClassVar[KVFailure]
+    KV_OTHER: _ClassVar[KVFailure]
 REASON_UNSPECIFIED: Reason
 INVALID_REQUEST: Reason
 OVERLOADED: Reason
@@ -42,6 +54,15 @@ S1_NO_BATCH: OverloadStage
 S2_CAP_OUTPUT: OverloadStage
 S3_FALLBACK: OverloadStage
 S4_REJECT: OverloadStage
+KV_FAILURE_UNSPECIFIED: KVFailure
+KV_CHECKSUM_MISMATCH: KVFailure
+KV_LAYOUT_MISMATCH: KVFailure
+KV_CLOSED: KVFailure
+KV_TIMEOUT: KVFailure
+KV_DEADLINE: KVFailure
+KV_PEER_GONE: KVFailure
+KV_REFUSED: KVFailure
+KV_OTHER: KVFailure
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n", "priority")
@@ -425,10 +446,12 @@ class KVTransferHeader(_message.Message):
     def __init__(self, token: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., timeout_s: _Optional[float] = ..., hand_off: _Optional[_Union[HandOff, _Mapping]] = ...) -> None: ...
 
 class KVTransferReply(_message.Message):
-    __slots__ = ("error",)
+    __slots__ = ("error", "failure")
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     error: str
-    def __init__(self, error: _Optional[str] = ...) -> None: ...
+    failure: KVFailure
+    def __init__(self, error: _Optional[str] = ..., failure: _Optional[_Union[KVFailure, str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params")
