@@ -144,3 +144,10 @@ def test_a_header_with_a_bad_layout_is_refused_and_writes_nothing(pair):
     with pytest.raises(KVTransferError, match="bad header"):
         target.wait(5.0)
     assert torch.equal(pair.target_kv.data, before)
+
+
+@pytest.mark.parametrize("failure", list(KVFailure))
+def test_every_failure_reason_survives_the_reply_frame(failure):
+    """The target's reply names why it refused or failed a transfer, typed, for every reason."""
+    assert tcp.reply_failure(tcp.reply("why", failure)) == failure
+    assert tcp.reply(None, failure) == pb.KVTransferReply()           # no error: no failure
