@@ -1,6 +1,6 @@
 """How a test starts kvfleet: the one module for it.
 
-A whole fleet: `kvfleet_up(model, ...)` runs `kvfleet up` as a real subprocess (the product's
+A whole fleet: `up_fleet(model, ...)` runs `kvfleet up` as a real subprocess (the product's
 runner, loadtests/local_fleet.py, which the benches use too) and yields an `UpFleet`: gateway
 `http` / `grpc`, `redis_url`, `routers` and `workers` (name -> Service: role, address, pid,
 metrics_url), `lines`, `pid(name)` / `signal(name, sig)` (following restarts). It stops it on
@@ -36,7 +36,7 @@ import httpx
 from loadtests import local_fleet
 from loadtests.local_fleet import Service, UpFleet  # noqa: F401 - the harness's types
 from services.cli.launcher import Launcher
-from services.gateway.plan import Channels, PlanRun, Routers
+from services.gateway.fleet_run import Channels, FleetRun, Routers
 from services.protocol.fleet_token import METADATA_KEY, FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -95,7 +95,7 @@ def _engine_args(engine: str | None, args: tuple[str, ...], kv_cache_mib: int) -
     return (*(() if given else ("--engine", engine or ENGINE, *sim_args(kv_cache_mib))), *args)
 
 
-def kvfleet_up(model, *args: str, env: dict[str, str] | None = None, **flags):
+def up_fleet(model, *args: str, env: dict[str, str] | None = None, **flags):
     """loadtests.local_fleet.kvfleet_up with the tests' defaults (KV_CACHE_MIB per worker, ENGINE,
     UP_READY_S, the embedded Redis's password REDIS_PASSWORD; on the simulated core, sim_args of
     the fleet's KV_CACHE_MIB unless the test gives its own or passes --engine itself)."""
@@ -172,7 +172,7 @@ class _Loop:
 class FleetCall:
     """One request through the fleet, as a blocking call: iterate for its chunks; `cancel()`."""
 
-    def __init__(self, loop: _Loop, run: PlanRun) -> None:
+    def __init__(self, loop: _Loop, run: FleetRun) -> None:
         self._loop = loop
         self.run = run
         self._pending: asyncio.Future | None = None   # a first read start() began
@@ -232,7 +232,7 @@ class Fleet:
             self._loop = _Loop()
             self._channels = Channels(self.auth)
             self._routers = Routers(self.routers, self._channels, self.timeouts)
-        return FleetCall(self._loop, PlanRun(request, self._routers, self._channels,
+        return FleetCall(self._loop, FleetRun(request, self._routers, self._channels,
                                              self.timeouts))
 
     def close(self) -> None:
@@ -496,7 +496,7 @@ class InProcessGateway:
         from services.gateway.core import GatewayCore  # noqa: PLC0415
         from services.gateway.grpc_api import GatewayServicer, add_to_server  # noqa: PLC0415
         from services.gateway.model import load_served_model  # noqa: PLC0415
-        from services.gateway.plan import Channels  # noqa: PLC0415
+        from services.gateway.fleet_run import Channels  # noqa: PLC0415
         from services.gateway.quota import Quotas  # noqa: PLC0415
         from services.gateway.server import _HttpServer, bind, gateway_id  # noqa: PLC0415
         from services.state.fleet_state import FleetState  # noqa: PLC0415

@@ -10,7 +10,7 @@ import pytest
 
 from loadtests.local_fleet import up_command
 from services.cli.launcher import running
-from tests.harness import ENGINE, _engine_args, holds_nothing, kvfleet_up, serves, sim_args
+from tests.harness import ENGINE, _engine_args, holds_nothing, up_fleet, serves, sim_args
 
 
 def port_open(address: str) -> bool:
@@ -21,7 +21,7 @@ def port_open(address: str) -> bool:
 
 
 def test_a_disaggregated_fleet_is_typed_from_its_banner_serves_and_leaves_nothing(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, mode="disagg", routers=2, token="harness-token-0123456789") \
+    with up_fleet(tiny_model_dir, mode="disagg", routers=2, token="harness-token-0123456789") \
             as up:
         assert sorted(up.routers) == ["router-0", "router-1"]
         assert {name: w.role for name, w in up.workers.items()} == {"prefill-0": "prefill",
@@ -42,7 +42,7 @@ def test_a_disaggregated_fleet_is_typed_from_its_banner_serves_and_leaves_nothin
 
 def test_a_fleet_that_cannot_start_is_an_error_naming_its_output_and_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="exited before READY"):
-        with kvfleet_up(tmp_path / "no-such-model", mode="colocated", ready_s=120):
+        with up_fleet(tmp_path / "no-such-model", mode="colocated", ready_s=120):
             pass
 
 

@@ -40,7 +40,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from services.engine.errors import InvalidRequestError
-from services.kv_transfer.base import KVTransferError, failure_reason, wait_done
+from services.kv_transfer.base import KVTransferError, wait_done
 from services.protocol import status
 from services.protocol.convert import chunk_from_output, params_from_pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -234,7 +234,7 @@ class DecodeRole:
         """The KV did not land (or decode could not start): a failure by reason, and a `decode`
         span that says so."""
         if isinstance(e, KVTransferError):
-            self.telemetry.kv_failed(self.config.kv_backend, failure_reason(str(e)))
+            self.telemetry.kv_failed(self.config.kv_backend, e.failure)
             res.ending_as.failed(status.failed(pb.KV_TRANSFER_FAILED, str(e)))
         else:
             res.ending_as.failed(status.failed(pb.ENGINE_FAILED, str(e)))

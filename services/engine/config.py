@@ -258,6 +258,17 @@ class SchedulerConfig:
         return next((t for t in self.tenants if t.name == name), None)
 
 
+# A prefill worker runs no decodes, so its iterations protect no inter-token latency: its scheduler
+# defaults to larger ones (bigger GEMMs, fewer steps for a burst of prompts). A config file's own
+# token_budget / chunk_size win; a worker logs the budget it runs at start.
+PREFILL_ROLE_DEFAULTS = dict(token_budget=2048, chunk_size=512)
+
+
+def role_scheduler(role: WorkerRole) -> SchedulerConfig:
+    """The scheduler a worker of `role` runs for every knob its config file does not set."""
+    return SchedulerConfig(role=role, **(PREFILL_ROLE_DEFAULTS if role == "prefill" else {}))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine process needs. `model` is a local HF checkpoint dir or "tiny"."""

@@ -253,15 +253,6 @@ class LLMEngine:
             del self._left[req.request_id]
         return blocks
 
-    def import_kv(self, request_id: str, kv: torch.Tensor, first_token: int,
-                  more_first_tokens: Sequence[int] = ()) -> None:
-        """Decode role: write the prompt's KV ([layers, 2, n, block, kv_heads, head_dim]) into the
-        reserved blocks and start decoding from the prefill worker's first token(s)."""
-        if request_id not in self._states:
-            raise UnknownRequestError(request_id)
-        self.kv_cache.write_blocks(self.pool.block_table(request_id)[:kv.shape[2]], kv)
-        self.start_decode(request_id, first_token, more_first_tokens)
-
     def start_decode(self, request_id: str, first_token: int,
                      more_first_tokens: Sequence[int] = ()) -> None:
         """Decode role: the prompt's KV already sits in the reserved blocks (a KV transport wrote
@@ -281,14 +272,6 @@ class LLMEngine:
             self._states[r.request_id].seed_first_token(token)
             if r.is_finished:
                 self._pending.append(self._delta(r))
-
-    def export_kv(self, request_id: str) -> torch.Tensor:
-        """Prefill role: the prompt's KV, every layer, K and V, for the decode worker."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None or req.status != Status.PREFILLED:
-            raise UnknownRequestError(f"{request_id} holds no prefilled KV")
-        nblocks = -(-req.num_prompt_tokens // self.pool.block_size)
-        return self.kv_cache.read_blocks(self.pool.block_table(request_id)[:nblocks])
 
     def release(self, request_id: str) -> None:
         """Prefill role: the KV has been exported; free its pages."""
@@ -366,7 +349,7 @@ class LLMEngine:
         index). A sample's last output has its finish_reason; `finished` is set on the last
         output of the request's last sample only."""
         out = self._states[req.request_id].delta()
-        if out.finish_reason == "prefilled" and req.index == 0:  # blocks held until release()
+        if out.prefilled and req.index == 0:  # blocks held until release()
             out.block_ids = list(self.pool.block_table(req.request_id))
         if out.finished:
             self._forget(req.request_id)

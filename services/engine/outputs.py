@@ -20,8 +20,8 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: str | None = None     # stop | length | abort | rejected | prefilled
+    finished: bool                        # the engine's last output for the request
+    finish_reason: str | None = None     # stop | length | abort | rejected
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None              # why it was rejected
     retry_after_s: float | None = None    # rejected: when a retry could meet the target
@@ -37,6 +37,10 @@ class RequestOutput:
     prefill_s: float | None = None
     index: int = 0                        # which of the request's n samples
     num_cached_tokens: int = 0            # prompt tokens this engine found in its prefix cache
+    # Prefill role: this sample's prompt is computed and its first token sampled; its KV is held
+    # for export until release(). Not an end: the request goes on at a decode worker, so it has
+    # no finish_reason (`finished` still marks the engine's last output for the request).
+    prefilled: bool = False
 
 
 @dataclass
@@ -136,7 +140,8 @@ class OutputState:
             new_logprobs=self.pending_logprobs, finished=finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             error=req.reject_reason, retry_after_s=req.retry_after_s,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens)
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            prefilled=req.status == Status.PREFILLED)
         if self.emitted_tokens == 0 and req.num_output_tokens > 0:
             out.queue_s, out.prefill_s = first_token_times(req)
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and (

@@ -32,7 +32,6 @@ class Status(enum.IntEnum):
 FINISH_REASONS = {
     Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "length",
     Status.FINISHED_ABORTED: "abort", Status.FINISHED_REJECTED: "rejected",
-    Status.PREFILLED: "prefilled",
 }
 
 

@@ -16,7 +16,7 @@
 
 A generation request, in order (through FastAPI's routing and middleware, like every request):
 API key -> body (size limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread
-when the body is large) -> quotas -> Router.Admit and the plan's worker calls (plan.py) -> first
+when the body is large) -> quotas -> Router.Admit and the plan's worker calls (fleet_run.py) -> first
 chunk (errors before it get a real status) -> JSON body or SSE stream. The client going away at
 any point after admission cancels it
 (`_until_disconnect` before the stream, StreamingResponse's disconnect listener during it) and the
@@ -200,10 +200,10 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
         body = await read_body(request, core.config.max_body_bytes)
         req = schema.parse(model_cls, body)
         classes = choose(core.config, key, request.headers.get(CLASS_HEADER))
-        gen, plan = await build_generation(len(body), build, req, key, classes, core.validator,
+        gen, shape = await build_generation(len(body), build, req, key, classes, core.validator,
                                            request_id)
-    session = await core.open(gen, telemetry, plan.request_id)
-    shaper = Shaper(plan, core.model, gen.prompt_ids)
+    session = await core.open(gen, telemetry, shape.request_id)
+    shaper = Shaper(shape, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,
                "x-kvfleet-quality-version": core.model.quality_version, "x-request-id": gen.request_id,
                CLASS_HEADER: gen.traffic_class.name}
@@ -217,7 +217,7 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
         if telemetry.quality_version:     # the worker that serves (the fallback pool's, at S3)
             shaper.quality_version = headers["x-kvfleet-quality-version"] = telemetry.quality_version
         headers.update(admission_headers(session.run.plan))
-        if plan.stream:
+        if shape.stream:
             streaming = True      # from here the stream's own close (and its background) owns it
             # a client that disconnects cancels the stream (Starlette's disconnect listener),
             # and the events' own `finally` closes the session; after a normal end, too
@@ -230,7 +230,7 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
         return Response(status_code=CLIENT_CLOSED)
     except GatewayError as e:        # refused for time: a job, if the client prefers one
         accepted = None if session.sent_tokens else await jobs_api.offer(
-            request, core, e, key, gen, plan.stream, body, prefix)
+            request, core, e, key, gen, shape.stream, body, prefix)
         if accepted is None:
             raise
         return accepted

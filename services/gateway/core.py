@@ -1,8 +1,8 @@
 """What REST and gRPC share: authenticate, admit (quotas), run the request's plan, end it cleanly.
 
 A `Session` is one live generation:
-  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a `PlanRun`
-     (plan.py): a router's Admit answers with the plan, and the run streams from the workers it
+  1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a `FleetRun`
+     (fleet_run.py): a router's Admit answers with the plan, and the run streams from the workers it
      names; the session is registered under its request id;
   2. `first()`, then `next()` until None: the workers' TokenChunks; typed failures
      (services/protocol/status.py) become GatewayErrors;
@@ -26,8 +26,6 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
-import grpc
-
 from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.timeouts import Timeouts
@@ -36,7 +34,7 @@ from services.gateway import errors
 from services.gateway.auth import KeyRing
 from services.gateway.config import ANONYMOUS_KEY, ApiKey, GatewayConfig
 from services.gateway.model import ServedModel
-from services.gateway.plan import Channels, PlanRun, Routers
+from services.gateway.fleet_run import Channels, FleetRun, Routers
 from services.gateway.quota import Quotas
 from services.gateway.telemetry import GatewayTelemetry, RequestTelemetry
 from services.gateway.validation import Generation, Validator
@@ -71,7 +69,7 @@ CLIENT_FINISH_REASONS = ("stop", "length")
 
 
 class Session:
-    def __init__(self, core: GatewayCore, gen: Generation, run: PlanRun,
+    def __init__(self, core: GatewayCore, gen: Generation, run: FleetRun,
                  telemetry: RequestTelemetry) -> None:
         self.core = core
         self.gen = gen
@@ -111,9 +109,9 @@ class Session:
             if self.aborted:             # stopped before it asked: nothing more will come
                 raise asyncio.CancelledError()
             chunk = await self.run.next()
-        except grpc.aio.AioRpcError as e:
+        except status.CallFailed as e:
             self._ended = True
-            raise errors.from_status(status.of(e)) from None
+            raise errors.from_status(e.status) from None
         except asyncio.CancelledError:
             if not self.aborted or asyncio.current_task().cancelling():
                 raise
@@ -222,7 +220,7 @@ class GatewayCore:
                 lease = await self.quotas.admit(gen.key, len(gen.prompt_ids))
         finally:
             self._opening.discard(rid)
-        run = PlanRun(pb.WorkRequest(
+        run = FleetRun(pb.WorkRequest(
             request_id=rid, tenant=gen.key.tenant, traffic_class=gen.traffic_class.name,
             prompt_token_ids=gen.prompt_ids, params=gen.params,
             degradable=self._degradable(gen)), self.routers, self.channels,

@@ -156,9 +156,9 @@ class JobRunner:
         try:
             req = schema.parse(kind.request, job.body)
             classes = ClassChoice.fixed(self.core.config.traffic_class(job.traffic_class))
-            gen, plan = await build_generation(len(job.body), kind.build, req, key, classes,
+            gen, shape = await build_generation(len(job.body), kind.build, req, key, classes,
                                                self.core.validator, new_request_id(kind.prefix))
-            session = await self.core.open(gen, telemetry, plan.request_id)
+            session = await self.core.open(gen, telemetry, shape.request_id)
         except errors.GatewayError as e:
             telemetry.rejected(e)
             raise
@@ -171,7 +171,7 @@ class JobRunner:
                 chunk = None if chunk.finished else await session.next()
         finally:
             session.close()
-        shaper = Shaper(plan, self.core.model, gen.prompt_ids)
+        shaper = Shaper(shape, self.core.model, gen.prompt_ids)
         shaper.quality_version = telemetry.quality_version or shaper.quality_version
         body = shaper.body(collected, session.prompt_tokens, session.sent_tokens)
         return {**body, "timing": telemetry.timing()}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.gateway.model import ServedModel
-from services.gateway.openai_schema import ResponsePlan
+from services.gateway.openai_schema import ResponseShape
 
 NO_LOGPROB = -9999.0      # OpenAI's stand-in for an impossible token
 
@@ -55,8 +55,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 class Shaper:
-    def __init__(self, plan: ResponsePlan, model: ServedModel, prompt_ids: tuple[int, ...]) -> None:
-        self.plan = plan
+    def __init__(self, shape: ResponseShape, model: ServedModel, prompt_ids: tuple[int, ...]) -> None:
+        self.shape = shape
         self.model = model
         self.quality_version = model.quality_version   # the serving worker's, once known
         self.prompt_ids = prompt_ids     # prompt logprobs name their token by position
@@ -73,29 +73,29 @@ class Shaper:
         choices = [self._choice(index, one, c) for index, one in c.choices()]
         body = {**self._head(stream=False), "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens, c.cached_tokens)}
-        if self.plan.prompt_logprobs and self.plan.kind == "chat":   # vLLM's: top-level for chat
+        if self.shape.prompt_logprobs and self.shape.kind == "chat":   # vLLM's: top-level for chat
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
         return body
 
     def _choice(self, index: int, c: Collected, whole: Collected) -> dict:
         choice = {"index": index, "finish_reason": _finish(c.finish_reason),
                   "stop_reason": c.stop_reason or None}
-        if self.plan.kind == "chat":
+        if self.shape.kind == "chat":
             choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = self._chat_logprobs(c.logprobs)
             return choice
         self._offset = 0                  # each choice's text_offset counts from its own start
-        choice["text"] = (self.plan.echo_text or "") + c.text
+        choice["text"] = (self.shape.echo_text or "") + c.text
         choice["logprobs"] = self._completion_logprobs(whole.prompt_logprobs, c.logprobs,
-                                                       self.plan.echo_text or "")
-        if self.plan.prompt_logprobs:     # vLLM's: per choice for completions
+                                                       self.shape.echo_text or "")
+        if self.shape.prompt_logprobs:     # vLLM's: per choice for completions
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(whole.prompt_logprobs)
         return choice
 
     # ----------------------------------------------------------------- stream
     def first_events(self) -> list[dict]:
         """Chat opens with the assistant's role, as OpenAI's stream does."""
-        if self.plan.kind != "chat":
+        if self.shape.kind != "chat":
             return []
         return [self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})]
@@ -106,8 +106,8 @@ class Shaper:
         self._completion_tokens += len(c.token_ids)
         self._cached_tokens = max(self._cached_tokens, c.num_cached_tokens)
         fin = _finish(c.finish_reason)
-        if self.plan.kind == "chat":
-            if not (c.text or fin or (self.plan.logprobs and c.logprobs)):
+        if self.shape.kind == "chat":
+            if not (c.text or fin or (self.shape.logprobs and c.logprobs)):
                 return []
             delta = {"content": c.text} if c.text or not fin else {}
             if c.index not in self._opened:     # a sample's first delta names the role
@@ -116,10 +116,10 @@ class Shaper:
             return [self._event({"index": c.index, "delta": delta,
                                  "logprobs": self._chat_logprobs(c.logprobs),
                                  "finish_reason": fin, "stop_reason": c.stop_reason or None})]
-        echo = "" if c.index in self._echoed or self.plan.echo_text is None else self.plan.echo_text
-        prompt_lps = list(c.prompt_logprobs) if self.plan.echo_text is not None else []
+        echo = "" if c.index in self._echoed or self.shape.echo_text is None else self.shape.echo_text
+        prompt_lps = list(c.prompt_logprobs) if self.shape.echo_text is not None else []
         self._echoed.add(c.index)
-        if not (echo or c.text or fin or (self.plan.logprobs and (c.logprobs or prompt_lps))):
+        if not (echo or c.text or fin or (self.shape.logprobs and (c.logprobs or prompt_lps))):
             return []
         self._offset = self._offsets.get(c.index, 0)     # text_offset runs per choice
         logprobs = self._completion_logprobs(prompt_lps, c.logprobs, echo)
@@ -136,16 +136,16 @@ class Shaper:
     def _head(self, stream: bool) -> dict:
         kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk",
                 ("completion", False): "text_completion", ("completion", True): "text_completion"}
-        return {"id": self.plan.request_id, "object": kind[(self.plan.kind, stream)],
-                "created": self.plan.created, "model": self.plan.model,
+        return {"id": self.shape.request_id, "object": kind[(self.shape.kind, stream)],
+                "created": self.shape.created, "model": self.shape.model,
                 "system_fingerprint": self.quality_version}
 
     def _event(self, choice: dict) -> dict:
         event = {**self._head(stream=True), "choices": [choice]}
-        if self.plan.continuous_usage:      # vLLM's continuous_usage_stats: the count so far
+        if self.shape.continuous_usage:      # vLLM's continuous_usage_stats: the count so far
             event["usage"] = usage(len(self.prompt_ids), self._completion_tokens,
                                    self._cached_tokens)
-        elif self.plan.include_usage:
+        elif self.shape.include_usage:
             event["usage"] = None
         return event
 
@@ -155,7 +155,7 @@ class Shaper:
 
     def _completion_logprobs(self, prompt: list[pb.TokenLogprob], generated: list[pb.TokenLogprob],
                              echo: str) -> dict | None:
-        if not self.plan.logprobs:
+        if not self.shape.logprobs:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         ids = [*self.prompt_ids[:len(prompt)], *(lp.token_id for lp in generated)]
@@ -192,7 +192,7 @@ class Shaper:
         return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self._token(token_id)}
 
     def _chat_logprobs(self, generated: list[pb.TokenLogprob]) -> dict | None:
-        if not self.plan.logprobs:
+        if not self.shape.logprobs:
             return None
         return {"content": [{**self._chat_entry(lp.token_id, lp.logprob),
                              "top_logprobs": [self._chat_entry(t.token_id, t.logprob) for t in lp.top]}

@@ -1,5 +1,5 @@
 """OpenAI request bodies, strictly typed (pydantic strict mode), and their translation into a
-validated `Generation` plus a `ResponsePlan` saying how to shape the answer.
+validated `Generation` plus a `ResponseShape` saying how to shape the answer.
 
 Three kinds of field (README, "Coming from vLLM"):
   - OpenAI's and vLLM's sampling fields that kvfleet implements (`repetition_penalty`, `min_p`,
@@ -279,7 +279,7 @@ def _ranges(model: type[_Strict]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class ResponsePlan:
+class ResponseShape:
     """How to shape the answer to one OpenAI request."""
 
     kind: Literal["completion", "chat"]
@@ -295,7 +295,7 @@ class ResponsePlan:
 
 
 def completion(req: CompletionRequest, key: ApiKey, classes: ClassChoice, v: Validator,
-               request_id: str) -> tuple[Generation, ResponsePlan]:
+               request_id: str) -> tuple[Generation, ResponseShape]:
     _check_common(req, v)
     truncate = _truncation(req, v)
     if isinstance(req.prompt, str):
@@ -316,14 +316,14 @@ def completion(req: CompletionRequest, key: ApiKey, classes: ClassChoice, v: Val
         if req.echo:    # echo's prompt logprobs, at least as many alternatives as the output's
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     v.check_params(params)
-    plan = ResponsePlan("completion", request_id, v.served_name, int(time.time()), bool(req.stream),
+    shape = ResponseShape("completion", request_id, v.served_name, int(time.time()), bool(req.stream),
                         _include_usage(req), req.logprobs is not None, echo_text,
                         _continuous_usage(req), req.prompt_logprobs is not None)
-    return Generation(request_id, key, cls, tuple(ids), params, _requested_max(req)), plan
+    return Generation(request_id, key, cls, tuple(ids), params, _requested_max(req)), shape
 
 
 def chat(req: ChatCompletionRequest, key: ApiKey, classes: ClassChoice, v: Validator,
-         request_id: str) -> tuple[Generation, ResponsePlan]:
+         request_id: str) -> tuple[Generation, ResponseShape]:
     _check_common(req, v)
     if not req.messages:
         raise errors.bad_request("messages must hold at least one message", "messages")
@@ -342,11 +342,11 @@ def chat(req: ChatCompletionRequest, key: ApiKey, classes: ClassChoice, v: Valid
     if req.logprobs:
         params.logprobs = req.top_logprobs or 0
     v.check_params(params)
-    plan = ResponsePlan("chat", request_id, v.served_name, int(time.time()), bool(req.stream),
+    shape = ResponseShape("chat", request_id, v.served_name, int(time.time()), bool(req.stream),
                         _include_usage(req), bool(req.logprobs),
                         continuous_usage=_continuous_usage(req),
                         prompt_logprobs=req.prompt_logprobs is not None)
-    return Generation(request_id, key, cls, tuple(ids), params, _requested_max(req)), plan
+    return Generation(request_id, key, cls, tuple(ids), params, _requested_max(req)), shape
 
 
 def _check_common(req: _Common, v: Validator) -> None:

@@ -43,7 +43,7 @@ from services.telemetry import tracing
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
-from services.gateway.plan import Channels
+from services.gateway.fleet_run import Channels
 from services.gateway.grpc_api import GatewayServicer, add_to_server
 from services.gateway.model import load_served_model
 from services.gateway.jobs import JobRunner

@@ -49,7 +49,7 @@ async def openai_events(session: Session, first: pb.TokenChunk, shaper: Shaper,
                 if not await gone():
                     session.sent(chunk)
                 chunk = None if chunk.finished else await session.next()
-            if shaper.plan.include_usage:
+            if shaper.shape.include_usage:
                 usage = shaper.usage_event(session.prompt_tokens, session.sent_tokens)
                 yield sse({**usage, "timing": timing or session.telemetry.timing()})
         except GatewayError as e:

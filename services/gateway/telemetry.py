@@ -4,7 +4,7 @@ One `RequestTelemetry` per generation request, made when the request is received
 API key is read), lives until the request ends, however it ends:
 
   received --auth, validate, quota (child spans)--> identified (tenant, class known)
-           --Router.Admit answered (PlanRun.admitted_at)--> admitted: the gateway's queue time
+           --Router.Admit answered (FleetRun.admitted_at)--> admitted: the gateway's queue time
            --chunks arrive (`arrived`: the workers' RequestTiming is summed)
            --chunks are sent to the client (`sent`: TTFT, inter-token gaps, tokens)
            --> `end(outcome)`: one observation per request in every histogram, the span ended.

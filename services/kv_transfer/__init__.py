@@ -24,8 +24,11 @@ from __future__ import annotations
 from services.kv_transfer.base import KVLayout, KVTransferError, KVTransport, TransferHandle, wait_done
 
 BACKENDS = ("nixl", "tcp", "local")
+# What a worker process may serve: `local` moves blocks between pools of one process (tests, the KV
+# benchmark), so no two workers could share it.
+PROCESS_BACKENDS = ("nixl", "tcp")
 
-__all__ = ["BACKENDS", "KVLayout", "KVTransferError", "KVTransport", "TransferHandle", "make_transport",
+__all__ = ["BACKENDS", "PROCESS_BACKENDS", "KVLayout", "KVTransferError", "KVTransport", "TransferHandle", "make_transport",
            "wait_done"]
 
 

@@ -20,6 +20,7 @@ out at its deadline, or finish()ed by its owner. Ownership, what the decode work
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 import time
 import zlib
@@ -36,40 +37,39 @@ EARLY_TTL_S = 60.0  # how long an outcome that came before its expect() is kept
 MAX_ID_BYTES = 1024  # a transfer id, UTF-8
 
 
+class KVFailure(enum.StrEnum):
+    """Why a transfer failed, set where it fails (its value is the failures metric's reason label)."""
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # the received bytes differ from the source's
+    LAYOUT_MISMATCH = "layout_mismatch"      # the pools' layouts differ: nothing moved
+    CLOSED = "closed"                        # this side's transport closed
+    TIMEOUT = "timeout"                      # the transfer's own timeout passed
+    DEADLINE = "deadline"                    # the reservation's deadline: too late to move, or to land
+    PEER_GONE = "peer_gone"                  # the other side is unreachable, or left mid-transfer
+    REFUSED = "refused"                      # the target refused it (no such expect(), over, a bad header)
+    OTHER = "other"
+
+
+# Every reason label (the metric's children are made at zero up front, so Prometheus's rate() sees a
+# failure's first increment).
+FAILURE_REASON_NAMES = tuple(f.value for f in KVFailure)
+
+
 class KVTransferError(RuntimeError):
-    """A transfer failed: timeout, peer gone, layout mismatch, checksum mismatch; the message says which."""
+    """A transfer failed; `failure` says why (typed), the message says it for people."""
+
+    def __init__(self, message: str, failure: KVFailure = KVFailure.OTHER):
+        super().__init__(message)
+        self.failure = failure
 
 
-# A failed transfer's error as a bounded reason (metrics label), from the messages the backends
-# write (most specific first); "other" for the rest.
-FAILURE_REASONS = (("checksum mismatch", "checksum_mismatch"), ("layout mismatch", "layout_mismatch"),
-                   ("transport closed", "closed"), ("timed out", "timeout"), ("still running", "timeout"),
-                   ("expires before", "deadline"), ("past its deadline", "deadline"),
-                   ("peer gone", "peer_gone"), ("peer closed", "peer_gone"), ("cannot reach", "peer_gone"),
-                   ("refused", "refused"), ("finished the transfer", "refused"))
-
-
-# Every value failure_reason() can answer (the metric's children are made at zero up front, so
-# Prometheus's rate() sees a failure's first increment).
-FAILURE_REASON_NAMES = tuple(dict.fromkeys(r for _, r in FAILURE_REASONS)) + ("other",)
-
-
-def failure_reason(error: str) -> str:
-    """checksum_mismatch | layout_mismatch | closed | timeout | deadline | peer_gone | refused | other."""
-    for needle, reason in FAILURE_REASONS:
-        if needle in error:
-            return reason
-    return "other"
-
-
-def checksum_result(checksum: bool, error: str | None) -> str | None:
+def checksum_result(checksum: bool, failure: KVFailure | None, landed: bool) -> str | None:
     """What a transfer's checksum said: off (not asked for), ok (landed, checked), mismatch, or
     None (it failed before the checksum was compared)."""
     if not checksum:
         return "off"
-    if error is None:
+    if landed:
         return "ok"
-    return "mismatch" if "checksum mismatch" in error else None
+    return "mismatch" if failure == KVFailure.CHECKSUM_MISMATCH else None
 
 
 @dataclass(frozen=True)
@@ -150,10 +150,12 @@ class TransferHandle(Protocol):
     what: str
     deadline: float               # time.monotonic() at which it fails, if nothing finished it before
     error: str | None
+    failure: KVFailure | None     # with error: why, typed
     hand_off: pb.HandOff | None   # an expect() handle that landed: what the writer handed over
     def done(self) -> bool: ...
     def wait(self, timeout_s: float) -> None: ...
-    def finish(self, error: str | None = None, hand_off: pb.HandOff | None = None) -> bool: ...
+    def finish(self, error: str | None = None, hand_off: pb.HandOff | None = None,
+               failure: KVFailure = KVFailure.OTHER) -> bool: ...
     def add_done_callback(self, fn: Callable[[], None]) -> None: ...
     def remove_done_callback(self, fn: Callable[[], None]) -> None: ...
 
@@ -180,19 +182,22 @@ class Completion:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.error: str | None = None
+        self.failure: KVFailure | None = None
         self.hand_off: pb.HandOff | None = None
         self.on_wait: Callable[[], None] | None = None   # a backend's hook: someone waits now
         self._callbacks: list[Callable[[], None]] = []
         self._event = threading.Event()
         self._lock = threading.Lock()
 
-    def finish(self, error: str | None = None, hand_off: pb.HandOff | None = None) -> bool:
-        """Record the outcome (None = success) unless one was recorded already; -> whether this call did.
-        Waits for a chunk being copied under writing() to end."""
+    def finish(self, error: str | None = None, hand_off: pb.HandOff | None = None,
+               failure: KVFailure = KVFailure.OTHER) -> bool:
+        """Record the outcome (error None = success; else `failure` says why) unless one was recorded
+        already; -> whether this call did. Waits for a chunk being copied under writing() to end."""
         with self._lock:
             if self._event.is_set():
                 return False
             self.error = error
+            self.failure = None if error is None else failure
             self.hand_off = hand_off if error is None else None
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
@@ -203,7 +208,7 @@ class Completion:
     def done(self) -> bool:
         """True once finished, successfully or not (a passed deadline counts as finished: failed)."""
         if not self._event.is_set() and time.monotonic() >= self.deadline:
-            self.finish(f"{self.what}: timed out after {self.timeout_s:g}s")
+            self.finish(f"{self.what}: timed out after {self.timeout_s:g}s", failure=KVFailure.TIMEOUT)
         return self._event.is_set()
 
     def wait(self, timeout_s: float) -> None:
@@ -212,9 +217,9 @@ class Completion:
             self.on_wait()
         limit = min(timeout_s, self.deadline - time.monotonic())
         if not self._event.wait(max(0.0, limit)) and not self.done():
-            raise KVTransferError(f"{self.what}: still running after wait({timeout_s:g}s)")
+            raise KVTransferError(f"{self.what}: still running after wait({timeout_s:g}s)", KVFailure.TIMEOUT)
         if self.error is not None:
-            raise KVTransferError(self.error)
+            raise KVTransferError(self.error, self.failure)
 
     @contextmanager
     def writing(self) -> Iterator[bool]:
@@ -266,7 +271,7 @@ async def wait_done(handle: TransferHandle) -> None:
             timer.cancel()
         handle.remove_done_callback(wake)
     if handle.error is not None:
-        raise KVTransferError(handle.error)
+        raise KVTransferError(handle.error, handle.failure)
 
 
 class PoolTransport:
@@ -300,6 +305,7 @@ class _Early:
     error: str | None
     checksum: int | None
     hand_off: pb.HandOff | None
+    failure: KVFailure
 
 
 class Inbox:
@@ -329,7 +335,7 @@ class Inbox:
             early = self._early.pop(transfer_id, None)
             self._cv.notify_all()
         if early is not None:
-            self.finish(transfer_id, early.error, early.checksum, early.hand_off)
+            self.finish(transfer_id, early.error, early.checksum, early.hand_off, early.failure)
         return handle
 
     def claim(self, transfer_id: str, timeout_s: float) -> tuple[list[int], Completion] | None:
@@ -349,18 +355,19 @@ class Inbox:
             return (list(entry[0]), entry[1]) if entry else None
 
     def finish(self, transfer_id: str, error: str | None = None, checksum: int | None = None,
-               hand_off: pb.HandOff | None = None) -> None:
+               hand_off: pb.HandOff | None = None, failure: KVFailure = KVFailure.OTHER) -> None:
         with self._cv:
             entry = self._expected.pop(transfer_id, None)
             if entry is None and transfer_id not in self._claimed:  # (a claimed one timed out: drop it)
-                self._early[transfer_id] = _Early(time.monotonic(), error, checksum, hand_off)
+                self._early[transfer_id] = _Early(time.monotonic(), error, checksum, hand_off, failure)
             self._claimed.discard(transfer_id)
             if entry is None:
                 return
         block_ids, handle = entry
         if error is None and checksum is not None and self._checksum_of(block_ids) != checksum:
-            error = "checksum mismatch: the received blocks differ from the source's"
-        handle.finish(error if error is None else f"{handle.what}: {error}", hand_off)
+            error, failure = "checksum mismatch: the received blocks differ from the source's", \
+                KVFailure.CHECKSUM_MISMATCH
+        handle.finish(error if error is None else f"{handle.what}: {error}", hand_off, failure)
 
     def still_expected(self, transfer_ids: set[str]) -> set[str]:
         """Those of `transfer_ids` that are expected and have not landed (nor timed out) yet."""
@@ -373,7 +380,7 @@ class Inbox:
             entries, self._expected, self._closed = list(self._expected.values()), {}, True
             self._cv.notify_all()  # a claim() waiting for an expect() gives up
         for _, handle in entries:
-            handle.finish(f"{handle.what}: transport closed")
+            handle.finish(f"{handle.what}: transport closed", failure=KVFailure.CLOSED)
 
     def _prune(self) -> None:
         """Drop expects that are done (timed out, or finished by their owner) and early outcomes nobody asked for."""
@@ -435,7 +442,7 @@ def check_write(backend: str, layout: KVLayout, num_blocks: int, transfer_id: st
         raise KVTransferError(f"descriptor is for backend {target.backend!r}, this transport is {backend!r}")
     mismatch = layout_mismatch(layout, layout_of(target))
     if mismatch is not None:
-        raise KVTransferError(mismatch)
+        raise KVTransferError(mismatch, KVFailure.LAYOUT_MISMATCH)
     if len(src_block_ids) != len(target.block_ids):
         raise KVTransferError(f"{len(src_block_ids)} source blocks for {len(target.block_ids)} target blocks")
     return check_block_ids(src_block_ids, num_blocks, "source")

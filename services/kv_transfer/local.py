@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
+from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError, PoolTransport,
                                        blocks_checksum, check_block_ids, check_write,
                                        make_descriptor)
 
@@ -71,7 +71,8 @@ class LocalTransport(PoolTransport):
         with _REGISTRY_LOCK:
             peer = _REGISTRY.get(target.worker_id)
         if peer is None:
-            handle.finish(f"{handle.what}: no worker {target.worker_id!r} registered in this process")
+            handle.finish(f"{handle.what}: no worker {target.worker_id!r} registered in this process",
+                          failure=KVFailure.PEER_GONE)
             return handle
         crc = blocks_checksum(self._kv.data, src) if checksum else None
         peer._receive(_Write(transfer_id, self._kv.data, src, list(target.block_ids), crc, hand_off, handle))
@@ -84,17 +85,16 @@ class LocalTransport(PoolTransport):
         with self._lock:
             parked, self._parked = list(self._parked.values()), {}
         for write in parked:
-            write.handle.finish(f"{write.handle.what}: target transport closed")
+            write.handle.finish(f"{write.handle.what}: target transport closed", failure=KVFailure.CLOSED)
         self._inbox.close()
 
     # ---- target side -------------------------------------------------------------------------------------
 
     def _receive(self, write: _Write) -> None:
         """Check the write against this pool, then copy it now (expected) or park it until its expect()."""
-        error = self._refusal(write)
+        error, failure = self._refusal(write)
         if error is not None:
-            self._inbox.finish(write.transfer_id, error)  # the target hears it too
-            write.handle.finish(f"{write.handle.what}: {error}")
+            self._fail(write, error, failure)  # the target hears it too
             return
         with self._lock:
             expected = self._inbox.lookup(write.transfer_id)
@@ -104,23 +104,27 @@ class LocalTransport(PoolTransport):
                 return
         self._copy(write, *expected)
 
-    def _refusal(self, write: _Write) -> str | None:
+    def _refusal(self, write: _Write) -> tuple[str | None, KVFailure]:
         mine, source = self._kv.data, write.source
         try:
             check_block_ids(write.dst, self._pool().num_blocks, "target")
         except KVTransferError as e:
-            return str(e)
+            return str(e), KVFailure.REFUSED
         if (*source.shape[:2], *source.shape[3:], source.dtype) != (*mine.shape[:2], *mine.shape[3:], mine.dtype):
-            return f"layout mismatch: target is {self._layout}"
-        return None
+            return f"layout mismatch: target is {self._layout}", KVFailure.LAYOUT_MISMATCH
+        return None, KVFailure.OTHER
+
+    def _fail(self, write: _Write, error: str, failure: KVFailure) -> None:
+        """Both sides hear it: the target's expect() (or its early outcome) and the writer's handle."""
+        self._inbox.finish(write.transfer_id, error, failure=failure)
+        write.handle.finish(f"{write.handle.what}: {error}", failure=failure)
 
     def _copy(self, write: _Write, expected: list[int], target: Completion) -> None:
         """Source blocks src[i] -> this pool's dst[i], every layer, K and V; block by block, each while both
         handles are still open (target first, then source: the one lock order)."""
         if write.dst != expected:
             error = f"blocks {write.dst} are not the ones expected for {write.transfer_id!r}: {expected}"
-            self._inbox.finish(write.transfer_id, error)
-            write.handle.finish(f"{write.handle.what}: {error}")
+            self._fail(write, error, KVFailure.REFUSED)
             return
         mine = self._kv.data
         for s, d in zip(write.src, write.dst):
@@ -128,10 +132,10 @@ class LocalTransport(PoolTransport):
                 if target_open and source_open:
                     mine[:, :, d].copy_(write.source[:, :, s])
                     continue
-            error = ("the target finished the transfer before it landed" if not target_open else
-                     "the writer's deadline passed before it landed")
-            self._inbox.finish(write.transfer_id, error)
-            write.handle.finish(f"{write.handle.what}: {error}")
+            if not target_open:
+                self._fail(write, "the target finished the transfer before it landed", KVFailure.REFUSED)
+            else:
+                self._fail(write, "the writer's deadline passed before it landed", KVFailure.TIMEOUT)
             return
         self._inbox.finish(write.transfer_id, checksum=write.crc, hand_off=write.hand_off)
         write.handle.finish()

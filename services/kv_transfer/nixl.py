@@ -48,7 +48,7 @@ from google.protobuf.message import DecodeError  # noqa: E402
 
 from services.protocol.listeners import listening_sockets  # noqa: E402
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
-from services.kv_transfer.base import (Completion, KVLayout, KVTransferError,  # noqa: E402
+from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError,  # noqa: E402
                                        PoolTransport, blocks_checksum, check_write,
                                        make_descriptor)
 
@@ -169,11 +169,11 @@ class NixlTransport(PoolTransport):
                 remote = _indices(self._layout, peer.num_blocks, list(target.block_ids))
                 xfer = self._agent.make_prepped_xfer("WRITE", self._local, local, peer.dlist, remote, notif)
                 if self._agent.transfer(xfer) == "ERR":
-                    raise KVTransferError("NIXL refused to post the transfer")
+                    raise KVTransferError("NIXL refused to post the transfer", KVFailure.REFUSED)
                 self._sending.append(_Sending(xfer, handle, peer.name))
             except (KVTransferError, ValueError, *NIXL_ERRORS) as e:
                 gone = peer.name if peer and isinstance(e, _bindings.nixlRemoteDisconnectError) else None
-                self._settle(xfer, handle, f"{handle.what}: {_describe(e)}", gone)
+                self._settle(xfer, handle, f"{handle.what}: {_describe(e)}", gone, _failure(e))
             self._cv.notify()
         return handle
 
@@ -185,7 +185,8 @@ class NixlTransport(PoolTransport):
             self._poller.join(timeout=5.0)
         with self._cv:
             for sending in self._sending:
-                self._settle(sending.xfer, sending.handle, f"{sending.handle.what}: transport closed")
+                self._settle(sending.xfer, sending.handle, f"{sending.handle.what}: transport closed",
+                             failure=KVFailure.CLOSED)
             self._sending = []
             if self._agent is not None:
                 for peer in list(self._peers.values()):
@@ -205,7 +206,8 @@ class NixlTransport(PoolTransport):
         try:
             name = self._agent.add_remote_agent(target.agent_metadata)
         except NIXL_ERRORS as e:  # UCX connects here: a dead or unreachable peer fails now
-            raise KVTransferError(f"cannot reach agent {info.agent!r} ({_describe(e)})") from None
+            raise KVTransferError(f"cannot reach agent {info.agent!r} ({_describe(e)})",
+                                  KVFailure.PEER_GONE) from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != info.agent:
             raise KVTransferError(f"descriptor names agent {info.agent!r} but its metadata is {name!r}")
@@ -226,13 +228,14 @@ class NixlTransport(PoolTransport):
             try:
                 state = self._agent.check_xfer_state(sending.xfer)
                 error = "NIXL reported a failed transfer" if state == "ERR" else None
+                failure = KVFailure.OTHER
             except NIXL_ERRORS as e:
-                state, error = "ERR", _describe(e)
+                state, error, failure = "ERR", _describe(e), _failure(e)
             if state == "PROC" and not sending.handle.done():
                 continue
             self._sending.remove(sending)
             self._settle(sending.xfer, sending.handle, error and f"{sending.handle.what}: {error}",
-                         sending.peer if error else None)
+                         sending.peer if error else None, failure)
         try:
             notifs = self._agent.get_new_notifs()
         except NIXL_ERRORS:
@@ -247,10 +250,11 @@ class NixlTransport(PoolTransport):
         self._awaited = self._inbox.still_expected(self._awaited)
         return bool(self._sending) or bool(self._awaited)
 
-    def _settle(self, xfer, handle: Completion, error: str | None, failed_peer: str | None = None) -> None:
+    def _settle(self, xfer, handle: Completion, error: str | None, failed_peer: str | None = None,
+                failure: KVFailure = KVFailure.OTHER) -> None:
         """Finish a write's handle and free its NIXL request; a peer that failed (it may be gone) is dropped
         once no other write to it is in flight, so a restarted or recovered peer is loaded afresh."""
-        handle.finish(error)
+        handle.finish(error, failure=failure)
         if xfer is not None:
             _quietly(xfer.release)  # cancels a request still in flight (timeout)
         if failed_peer in self._peers and not any(s.peer == failed_peer for s in self._sending):
@@ -288,6 +292,12 @@ def _describe(e: Exception) -> str:
     if isinstance(e, _bindings.nixlRemoteDisconnectError):
         return f"peer gone (NIXL: {e})"
     return f"{type(e).__name__}: {e}"
+
+
+def _failure(e: Exception) -> KVFailure:
+    if isinstance(e, _bindings.nixlRemoteDisconnectError):
+        return KVFailure.PEER_GONE
+    return e.failure if isinstance(e, KVTransferError) else KVFailure.OTHER
 
 
 def _quietly(fn, *args) -> None:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from services.kv_transfer.base import Completion, KVTransport
+from services.kv_transfer.base import Completion, KVFailure, KVTransport, KVTransferError
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 
@@ -58,10 +58,11 @@ class PacedTransport:
                 inner = self.inner.write(*args, max(0.001, outer.deadline - time.monotonic()),
                                          checksum=checksum, hand_off=hand_off)
             except Exception as e:  # noqa: BLE001 - reported on the handle, as the backends do
-                outer.finish(f"KV write {transfer_id}: {type(e).__name__}: {e}")
+                failure = e.failure if isinstance(e, KVTransferError) else KVFailure.OTHER
+                outer.finish(f"KV write {transfer_id}: {type(e).__name__}: {e}", failure=failure)
                 return
             outer.on_wait = getattr(inner, "on_wait", None)
-            inner.add_done_callback(lambda: outer.finish(inner.error, inner.hand_off))
+            inner.add_done_callback(lambda: outer.finish(inner.error, inner.hand_off, inner.failure))
 
         timer = threading.Timer(delay, start)
         timer.daemon = True

@@ -5,21 +5,20 @@ thread (tcp_gate.py) accepts and reads every header without trusting it: bounded
 the token checked there; an admitted transfer is received on a bounded pool of threads (TcpReceiverConfig).
 The source sends from its own thread, so write() returns at once.
 
-    source -> target  HEADER {token, id, layout, blocks, nbytes, checksum, timeout_s, hand_off}
+    source -> target  HEADER (kvfleet.v1.KVTransferHeader: token, transfer_id, layout, block_ids, nbytes,
+                      crc32, timeout_s, hand_off)
                       target checks the fleet token (else refuses, claiming nothing), claims its
                       expect(id) (waiting for it if need be), checks that it is still open, layout, ids, size
-    source <- target  REPLY {error: null | why refused}
+    source <- target  REPLY (kvfleet.v1.KVTransferReply: error empty | why refused)
     source -> target  PAYLOAD in wire order (base.py), recvmsg_into the destination regions
-    source <- target  REPLY {error: null | "checksum mismatch ..."}
+    source <- target  REPLY (error empty | "checksum mismatch ...")
                       target finishes its expect() handle: landed, with the hand-off
 
-Frames are a 4-byte big-endian length + UTF-8 JSON, at most MAX_FRAME bytes (a header: the config's
-max_header_bytes); the payload's size is checked against the expect()'s blocks before a byte of it is read.
-In the header, `layout` is a serialized kvfleet.v1.KVLayout
-and `hand_off` a serialized kvfleet.v1.HandOff (or null), both base64; `checksum` is a crc32 or null. A CPU
-pool is sent and received in place: each run of consecutive block ids is one contiguous region per (layer, K/V),
-gathered by sendmsg, scattered by recvmsg_into; a device pool (CUDA, whose memory the engine core owns and
-shares by CUDA IPC) is staged through one host copy in pinned memory (base.host_staging). Every socket op
+Frames are a 4-byte big-endian length + a serialized protobuf message, at most MAX_FRAME bytes (a header: the
+config's max_header_bytes); the payload's size is checked against the expect()'s blocks before a byte of it is
+read. A CPU pool is sent and received in place: each run of consecutive block ids is one contiguous region per
+(layer, K/V), gathered by sendmsg, scattered by recvmsg_into; a device pool (CUDA, whose memory the engine core
+owns and shares by CUDA IPC) is staged through one host copy in pinned memory (base.host_staging). Every socket op
 is bounded by what is left of the transfer's timeout; a closed or reset peer fails the transfer on both sides
 at once. `token` is the fleet token (services/protocol/fleet_token.py): a writer without this process's is
 refused before it touches an expect(). The target writes only into the blocks of its own expect() for that id,
@@ -32,8 +31,6 @@ whoever finished it, nothing more is copied; the target drops the connection and
 """
 from __future__ import annotations
 
-import base64
-import json
 import math
 import select
 import socket
@@ -46,11 +43,11 @@ from contextlib import contextmanager
 from typing import Sequence
 
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.kv_transfer.base import (Completion, KVLayout, KVTransferError, PoolTransport,
+from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError, PoolTransport,
                                        byte_view, check_write, host_staging, layout_mismatch,
                                        make_descriptor)
 from services.kv_transfer.tcp_gate import GateCounts, HeaderGate, TcpReceiverConfig
@@ -149,18 +146,18 @@ class TcpTransport(PoolTransport):
             with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock, self._tracked(sock):
                 _tune(sock)
                 views = self._source_views(src)
-                header = {"token": self._auth.presented().decode(), "id": transfer_id,
-                          "layout": b64(self._layout.to_pb()), "blocks": list(target.block_ids),
-                          "nbytes": len(src) * self._layout.bytes_per_block,
-                          "checksum": _crc(views) if checksum else None, "timeout_s": _left(deadline),
-                          "hand_off": None if hand_off is None else b64(hand_off)}
+                header = pb.KVTransferHeader(
+                    token=self._auth.presented().decode(), transfer_id=transfer_id,
+                    layout=self._layout.to_pb(), block_ids=list(target.block_ids),
+                    nbytes=len(src) * self._layout.bytes_per_block,
+                    crc32=_crc(views) if checksum else None, timeout_s=_left(deadline), hand_off=hand_off)
                 _send_frame(sock, header, deadline)
-                _check_reply(_recv_frame(sock, deadline), "refused the transfer")
+                _check_reply(_recv_reply(sock, deadline), "refused the transfer")
                 _send_views(sock, views, deadline)
-                _check_reply(_recv_frame(sock, deadline), "failed the transfer")
+                _check_reply(_recv_reply(sock, deadline), "failed the transfer")
             handle.finish()
         except Exception as e:  # a thread's last word: everything becomes the handle's error
-            handle.finish(f"{handle.what}: {self._describe(e)}")
+            handle.finish(f"{handle.what}: {self._describe(e)}", failure=self._failure(e))
 
     def _source_views(self, ids: list[int]) -> list[memoryview]:
         if self._flat is not None:
@@ -184,7 +181,7 @@ class TcpTransport(PoolTransport):
 
     # ---- target side -------------------------------------------------------------------------------------
 
-    def _admit(self, conn: socket.socket, header: dict) -> None:
+    def _admit(self, conn: socket.socket, header: pb.KVTransferHeader) -> None:
         """The gate passed this connection (its header carried the fleet token): receive it on the pool."""
         with self._lock:
             if self._closed.is_set():
@@ -192,54 +189,55 @@ class TcpTransport(PoolTransport):
             self._socks.add(conn)
         self._receivers.submit(self._serve, conn, header)
 
-    def _serve(self, conn: socket.socket, header: dict) -> None:
+    def _serve(self, conn: socket.socket, header: pb.KVTransferHeader) -> None:
         transfer_id, claimed = None, None
         with conn:
             try:
                 _tune(conn)
-                transfer_id, deadline = str(header["id"]), time.monotonic() + _timeout(header["timeout_s"])
+                transfer_id, deadline = header.transfer_id, time.monotonic() + _timeout(header.timeout_s)
                 claimed = self._inbox.claim(transfer_id, CLAIM_SHARE * _left(deadline))
-                refusal, hand_off = self._check_header(header, claimed)
-                _send_frame(conn, {"error": refusal}, deadline)
+                refusal, failure, hand_off = self._check_header(header, claimed)
+                _send_frame(conn, reply(refusal, failure), deadline)
                 if refusal:
                     if claimed is not None:
-                        self._inbox.finish(transfer_id, refusal)
+                        self._inbox.finish(transfer_id, refusal, failure=failure)
                     return
                 views = self._receive_payload(conn, *claimed, deadline)
                 error = None
-                if header["checksum"] is not None and _crc(views) != header["checksum"]:
+                if header.HasField("crc32") and _crc(views) != header.crc32:
                     error = "checksum mismatch: the received bytes differ from the source's"
-                _send_frame(conn, {"error": error}, deadline)
-                self._inbox.finish(transfer_id, error, hand_off=hand_off)
+                _send_frame(conn, reply(error, KVFailure.CHECKSUM_MISMATCH), deadline)
+                self._inbox.finish(transfer_id, error, hand_off=hand_off, failure=KVFailure.CHECKSUM_MISMATCH)
             except Exception as e:  # a thread's last word: a claimed expect always hears it
                 if claimed is not None:
-                    self._inbox.finish(transfer_id, f"receive failed: {self._describe(e)}")
+                    self._inbox.finish(transfer_id, f"receive failed: {self._describe(e)}",
+                                       failure=self._failure(e))
             finally:
                 with self._lock:
                     self._socks.discard(conn)
 
-    def _check_header(self, header: dict, claimed) -> tuple[str | None, pb.HandOff | None]:
-        """-> (why the transfer is refused, or None; the hand-off it carries)."""
+    def _check_header(self, header: pb.KVTransferHeader,
+                      claimed) -> tuple[str | None, KVFailure, pb.HandOff | None]:
+        """-> (why the transfer is refused, or None; the failure that is; the hand-off it carries)."""
+        tid, refused = header.transfer_id, KVFailure.REFUSED
         if claimed is None:
-            return (f"{self.worker_id} expects no transfer {header['id']!r} (no expect() in time, or already "
-                    "taken)"), None
+            return f"{self.worker_id} expects no transfer {tid!r} (no expect() in time, or already taken)", \
+                refused, None
         ids, handle = claimed
         if handle.done():
-            return f"the target's expect() of {header['id']!r} is over: {handle.error}", None
+            return f"the target's expect() of {tid!r} is over: {handle.error}", refused, None
         try:
-            layout = KVLayout.from_pb(pb.KVLayout.FromString(base64.b64decode(header["layout"], validate=True)))
-            raw = header["hand_off"]
-            hand_off = None if raw is None else pb.HandOff.FromString(base64.b64decode(raw, validate=True))
-        except (ValueError, TypeError, DecodeError) as e:
-            return f"bad header: {e}", None
+            layout = KVLayout.from_pb(header.layout)
+        except ValueError as e:
+            return f"bad header: {e}", refused, None
         mismatch = layout_mismatch(layout, self._layout)
         if mismatch is not None:
-            return mismatch, None
-        if header["blocks"] != ids:
-            return f"blocks {header['blocks']} are not the ones expected for {header['id']!r}: {ids}", None
-        if header["nbytes"] != len(ids) * self._layout.bytes_per_block:
-            return f"payload of {header['nbytes']} bytes does not fill {len(ids)} blocks", None
-        return None, hand_off
+            return mismatch, KVFailure.LAYOUT_MISMATCH, None
+        if list(header.block_ids) != ids:
+            return f"blocks {list(header.block_ids)} are not the ones expected for {tid!r}: {ids}", refused, None
+        if header.nbytes != len(ids) * self._layout.bytes_per_block:
+            return f"payload of {header.nbytes} bytes does not fill {len(ids)} blocks", refused, None
+        return None, refused, header.hand_off if header.HasField("hand_off") else None
 
     def _receive_payload(self, conn: socket.socket, ids: list[int], handle: Completion,
                          deadline: float) -> list[memoryview]:
@@ -256,7 +254,7 @@ class TcpTransport(PoolTransport):
         for i in range(0, len(ids), step):
             with handle.writing() as still_open:
                 if not still_open:
-                    raise KVTransferError(_OVER)
+                    raise KVTransferError(_OVER, KVFailure.DEADLINE)
                 self._kv.write_blocks(ids[i:i + step], staged[:, :, i:i + step])
                 if data.is_cuda:  # copied, not just queued, before finish() may return
                     torch.cuda.current_stream(data.device).synchronize()
@@ -286,6 +284,18 @@ class TcpTransport(PoolTransport):
             with self._lock:
                 self._socks.discard(sock)
 
+    def _failure(self, e: Exception) -> KVFailure:
+        """Why a socket thread's exception failed its transfer."""
+        if self._closed.is_set():
+            return KVFailure.CLOSED
+        if isinstance(e, TimeoutError):
+            return KVFailure.TIMEOUT
+        if isinstance(e, ConnectionError):
+            return KVFailure.PEER_GONE
+        if isinstance(e, KVTransferError):
+            return e.failure
+        return KVFailure.OTHER
+
     def _describe(self, e: Exception) -> str:
         if self._closed.is_set():
             return "transport closed"
@@ -301,9 +311,18 @@ class TcpTransport(PoolTransport):
 _OVER = "the target's expect() is over (finished or past its deadline): nothing more is written"
 
 
-def b64(message) -> str:
-    """A protobuf message as a header field."""
-    return base64.b64encode(message.SerializeToString()).decode()
+def reply(error: str | None, failure: KVFailure) -> pb.KVTransferReply:
+    """A reply frame: accepted / landed (no error), or the error and, typed, why."""
+    if not error:
+        return pb.KVTransferReply()
+    return pb.KVTransferReply(error=error, failure=pb.KVFailure.Value(f"KV_{failure.name}"))
+
+
+def reply_failure(message: pb.KVTransferReply) -> KVFailure:
+    """A reply's failure (a target that named none: refused)."""
+    if message.failure == pb.KV_FAILURE_UNSPECIFIED:
+        return KVFailure.REFUSED
+    return KVFailure[pb.KVFailure.Name(message.failure).removeprefix("KV_")]
 
 
 def _timeout(value) -> float:
@@ -334,25 +353,30 @@ def _crc(views: list[memoryview]) -> int:
     return crc
 
 
-def _check_reply(reply: dict, verb: str) -> None:
-    if reply.get("error"):
-        raise KVTransferError(f"target {verb}: {reply['error']}")
+def _check_reply(message: pb.KVTransferReply, verb: str) -> None:
+    if message.error:
+        raise KVTransferError(f"target {verb}: {message.error}", reply_failure(message))
 
 
-def _send_frame(sock: socket.socket, obj: dict, deadline: float) -> None:
-    body = json.dumps(obj).encode()
+def _send_frame(sock: socket.socket, message: Message, deadline: float) -> None:
+    body = message.SerializeToString()
     sock.settimeout(_left(deadline))
     sock.sendall(struct.pack(">I", len(body)) + body)
 
 
-def _recv_frame(sock: socket.socket, deadline: float) -> dict:
+def _recv_reply(sock: socket.socket, deadline: float) -> pb.KVTransferReply:
     (size,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
     if size > MAX_FRAME:
         raise KVTransferError(f"frame of {size} bytes is over the {MAX_FRAME} limit")
-    return json.loads(_recv_exact(sock, size, deadline))
+    try:
+        return pb.KVTransferReply.FromString(_recv_exact(sock, size, deadline))
+    except DecodeError as e:
+        raise KVTransferError(f"a reply that is no KVTransferReply: {e}") from None
 
 
 def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
+    if size == 0:
+        return b""  # an empty message (a reply with no error) is 0 bytes on the wire
     buf = bytearray(size)
     _recv_views(sock, [memoryview(buf)], deadline)
     return bytes(buf)
@@ -376,7 +400,7 @@ def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float,
             got = (_recv_some(sock, batch, deadline) if guard is None else
                    _recv_guarded(sock, batch, deadline, guard))
             if got == 0:
-                raise KVTransferError("peer closed the connection mid-transfer")
+                raise KVTransferError("peer closed the connection mid-transfer", KVFailure.PEER_GONE)
             batch = _advance(batch, got)
 
 
@@ -390,7 +414,7 @@ def _recv_guarded(sock: socket.socket, batch: list[memoryview], deadline: float,
     while True:
         with guard.writing() as still_open:
             if not still_open:
-                raise KVTransferError(_OVER)
+                raise KVTransferError(_OVER, KVFailure.DEADLINE)
             try:
                 return sock.recvmsg_into(_first_bytes(batch, RECV_CHUNK))[0]
             except BlockingIOError:

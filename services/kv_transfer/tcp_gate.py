@@ -14,7 +14,6 @@ So memory and threads are bounded by the config, whatever connects to the port.
 """
 from __future__ import annotations
 
-import json
 import logging
 import selectors
 import socket
@@ -24,7 +23,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from google.protobuf.message import DecodeError
+
 from services.protocol import fleet_token
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 log = logging.getLogger(__name__)
 LENGTH = struct.Struct(">I")
@@ -33,7 +35,7 @@ LENGTH = struct.Struct(">I")
 @dataclass(frozen=True)
 class TcpReceiverConfig:
     header_timeout_s: float = 1.0        # a new connection must send its whole header within this
-    max_header_bytes: int = 256 << 10    # a header's JSON (its block ids dominate: ~8 bytes each)
+    max_header_bytes: int = 256 << 10    # a serialized header (its block ids dominate: <= 5 bytes each)
     max_pending: int = 64                # connections not yet past the token check
     max_transfers: int = 32              # threads receiving authenticated transfers (more wait in a queue)
 
@@ -42,7 +44,7 @@ class TcpReceiverConfig:
 class GateCounts:
     """Connections the gate closed, by why. Read from any thread (ints: each update is one store)."""
     busy: int = 0             # max_pending were already waiting
-    bad_header: int = 0       # a length over the limit, or bytes that are not a JSON object
+    bad_header: int = 0       # a length over the limit, or bytes that are not a KVTransferHeader
     slow: int = 0             # no whole header within header_timeout_s, or the peer left mid-header
     unauthenticated: int = 0  # wrong or missing fleet token
     admitted: int = 0         # handed on to receive a payload
@@ -60,7 +62,7 @@ class HeaderGate:
     header carried this fleet's token; it must return at once (submit to a pool)."""
 
     def __init__(self, listener: socket.socket, auth: fleet_token.FleetAuth, config: TcpReceiverConfig,
-                 hand_off: Callable[[socket.socket, dict], None], name: str):
+                 hand_off: Callable[[socket.socket, pb.KVTransferHeader], None], name: str):
         self.config, self.counts = config, GateCounts()
         self._listener, self._auth, self._hand_off = listener, auth, hand_off
         self._pending: dict[socket.socket, _Pending] = {}
@@ -151,13 +153,11 @@ class HeaderGate:
     def _admit(self, conn: socket.socket, body: bytes) -> None:
         self._forget(conn)
         try:
-            header = json.loads(body)
-        except ValueError:
-            header = None
-        if not isinstance(header, dict):
+            header = pb.KVTransferHeader.FromString(body)
+        except DecodeError:
             self.counts.bad_header += 1
             return conn.close()
-        refusal = self._auth.refusal(header.get("token"))
+        refusal = self._auth.refusal(header.token)
         if refusal is not None:
             self.counts.unauthenticated += 1
             return _refuse(conn, f"unauthenticated: {refusal}", self.config.header_timeout_s)
@@ -181,7 +181,7 @@ class HeaderGate:
 
 def _refuse(conn: socket.socket, why: str, timeout_s: float) -> None:
     """The refusal is one small frame: it fits the socket's buffer, so this does not wait on the peer."""
-    body = json.dumps({"error": why}).encode()
+    body = pb.KVTransferReply(error=why, failure=pb.KV_REFUSED).SerializeToString()
     try:
         conn.settimeout(timeout_s)
         conn.sendall(LENGTH.pack(len(body)) + body)

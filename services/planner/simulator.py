@@ -42,7 +42,7 @@ import numpy as np
 
 from loadtests.records import RequestRecord, RunResult
 from loadtests.workload import PlannedRequest, WorkloadSpec, plan_requests, slo_table
-from services.engine.config import EngineConfig, SimConfig, Tenant
+from services.engine.config import PREFILL_ROLE_DEFAULTS, EngineConfig, SimConfig, Tenant
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
 from services.planner.step_time import StepTimer
@@ -51,7 +51,6 @@ from services.planner.hybrid import threshold_tokens
 from services.router.paths import DEFAULT_THRESHOLD_TOKENS, Paths
 from services.router.placement import can_ever_hold, rank_decode, rank_prefill
 
-PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)   # as services/worker/serve.py
 MIN_STEP_S = 1e-9          # a step that ran takes at least this (a zero step would never end)
 
 
@@ -181,7 +180,7 @@ class Simulation:
         sched = replace(base.scheduler, role=role, tenants=tenants or base.scheduler.tenants,
                         default_tenant=(tenants or base.scheduler.tenants)[0].name)
         if role == "prefill":
-            sched = replace(sched, **PREFILL_ROLE_BUDGET)
+            sched = replace(sched, **PREFILL_ROLE_DEFAULTS)
         config = replace(base, model=self.cfg.model, sim=self.cfg.sim, scheduler=sched)
         return LLMEngine(config, clock=self.clock, step_timer=self.timer)
 
@@ -333,7 +332,7 @@ class Simulation:
                 if track.decode_worker is not None and w.role == "prefill":
                     self.workers[track.decode_worker].engine.cancel(out.request_id)
                 self._freed(track, finished=False)
-            elif out.finish_reason == "prefilled":
+            elif out.prefilled:
                 first = out.new_token_ids[-1] if out.new_token_ids else 0
                 self._push(now + self.transfer_s(len(track.prompt)), KV_LANDED,
                            (out.request_id, first))

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry.trace import SpanKind
 
-from services.kv_transfer.base import KVTransferError, checksum_result, failure_reason, wait_done
+from services.kv_transfer.base import KVFailure, KVTransferError, checksum_result, wait_done
 from services.protocol import status
 from services.protocol.accept import send_accept
 from services.protocol.convert import chunk_from_output
@@ -75,9 +75,6 @@ class PrefillRole:
             firsts: dict[int, int] = {}        # sample index -> its first token (n > 1)
             samples = max(1, request.params.n)
             async for out in stream:
-                prefilled = out.finish_reason == "prefilled"     # the engine's own control state
-                if prefilled:
-                    out.finished, out.finish_reason = False, None
                 failure = output_failure(out)
                 if failure is not None:
                     await status.abort(context, ending.failed(failure))
@@ -92,7 +89,7 @@ class PrefillRole:
                     end_span(span, output_tokens=out.num_output_tokens,
                              finish_reason=out.finish_reason if out.finished else None)
                     span_open = False
-                if prefilled:
+                if out.prefilled:
                     firsts[out.index] = out.new_token_ids[0]
                     if out.index == 0:
                         first, blocks = chunk, out.block_ids
@@ -143,16 +140,16 @@ class PrefillRole:
         nbytes = len(blocks) * target.bytes_per_block
         span = self.telemetry.start_span("kv_transfer", parent, request, self.engine.model,
                                          SpanKind.CLIENT)
-        started, error = time.monotonic(), None
+        started, error, failure = time.monotonic(), None, None
         try:
             handle = self._write(request, first, more, blocks, checksum)
             await wait_done(handle)
         except KVTransferError as e:
-            error = str(e)
+            error, failure = str(e), e.failure
             if rid in self._abandoned:         # the cancel ended it: not a transfer failure
                 span.set_attribute(ABANDONED, True)
             else:
-                self.telemetry.kv_failed(backend, failure_reason(error))
+                self.telemetry.kv_failed(backend, failure)
             raise
         finally:
             seconds = time.monotonic() - started
@@ -160,7 +157,7 @@ class PrefillRole:
                 span.set_attributes({tracing.KV_BYTES: nbytes, tracing.KV_BACKEND: backend,
                                      "kvfleet.kv_transfer.blocks": len(blocks),
                                      "kvfleet.kv_transfer.seconds": seconds})
-                result = checksum_result(checksum, error)
+                result = checksum_result(checksum, failure, landed=error is None)
                 if result is not None:
                     span.set_attribute(tracing.KV_CHECKSUM, result)
             end_span(span, error=None if rid in self._abandoned else error)
@@ -177,7 +174,8 @@ class PrefillRole:
         if request.kv_deadline_unix_s:
             timeout = min(timeout, request.kv_deadline_unix_s - time.time() - t.kv_deadline_margin_s)
         if timeout <= 0:
-            raise KVTransferError(f"the decode reservation for {rid} expires before KV could move")
+            raise KVTransferError(f"the decode reservation for {rid} expires before KV could move",
+                                  KVFailure.DEADLINE)
         hand_off = pb.HandOff(request_id=rid, first_token=first.token_ids[0],
                               num_prompt_tokens=first.num_prompt_tokens,
                               sent_at_unix_s=time.time(), more_first_tokens=more)

@@ -17,7 +17,7 @@ def logprob_to_pb(lp: TokenLogprob | None, token_id: int = 0) -> pb.TokenLogprob
 def chunk_from_output(out: RequestOutput, served_by: str = "") -> pb.TokenChunk:
     chunk = pb.TokenChunk(
         request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
-        logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs], finished=out.finished,
+        logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs], finished=out.finished and not out.prefilled,
         finish_reason=out.finish_reason or "", error=out.error or "",
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,

@@ -4,7 +4,10 @@ A failed call carries a `CallStatus` (reason enum, engine error code, retry hint
 `x-kvfleet-status-bin` trailing metadata, next to the gRPC status code the reason maps to:
 
     handler:  await status.abort(context, status.failed(Reason.OVERLOADED, "...", retry_after_s=1))
-    caller:   except grpc.aio.AioRpcError as e: st = status.of(e)   # always a CallStatus
+    caller:   except status.CallFailed as e: st = e.status   # always a CallStatus
+
+A caller's stub raises CallFailed (services/protocol/typed_stub.py converts grpc's AioRpcError
+there, once), and so does code that fails a request locally the way a remote failure would.
 
 A failure that carries no CallStatus (a transport error, a deadline, a peer that died mid-call) is
 read from its code (`_UNTYPED`; UNAVAILABLE when nothing fits, REASON_UNSPECIFIED for a handler's
@@ -54,11 +57,15 @@ def failed(reason: int, message: str, *, code: str = "", param: str = "",
 
 
 class CallFailed(Exception):
-    """A CallStatus raised inside a service (turned into a gRPC status by `abort`)."""
+    """A failed call or request, as a CallStatus: raised inside a service (turned into a gRPC
+    status by `abort`), by a caller's typed stub for a call that failed, or by code that fails a
+    request locally. `untyped_code`: a failed call's bare gRPC code when it carried no CallStatus
+    (the peer did not answer: a transport error, a deadline), else None."""
 
-    def __init__(self, st: pb.CallStatus) -> None:
+    def __init__(self, st: pb.CallStatus, untyped_code: grpc.StatusCode | None = None) -> None:
         super().__init__(st.message)
         self.status = st
+        self.untyped_code = untyped_code
 
 
 def trailing(st: pb.CallStatus) -> tuple[tuple[str, bytes], ...]:
@@ -85,10 +92,3 @@ def of(error: grpc.aio.AioRpcError) -> pb.CallStatus:
     reason = _UNTYPED.get(error.code(), pb.UNAVAILABLE)
     return failed(reason, error.details() or error.code().name)
 
-
-def rpc_error(st: pb.CallStatus) -> grpc.aio.AioRpcError:
-    """An AioRpcError carrying `st`, as a call that failed with it would raise (for code that
-    fails a request locally the way a remote failure would)."""
-    return grpc.aio.AioRpcError(GRPC_CODE.get(st.reason, grpc.StatusCode.UNKNOWN),
-                                grpc.aio.Metadata(), grpc.aio.Metadata(*trailing(st)),
-                                details=st.message)

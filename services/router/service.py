@@ -58,6 +58,7 @@ from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
+from services.protocol.typed_stub import TypedStub
 from services.router import admission
 from services.router.admission import AdmissionConfig
 from services.router.keeper import DecisionCounts, RecentPredictions, StageKeeper
@@ -514,14 +515,15 @@ class RouterServicer(pb_grpc.RouterServicer):
             await self.placements.add(w, blocks)   # counted before the Reserve: a burst sees it
             try:
                 resp = await self._reserve_on(w, ask)
-            except grpc.aio.AioRpcError as e:
+            except status.CallFailed as e:
                 await self.placements.take_back(w, blocks)
-                st = status.of(e)
+                st = e.status
                 if st.reason == pb.INVALID_REQUEST:
-                    raise status.CallFailed(st) from None
+                    raise
                 # a hung or dead worker: try the next one. A Reserve that lands later anyway is
                 # undone by the decode worker (past its deadline, nothing is reserved).
-                silent.append(f"{w.worker_id}: {e.code().name}: {st.message}")
+                code = e.untyped_code.name if e.untyped_code else pb.Reason.Name(st.reason)
+                silent.append(f"{w.worker_id}: {code}: {st.message}")
                 self._workers = (float("-inf"), [])        # re-read the list next time
                 continue
             if resp.accepted:
@@ -577,11 +579,12 @@ class RouterServicer(pb_grpc.RouterServicer):
                    + ", ".join(sorted(w.worker_id for w in workers)))
 
     # ----------------------------------------------------------------- helpers
-    def _stub(self, address: str) -> pb_grpc.WorkerStub:
+    def _stub(self, address: str) -> TypedStub:
+        """A Worker stub whose calls raise status.CallFailed."""
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = internal_channel(address, self.auth)
-        return pb_grpc.WorkerStub(channel)
+        return TypedStub(pb_grpc.WorkerStub(channel))
 
     async def close(self) -> None:
         if self._refreshing is not None:

@@ -265,11 +265,6 @@ class LeaseTerms:
         if not (self.renew_every_s > 0 and self.ttl_s >= 3 * self.renew_every_s):
             raise ValueError(f"need ttl_s >= 3 * renew_every_s > 0, got {self}")
 
-    @classmethod
-    def with_ttl(cls, ttl_s: float) -> "LeaseTerms":
-        """Renewals every ttl/5: a live lease always has more than 3/5 of its ttl left."""
-        return cls(ttl_s=ttl_s, renew_every_s=ttl_s / 5)
-
     @property
     def lapsed_below_s(self) -> float:
         return self.ttl_s - 2 * self.renew_every_s
@@ -306,13 +301,6 @@ class Admission:
     @property
     def admitted(self) -> bool:
         return self.lease is not None
-
-
-@dataclass(frozen=True)
-class TenantCounters:
-    streams: int      # live leases
-    tokens: int       # this minute's window
-    requests: int     # this minute's window
 
 
 # Redis calls never hang a request: a connection is given this long to open and a command this long
@@ -612,12 +600,6 @@ class FleetState:
         now = time.time() if now is None else now
         return int(await self._r.zcount(self._leases_key(tenant), f"({_ms(now)}", "+inf"))
 
-    async def charge_tokens(self, tenant: str, tokens: int, per_minute_limit: int,
-                            now: float | None = None) -> tuple[bool, float]:
-        """Charge tokens to this minute's window: (True, 0.0), or (False, seconds left in the window)
-        with nothing charged. A single charge above per_minute_limit is always refused."""
-        return await self._charge_window(tenant, "tokens", tokens, per_minute_limit, now)
-
     async def charge_request(self, tenant: str, per_minute_limit: int,
                              now: float | None = None) -> tuple[bool, float]:
         return await self._charge_window(tenant, "requests", 1, per_minute_limit, now)
@@ -632,33 +614,6 @@ class FleetState:
         allowed = await self._charge(keys=[key], args=[int(amount), int(limit), _window_ttl_ms(now),
                                                        MAX_WINDOW_TTL_MS])
         return (True, 0.0) if allowed else (False, left_s)
-
-    async def tenant_counters(self, tenant: str, now: float | None = None) -> TenantCounters:
-        """Open streams (live leases) and this minute's charges, read in one round trip."""
-        now = time.time() if now is None else now
-        async with self._r.pipeline(transaction=False) as p:
-            p.zcount(self._leases_key(tenant), f"({_ms(now)}", "+inf")
-            p.mget([self._window_key(tenant, "tokens", now),
-                    self._window_key(tenant, "requests", now)])
-            streams, (tokens, requests) = await p.execute()
-        return TenantCounters(int(streams), _count(tokens), _count(requests))
-
-    async def reset_tenant(self, tenant: str, now: float | None = None) -> None:
-        """Drop the tenant's leases and this minute's windows (older windows are never read). A
-        live gateway adds its open streams' leases back at its next renewal: only slots nobody
-        holds stay gone."""
-        now = time.time() if now is None else now
-        await self._r.delete(self._leases_key(tenant), self._window_key(tenant, "tokens", now),
-                             self._window_key(tenant, "requests", now))
-
-
-def _count(value: str | None) -> int:
-    """A window's count as read; one kvfleet did not write (not an integer) reads as 0 (the next
-    admission drops it)."""
-    try:
-        return max(0, int(value or 0))
-    except ValueError:
-        return 0
 
 
 def _ms(seconds: float) -> int:

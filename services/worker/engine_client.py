@@ -139,7 +139,8 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
         block_ids=last.block_ids,
         queue_s=next((o.queue_s for o in outs if o.queue_s is not None), None),
         prefill_s=next((o.prefill_s for o in outs if o.prefill_s is not None), None),
-        index=first.index, num_cached_tokens=max(o.num_cached_tokens for o in outs))
+        index=first.index, num_cached_tokens=max(o.num_cached_tokens for o in outs),
+        prefilled=last.prefilled)
 
 
 class EngineClient:

@@ -34,7 +34,7 @@ the cache is allocated in the core's device memory and Ready carries its CUDA IP
 blocks the core's model reads without a host copy of the pool. The KV transport backends run in the server and
 write straight into the pages the core's model reads. Who may touch which blocks when is ordered by
 the messages: the server writes a reservation's blocks before it sends StartDecode, and reads a
-prefilled prompt's blocks after the step that sent "prefilled" (and before it cancels the request);
+prefilled prompt's blocks after the step that sent its prefilled output (and before it cancels the request);
 the socket round trip orders the memory accesses.
 """
 from __future__ import annotations

@@ -31,11 +31,13 @@ import grpc
 import torch
 from redis.exceptions import RedisError
 
-from services.engine.config import EngineConfig, add_engine_args, add_sim_args, sim_config_from_args
+from services.engine.config import (EngineConfig, add_engine_args, add_sim_args, role_scheduler,
+                                    sim_config_from_args)
 from services.engine.device import check_device
 from services.engine.config_file import load_engine_config
 from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
+from services.kv_transfer import PROCESS_BACKENDS
 from services.protocol import fleet_token, timeouts
 from services.protocol.aio import LOOPBACK, run, setup_logging
 from services.protocol.standard_health import StandardHealth, add_standard_health
@@ -81,7 +83,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
                    help="the tcp KV backend's receiver on 127.0.0.1 (0 picks a free port)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
-    p.add_argument("--kv-backend", default="tcp", choices=["nixl", "tcp", "local"])
+    p.add_argument("--kv-backend", default="tcp", choices=PROCESS_BACKENDS)
     p.add_argument("--pool", default="primary", choices=list(POOLS),
                    help="the pool this worker serves in (the router's fallback pool: DESIGN 6, S3)")
     p.add_argument("--kv-cache-mib", type=int, default=None)
@@ -103,23 +105,16 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
         p.set_defaults(role=role)
 
 
-# A prefill worker runs no decodes, so its iterations protect no inter-token latency: without a
-# config file it takes larger iterations (bigger GEMMs, fewer steps for a burst of prompts). The
-# worker logs the budget it runs at start (`config_line`), this one named as the role's default.
-PREFILL_ROLE_BUDGET = dict(token_budget=2048, chunk_size=512)
-
-
 def worker_quality_version(cfg: EngineConfig) -> str:
     """The quality version this worker's outputs carry (its model resolved to a directory)."""
     return of_engine_config(replace(cfg, model=resolve_model(cfg.model)))
 
 def config_line(worker_id: str, args: argparse.Namespace, cfg: EngineConfig) -> str:
-    """The engine settings a worker runs, and where its iteration budget came from: its --config
-    file, the prefill role's default (PREFILL_ROLE_BUDGET), or the engine's default."""
+    """The engine settings a worker runs, and where they came from: its --config file, and the
+    role's defaults (engine/config.py role_scheduler) for what the file does not set."""
     s = cfg.scheduler
-    source = (f"--config {args.config}" if args.config else
-              "the prefill role's default, no --config" if args.role == "prefill" else
-              "the engine's default, no --config")
+    source = (f"--config {args.config}, the {args.role} role's defaults for the rest"
+              if args.config else f"the {args.role} role's defaults, no --config")
     engine = "sim" if cfg.sim is not None else "real"
     return (f"worker {worker_id}: role {args.role}, engine {engine}, kv_cache_mib "
             f"{cfg.kv_cache_mib}, token_budget {s.token_budget}, chunk_size {s.chunk_size} "
@@ -127,11 +122,9 @@ def config_line(worker_id: str, args: argparse.Namespace, cfg: EngineConfig) -> 
 
 
 def engine_config_for(args: argparse.Namespace) -> EngineConfig:
-    cfg = load_engine_config(args.config) if args.config else EngineConfig()
-    sched = replace(cfg.scheduler, role=args.role)
-    if args.role == "prefill" and not args.config:
-        sched = replace(sched, **PREFILL_ROLE_BUDGET)
-    cfg = replace(cfg, model=args.model, scheduler=sched)
+    cfg = (load_engine_config(args.config, args.role) if args.config
+           else EngineConfig(scheduler=role_scheduler(args.role)))
+    cfg = replace(cfg, model=args.model, scheduler=replace(cfg.scheduler, role=args.role))
     if args.kv_cache_mib:
         cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
     if getattr(args, "device", None):

@@ -19,7 +19,7 @@ import pytest
 from services.protocol.fleet_token import ENV_TOKEN
 from services.state import redis_auth
 from services.state.fleet_state import FleetState
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 TOKEN = "rebalance-story-token-0123456789"
 SIM = ["--engine", "sim", "--sim-step-ms", "20", "--sim-kv-tokens", "65536",
@@ -64,7 +64,7 @@ def decision(out: subprocess.CompletedProcess, pool: str) -> dict:
 @pytest.fixture
 def fleet(tiny_model_dir, monkeypatch):
     monkeypatch.setenv(ENV_TOKEN, TOKEN)       # this process reads the fleet's signed records
-    with kvfleet_up(tiny_model_dir, *SIM, mode="disagg", token=TOKEN) as up:
+    with up_fleet(tiny_model_dir, *SIM, mode="disagg", token=TOKEN) as up:
         yield up
 
 

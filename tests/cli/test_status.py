@@ -22,7 +22,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import FleetState
 from services.state.redis_server import free_port
 from services.state.redis_auth import RedisCredentials
-from tests.harness import REDIS_PASSWORD, kvfleet_up, redis_env
+from tests.harness import REDIS_PASSWORD, up_fleet, redis_env
 
 ROLES = {"gateway", "router", "prefill", "decode"}
 
@@ -41,7 +41,7 @@ def status_json(redis_url: str) -> dict:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
     """(redis URL, gateway URL) of a running `kvfleet up`, once every process has registered."""
-    with kvfleet_up(tiny_model_dir, mode="disagg") as up:
+    with up_fleet(tiny_model_dir, mode="disagg") as up:
         redis_url = up.redis_url
         assert wait_until(lambda: {p["role"] for p in status_json(redis_url)["processes"]} == ROLES,
                           30, interval_s=0.5), status_json(redis_url)

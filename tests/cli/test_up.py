@@ -17,7 +17,7 @@ import pytest
 from services.cli.launcher import children, descendants, running
 from tests.waiting import wait_until
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 
 def listening_ports(pids: list[int]) -> set[int]:
@@ -102,7 +102,7 @@ class InFlight:
 
 @pytest.mark.parametrize("mode, routers", [("disagg", 2), ("colocated", 1)])
 def test_up_serves_then_stops_everything_it_started(tiny_model_dir, mode, routers):
-    with kvfleet_up(tiny_model_dir, mode=mode, routers=routers) as up:
+    with up_fleet(tiny_model_dir, mode=mode, routers=routers) as up:
         proc, lines, http = up.proc, up.lines, int(up.http.rsplit(":", 1)[1])
         assert len(up.routers) == routers and len(up.workers) == (1 if mode == "colocated" else 2)
         assert any(f"http://127.0.0.1:{http}/v1" in line for line in lines), lines
@@ -126,7 +126,7 @@ def test_up_serves_then_stops_everything_it_started(tiny_model_dir, mode, router
 
 
 def test_sigterm_with_streams_in_flight_stops_every_process_and_port_within_3_s(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, mode="colocated", routers=2) as up:
+    with up_fleet(tiny_model_dir, mode="colocated", routers=2) as up:
         proc, lines, http = up.proc, up.lines, int(up.http.rsplit(":", 1)[1])
         url = f"http://127.0.0.1:{http}"
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.waiting import wait_until
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 MIB = 32                                  # --kv-cache-mib of this test's fleet
 FP8_BLOCKS = (MIB << 20) // (16 * 512)    # tiny model: 4 layers x 2 x 2 kv heads x 32 dims x 1 byte
@@ -22,7 +22,7 @@ def blocks_total(metrics_address: str) -> float:
 
 @pytest.mark.real_model("fp8 block counts: the simulated core sizes its pool by --sim-kv-tokens")
 def test_a_disaggregated_fleet_serves_from_fp8_kv(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, "--kv-cache-dtype", "fp8", mode="disagg",
+    with up_fleet(tiny_model_dir, "--kv-cache-dtype", "fp8", mode="disagg",
                     kv_cache_mib=MIB, engine="real") as up:
         workers = {name: w.metrics_url.removeprefix("http://").removesuffix("/metrics")
                    for name, w in up.workers.items() if w.metrics_url}

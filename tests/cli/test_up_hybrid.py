@@ -8,7 +8,7 @@ import re
 
 import httpx
 
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 LONG_PROMPT = " ".join(["the fleet splits long prompts from short ones"] * 8)
 
@@ -26,7 +26,7 @@ def complete(fleet, prompt: str) -> httpx.Response:
 
 
 def test_kvfleet_up_hybrid_places_by_prompt_length(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, "--mixed", "1", "--hybrid-threshold-tokens", "16",
+    with up_fleet(tiny_model_dir, "--mixed", "1", "--hybrid-threshold-tokens", "16",
                     mode="hybrid") as fleet:
         assert {w.role for w in fleet.workers.values()} == {"mixed", "prefill", "decode"}
         router = next(iter(fleet.routers.values())).metrics_url

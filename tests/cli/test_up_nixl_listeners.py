@@ -8,11 +8,11 @@ import httpx
 from services.cli.launcher import descendants
 from services.cli.up import Banner
 from services.protocol.listeners import listening_sockets
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 
 def test_the_banner_names_each_workers_ucx_listener_and_nothing_listens_unnamed(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, "--kv-backend", "nixl") as up:
+    with up_fleet(tiny_model_dir, "--kv-backend", "nixl") as up:
         proc, lines = up.proc, up.lines
         printed = Banner(list(lines)).listeners
         ucx = {service: address for service, kind, address in printed if kind == "ucx"}

@@ -20,7 +20,7 @@ from services.cli.up import add_up_args, port_plan
 from services.protocol.timeouts import SHUTDOWN_BUDGET_S
 from tests.cli.test_up import listening_ports, port_open
 from loadtests.local_fleet import up_command
-from tests.harness import KV_CACHE_MIB, kvfleet_up
+from tests.harness import KV_CACHE_MIB, up_fleet
 
 
 def up_args(*argv: str) -> argparse.Namespace:
@@ -53,7 +53,7 @@ def processes_with(marker: str) -> list[int]:
 
 
 def up_options(marker: str) -> dict:
-    """kvfleet_up's keywords for a fleet on a --port-base (no --http-port / --grpc-port:
+    """up_fleet's keywords for a fleet on a --port-base (no --http-port / --grpc-port:
     the table places the gateway too), every process of it marked by `marker`."""
     return dict(http_port=None, grpc_port=None, env={"KVFLEET_TEST_MARKER": marker})
 
@@ -75,7 +75,7 @@ def test_the_table_depends_only_on_the_base_role_index_and_kind():
 def test_every_listener_is_on_its_table_port_and_printed(tiny_model_dir):
     base, plan = free_base()
     marker = uuid.uuid4().hex
-    with kvfleet_up(tiny_model_dir, "--port-base", str(base), "--served-model-name", "fleet-a",
+    with up_fleet(tiny_model_dir, "--port-base", str(base), "--served-model-name", "fleet-a",
                     "fleet-b", **up_options(marker)) as up:
         tree = [pid for pid in up.tree()[1:] if running(pid)]
         printed = {(service, kind): address for service, kind, address in up.listeners}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 
 @pytest.mark.real_model("SmolLM2 answers a chat")
 def test_kvfleet_up_on_smollm2_answers_a_chat_through_the_openai_client(smollm2_dir):
-    with kvfleet_up(smollm2_dir, kv_cache_mib=64, engine="real") as up:
+    with up_fleet(smollm2_dir, kv_cache_mib=64, engine="real") as up:
         client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused",
                                timeout=120, max_retries=0)
         model = client.models.list().data[0].id

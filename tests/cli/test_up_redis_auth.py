@@ -15,7 +15,7 @@ import redis
 
 from services.cli.launcher import descendants
 from services.state import redis_auth
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 
 def serves(url: str) -> None:
@@ -41,7 +41,7 @@ def banner_value(lines: list[str], name: str) -> str:
 
 def test_the_embedded_redis_gets_a_generated_password_its_children_use(tiny_model_dir):
     # no password in up's environment: it makes one
-    with kvfleet_up(tiny_model_dir, mode="colocated", env={redis_auth.ENV_PASSWORD: ""}) as up:
+    with up_fleet(tiny_model_dir, mode="colocated", env={redis_auth.ENV_PASSWORD: ""}) as up:
         proc, lines = up.proc, up.lines
         url = banner_value(lines, "redis")
         origin = banner_value(lines, "redis-auth")
@@ -68,7 +68,7 @@ def test_redis_url_credentials_reach_the_children_by_environment(tiny_model_dir,
     assert creds.password
     db_url = bare.rsplit("/", 1)[0] + "/9"
     with_credentials = db_url.replace("redis://", f"redis://:{creds.password}@", 1)
-    with kvfleet_up(tiny_model_dir, mode="colocated", redis_url=with_credentials,
+    with up_fleet(tiny_model_dir, mode="colocated", redis_url=with_credentials,
                     env={redis_auth.ENV_PASSWORD: ""}) as up:
         proc, lines = up.proc, up.lines
         assert banner_value(lines, "redis") == db_url

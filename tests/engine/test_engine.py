@@ -9,6 +9,7 @@ import torch
 from services.engine import errors
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import export_kv, import_kv
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -150,11 +151,11 @@ def test_prefill_and_decode_roles_hand_over_kv_and_match_the_mixed_engine(tiny_m
     assert blocks is not None and decode.stats().kv_blocks_reserved > 0
     rid = prefill.add_request(ids, params, request_id="r1")        # 2. prefill
     first = [o for o in prefill.stream()]
-    assert first[-1].finish_reason == "prefilled" and len(first[-1].new_token_ids) == 1
-    kv = prefill.export_kv(rid)                                      # 3. transfer
+    assert first[-1].prefilled and first[-1].finish_reason is None and len(first[-1].new_token_ids) == 1
+    kv = export_kv(prefill, rid)                                      # 3. transfer
     prefill.release(rid)
     assert prefill.stats().kv_blocks_used == 0
-    decode.import_kv("r1", kv, first[-1].new_token_ids[0])          # 4. decode
+    import_kv(decode, "r1", kv, first[-1].new_token_ids[0])          # 4. decode
     rest = [t for o in decode.stream() for t in o.new_token_ids]
     assert first[-1].new_token_ids + rest == mixed.token_ids
     assert decode.stats().kv_blocks_used == 0 and decode.stats().kv_blocks_reserved == 0

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from services.engine.admission import blocks_for_samples, cdiv
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import export_kv, import_kv
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK = 4
@@ -128,15 +129,16 @@ def test_prefill_and_decode_roles_fork_after_the_kv_lands(tiny_model_dir, engine
     assert decode.pool.num_reserved + len(blocks) == blocks_for_samples(14, 21, 2, BLOCK) == 3 + 2 * 3
     prefill.add_request(ids, params, request_id="r")
     firsts = list(prefill.stream())
-    assert [(o.index, o.finish_reason) for o in firsts] == [(0, "prefilled"), (1, "prefilled")]
+    assert [(o.index, o.prefilled, o.finish_reason) for o in firsts] == [(0, True, None),
+                                                                          (1, True, None)]
     assert firsts[-1].finished and firsts[0].block_ids
     assert firsts[0].new_token_ids == firsts[1].new_token_ids == mixed.token_ids[:1]
-    kv = prefill.export_kv("r")
+    kv = export_kv(prefill, "r")
     prefill.release("r")
     assert prefill.pool.num_used == 0
     other = 999                                      # sample 1 continues from another token
     (alone,) = engine.generate([ids + [other]], SamplingParams(max_tokens=6, **GREEDY))
-    decode.import_kv("r", kv, firsts[0].new_token_ids[0], [other])
+    import_kv(decode, "r", kv, firsts[0].new_token_ids[0], [other])
     assert decode.pool.blocks[decode.pool.block_table("r")[0]].ref_count == 2
     decode.pool.check_invariants()
     got, _ = samples_of(list(decode.stream()), "r")

@@ -1,7 +1,7 @@
 """How long a request waits on a frozen prefill worker before its first token (docs/benchmarks.md).
 
 A real disaggregated fleet (two prefill workers, one decode worker, tiny model, real redis-server;
-the frozen prefill-0 kept listed so that the router's plan names it first), the gateway's PlanRun
+the frozen prefill-0 kept listed so that the router's plan names it first), the gateway's FleetRun
 with prefill_start_s = S. For each of N requests: freeze prefill-0 (SIGSTOP), send, time the
 first token (it comes from prefill-1 after the start deadline), thaw. The same N requests with no
 one frozen give the baseline. Prints JSON.

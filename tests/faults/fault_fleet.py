@@ -14,7 +14,7 @@ import httpx
 import redis
 import yaml
 
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 TOKEN = "fault-suite-fleet-token-0123456789"
 OUTPUT_CAP = 48           # the interactive class's output cap in these fleets
@@ -45,7 +45,7 @@ def supervised_fleet(redis_url: str, model_dir: str, config: str, mode: str = "d
     UpFleet."""
     db_url = f"{redis_url.rsplit('/', 1)[0]}/{next(_db) % 16}"
     redis.Redis.from_url(db_url).flushdb()
-    with kvfleet_up(model_dir, *LEASE_3S, *args, mode=mode, redis_url=db_url, config=config,
+    with up_fleet(model_dir, *LEASE_3S, *args, mode=mode, redis_url=db_url, config=config,
                     token=TOKEN, env=env) as fleet:
         yield fleet
 

@@ -1,6 +1,6 @@
 """A frozen process (SIGSTOP, then SIGCONT) holds no client past a deadline, and leaves the fleet.
 
-A real disaggregated fleet per test (workers, a router, the gateway's PlanRun; real redis-server),
+A real disaggregated fleet per test (workers, a router, the gateway's FleetRun; real redis-server),
 two prefill workers so that the plan has a fallback. Every wait has a deadline; no timing is
 asserted (docs/benchmarks.md has the measured failover).
 
@@ -18,9 +18,9 @@ import os
 import signal
 from contextlib import contextmanager
 
-import grpc
 
 from tests.waiting import wait_until
+from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
@@ -99,9 +99,8 @@ def test_a_frozen_engine_core_takes_its_worker_out_until_it_runs_again(redis_url
                     during = list(fleet.generate(route_request(f"during-{victim}", PROMPT, 4,
                                                                ignore_eos=True)))
                     assert served(during, 4)
-                except grpc.aio.AioRpcError as e:
-                    assert e.code() in (grpc.StatusCode.UNAVAILABLE,
-                                        grpc.StatusCode.RESOURCE_EXHAUSTED), e
+                except status.CallFailed as e:
+                    assert e.status.reason in (pb.UNAVAILABLE, pb.OVERLOADED), e.status
                 assert wait_until(lambda: health(fleet, victim) ==
                                   pb.HealthResponse.NOT_SERVING, STALL_S + 10)
                 assert wait_until(lambda: victim not in live(fleet), STALL_S + 10)

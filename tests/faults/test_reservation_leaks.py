@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.launcher import children
 from tests.waiting import wait_until
+from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from tests.harness import Fleet, route_request, running_fleet
@@ -99,10 +100,10 @@ def test_a_reserve_the_core_answers_after_the_router_gave_up_holds_no_blocks(fle
     assert wait_until(lambda: all_free(fleet), FREED_WITHIN_S)
     before = abandoned(fleet)
     with stopped_engine_core(fleet):
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
+        with pytest.raises(status.CallFailed) as refused:
             list(fleet.generate(route_request("late-reserve-1", SHORT, max_tokens=8)))
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
-    assert "no decode replica" in refused.value.details()
+    assert refused.value.status.reason == pb.UNAVAILABLE, refused.value.status
+    assert "no decode replica" in refused.value.status.message
     # the core runs the Reserve now (or refuses it, past its deadline): nothing stays taken
     assert wait_until(lambda: all_free(fleet), FREED_WITHIN_S), decode_blocks(fleet)
     assert wait_until(lambda: abandoned(fleet) == before + 1, FREED_WITHIN_S)

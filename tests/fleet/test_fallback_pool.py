@@ -19,7 +19,7 @@ from services.engine.tiny_model import make_tiny_model
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import FleetState
 from services.state.stage_record import StageRecord, StageStore
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 from tests.waiting import wait_until
 
 SIM = ["--engine", "sim", "--sim-step-ms", "2", "--sim-kv-tokens", "65536",
@@ -92,7 +92,7 @@ def test_at_s3_degradable_requests_go_to_the_fallback_pool_and_say_so(
         tiny_model_dir, fallback_dir, tmp_path, mode):
     (tmp_path / "engine.yaml").write_text(CONFIG)
     (tmp_path / "keys.yaml").write_text(KEYS)
-    with kvfleet_up(tiny_model_dir, "--fallback-model", str(fallback_dir), *SIM, mode=mode,
+    with up_fleet(tiny_model_dir, "--fallback-model", str(fallback_dir), *SIM, mode=mode,
                     config=str(tmp_path / "engine.yaml"),
                     api_keys=str(tmp_path / "keys.yaml")) as up:
         roles = 1 if mode == "colocated" else 2
@@ -123,5 +123,5 @@ def test_at_s3_degradable_requests_go_to_the_fallback_pool_and_say_so(
 def test_a_fallback_with_another_tokenizer_is_refused_by_name(tiny_model_dir, tmp_path):
     other = make_tiny_model(tmp_path / "other", seed=1, vocab=2048)
     with pytest.raises(RuntimeError, match="another tokenizer"):
-        with kvfleet_up(tiny_model_dir, "--fallback-model", str(other), *SIM, mode="colocated"):
+        with up_fleet(tiny_model_dir, "--fallback-model", str(other), *SIM, mode="colocated"):
             pass

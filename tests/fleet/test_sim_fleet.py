@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 SIM = ["--engine", "sim", "--sim-step-ms", "2", "--sim-kv-tokens", "65536",
        "--sim-output-len", "fixed:6", "--sim-network-gbps", "100"]
@@ -30,7 +30,7 @@ def kv_sent_bytes(lines: list[str]) -> float:
 
 @pytest.mark.parametrize("mode", ["disagg", "colocated"])
 def test_a_sim_fleet_serves_the_openai_client_as_a_real_one(tiny_model_dir, mode):
-    with kvfleet_up(tiny_model_dir, *SIM, mode=mode) as up:
+    with up_fleet(tiny_model_dir, *SIM, mode=mode) as up:
         lines = up.lines
         client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused")
         model = client.models.list().data[0].id

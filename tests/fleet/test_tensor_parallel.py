@@ -20,7 +20,7 @@ from services.engine.tiny_model import make_tiny_model
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from tests.harness import holds_nothing, kvfleet_up, route_request, running_fleet, stats
+from tests.harness import holds_nothing, route_request, running_fleet, stats, up_fleet
 from tests.waiting import wait_until
 
 PROMPT = [4080, 39, 72, 311, 464, 68] + list(range(600, 640))   # 46 tokens: 3 blocks of 16
@@ -46,7 +46,7 @@ def idle(fleet, *names) -> bool:
 
 @pytest.mark.real_model("the TP 2 fleet's tokens equal the TP 1 engine's greedy tokens")
 def test_kvfleet_up_tensor_parallel_2_gives_the_tp1_greedy_tokens(tiny_model_dir):
-    with kvfleet_up(tiny_model_dir, "--tensor-parallel", "2", engine="real",
+    with up_fleet(tiny_model_dir, "--tensor-parallel", "2", engine="real",
                     token=fleet_token.generate()) as up:      # the test reads the workers' Stats
         assert up.workers.keys() == {"prefill-0", "decode-0"}
         for name in up.workers:            # each worker: its engine core and one follower rank

@@ -12,6 +12,7 @@ from services.gateway.config import ANONYMOUS_KEY, exposure_refusal, load_api_ke
 from services.gateway.errors import GatewayError, from_status
 from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.typed_stub import call_failed
 from tests.gateway.gateway_helpers import key
 
 
@@ -54,7 +55,10 @@ def test_unauthenticated_serving_is_only_for_loopback():
 
 
 def typed(reason, message: str, **fields) -> AioRpcError:
-    return status.rpc_error(status.failed(reason, message, **fields))
+    """What a call that a service ended with `status.abort` raises at its caller's grpc."""
+    st = status.failed(reason, message, **fields)
+    return AioRpcError(status.GRPC_CODE[st.reason], Metadata(), Metadata(*status.trailing(st)),
+                       details=st.message)
 
 
 def bare(code: grpc.StatusCode, details: str) -> AioRpcError:
@@ -76,7 +80,9 @@ def bare(code: grpc.StatusCode, details: str) -> AioRpcError:
 def test_fleet_statuses_map_to_gateway_errors(error, http, error_code, retry_after):
     """Every refusal, 429 (load) or 503 (no healthy capacity), carries Retry-After; and the
     reason, the engine's code and field travel typed, no text is parsed."""
-    e = from_status(status.of(error))
+    failed = call_failed(error)          # what the gateway's typed stub raises
+    assert failed.untyped_code == (None if error.trailing_metadata() else error.code())
+    e = from_status(failed.status)
     assert (e.status, e.code) == (http, error_code)
     # every fleet status names the overload stage it was decided in
     assert e.headers() == ({"Retry-After": retry_after} if retry_after else {}) | {

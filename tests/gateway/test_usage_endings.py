@@ -23,6 +23,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.state.fleet_state import FleetState
 from tests.harness import running_fleet, start_gateway
 from tests.gateway.gateway_helpers import bearer, metric, scrape
+from tests.state.state_helpers import tenant_counters
 
 PROMPT = [7] * 10                 # token ids: the prompt's charge is exactly 10
 LONG = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True, "logprobs": 1}
@@ -42,7 +43,7 @@ class Ledger:
     def redis_tokens(self) -> int:
         async def read() -> int:
             async with FleetState(self.redis_url) as state:
-                windows = [await state.tenant_counters(self.tenant, now=self.minute + 60 * k)
+                windows = [await tenant_counters(state, self.tenant, now=self.minute + 60 * k)
                            for k in (0, 1)]
             return sum(w.tokens for w in windows)
         return asyncio.run(read())

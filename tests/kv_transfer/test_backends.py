@@ -14,6 +14,7 @@ import torch
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer import KVLayout, KVTransferError, wait_done
+from services.kv_transfer.base import KVFailure
 from tests.kv_transfer.helpers import DST, SRC, Pair, expected_target, new_id
 
 BACKENDS = ["local", "tcp", "nixl"]
@@ -105,16 +106,18 @@ def test_the_write_may_come_before_the_targets_expect(pair):
 def test_a_transfer_that_never_comes_fails_the_target_at_its_deadline(pair):
     target = pair.target.expect(new_id("never"), [1, 2], timeout_s=0.2)
     start = time.monotonic()
-    with pytest.raises(KVTransferError, match="timed out after 0.2s"):
+    with pytest.raises(KVTransferError, match="timed out after 0.2s") as failed:
         target.wait(10.0)
     assert time.monotonic() - start < 1.5
+    assert failed.value.failure == target.failure == KVFailure.TIMEOUT   # typed where it failed
 
 
 def test_an_awaited_transfer_that_never_comes_fails_at_its_deadline(pair):
     target = pair.target.expect(new_id("never"), [1, 2], timeout_s=0.2)
     start = time.monotonic()
-    with pytest.raises(KVTransferError, match="timed out after 0.2s"):
+    with pytest.raises(KVTransferError, match="timed out after 0.2s") as failed:
         asyncio.run(asyncio.wait_for(wait_done(target), 10.0))
+    assert failed.value.failure == KVFailure.TIMEOUT
     assert time.monotonic() - start < 1.5
 
 
@@ -125,9 +128,13 @@ def test_a_refused_transfer_fails_its_awaiting_target(backend):
         tid = new_id()
         target = pair.target.expect(tid, [1, 2], timeout_s=10.0)
         descriptor = pair.target.descriptor([1, 5])  # not the blocks the target expects for this id
-        pair.source.write(tid, [1, 2], descriptor, timeout_s=10.0)
-        with pytest.raises(KVTransferError, match="not the ones expected"):
+        source = pair.source.write(tid, [1, 2], descriptor, timeout_s=10.0)
+        with pytest.raises(KVTransferError, match="not the ones expected") as failed:
             asyncio.run(asyncio.wait_for(wait_done(target), 10.0))
+        assert failed.value.failure == KVFailure.REFUSED
+        with pytest.raises(KVTransferError) as refused:       # the writer hears why, typed
+            source.wait(10.0)
+        assert refused.value.failure == KVFailure.REFUSED
     finally:
         pair.close()
 
@@ -146,8 +153,10 @@ def test_a_short_wait_raises_but_the_transfer_still_completes(pair):
 def test_a_pool_of_another_layout_is_refused_with_both_layouts_named(pair):
     other = Pair(pair.backend, KVLayout(3, 4, 2, 16, "float32"))
     try:
-        with pytest.raises(KVTransferError, match="layout mismatch: source .*head_dim=16.*target .*head_dim=8"):
+        with pytest.raises(KVTransferError, match="layout mismatch: source .*head_dim=16.*target .*head_dim=8") \
+                as refused:
             other.source.write(new_id(), [1], pair.target.descriptor([1]), timeout_s=5.0)
+        assert refused.value.failure == KVFailure.LAYOUT_MISMATCH
     finally:
         other.close()
 
@@ -180,8 +189,9 @@ def test_close_fails_what_is_pending_and_leaves_no_thread_behind(backend):
     pair = Pair(backend)
     target = pair.target.expect(new_id(), [1], timeout_s=30.0)
     pair.close()
-    with pytest.raises(KVTransferError, match="transport closed"):
+    with pytest.raises(KVTransferError, match="transport closed") as closed:
         target.wait(1.0)
+    assert closed.value.failure == KVFailure.CLOSED
     ours = (pair.source.worker_id, pair.target.worker_id)
     assert not [t.name for t in threading.enumerate() if any(w in t.name for w in ours)]
 

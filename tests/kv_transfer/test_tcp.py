@@ -9,7 +9,9 @@ import torch
 
 from services.protocol import fleet_token
 from services.protocol.fleet_token import FleetAuth
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer import KVLayout, KVTransferError, tcp
+from services.kv_transfer.base import KVFailure
 from services.kv_transfer.peer import make_cache
 from tests.kv_transfer.helpers import DST, LAYOUT, SOURCE_BLOCKS, SRC, Pair, expected_target, new_id
 
@@ -60,10 +62,12 @@ def test_a_payload_corrupted_in_flight_is_caught_by_the_checksum(pair, monkeypat
     monkeypatch.setattr(tcp, "_send_views", corrupting)
     tid = new_id()
     target = pair.target.expect(tid, DST, timeout_s=5.0)
-    with pytest.raises(KVTransferError, match="target failed the transfer: checksum mismatch"):
+    with pytest.raises(KVTransferError, match="target failed the transfer: checksum mismatch") as source:
         pair.source.write(tid, SRC, pair.target.descriptor(DST), timeout_s=5.0, checksum=True).wait(5.0)
     with pytest.raises(KVTransferError, match="checksum mismatch"):
         target.wait(5.0)
+    # the reason is typed on both sides: the target's reply carries it to the writer
+    assert source.value.failure == target.failure == KVFailure.CHECKSUM_MISMATCH
 
 
 def test_the_receiver_writes_only_into_the_blocks_it_expects(pair):
@@ -92,10 +96,10 @@ def test_a_source_that_dies_mid_payload_fails_the_target_at_once(pair):
     deadline = time.monotonic() + 5.0
     host, port = pair.target.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5.0) as sock:
-        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": tcp.b64(layout),
-                  "blocks": [1, 2], "nbytes": nbytes, "checksum": None, "timeout_s": 30.0, "hand_off": None}
+        header = pb.KVTransferHeader(token=fleet_token.active().presented().decode(), transfer_id=tid,
+                                     layout=layout, block_ids=[1, 2], nbytes=nbytes, timeout_s=30.0)
         tcp._send_frame(sock, header, deadline)
-        assert tcp._recv_frame(sock, deadline) == {"error": None}
+        assert tcp._recv_reply(sock, deadline) == pb.KVTransferReply()
         sock.sendall(bytes(nbytes // 2))
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="peer closed the connection mid-transfer"):
@@ -124,7 +128,7 @@ def test_a_writer_without_the_fleet_token_is_refused_and_claims_nothing(pair):
     assert torch.equal(pair.target_kv.data, expected_target(before, pair.source_kv.data, SRC, DST))
 
 
-def test_a_header_with_a_garbled_hand_off_is_refused_and_writes_nothing(pair):
+def test_a_header_with_a_bad_layout_is_refused_and_writes_nothing(pair):
     before = pair.refill(seed=29)
     tid = new_id()
     target = pair.target.expect(tid, [1], timeout_s=5.0)
@@ -132,11 +136,18 @@ def test_a_header_with_a_garbled_hand_off_is_refused_and_writes_nothing(pair):
     deadline = time.monotonic() + 5.0
     host, port = pair.target.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5.0) as sock:
-        header = {"token": fleet_token.active().presented().decode(), "id": tid, "layout": tcp.b64(layout),
-                  "blocks": [1], "nbytes": KVLayout.from_pb(layout).bytes_per_block, "checksum": None,
-                  "timeout_s": 5.0, "hand_off": "not base64 of a HandOff!"}
+        header = pb.KVTransferHeader(token=fleet_token.active().presented().decode(), transfer_id=tid,
+                                     layout=pb.KVLayout(dtype="float32"), block_ids=[1],
+                                     nbytes=KVLayout.from_pb(layout).bytes_per_block, timeout_s=5.0)
         tcp._send_frame(sock, header, deadline)
-        assert "bad header" in tcp._recv_frame(sock, deadline)["error"]
+        assert "bad header" in tcp._recv_reply(sock, deadline).error
     with pytest.raises(KVTransferError, match="bad header"):
         target.wait(5.0)
     assert torch.equal(pair.target_kv.data, before)
+
+
+@pytest.mark.parametrize("failure", list(KVFailure))
+def test_every_failure_reason_survives_the_reply_frame(failure):
+    """The target's reply names why it refused or failed a transfer, typed, for every reason."""
+    assert tcp.reply_failure(tcp.reply("why", failure)) == failure
+    assert tcp.reply(None, failure) == pb.KVTransferReply()           # no error: no failure

@@ -15,6 +15,7 @@ from services.kv_transfer import KVLayout, tcp
 from services.kv_transfer.peer import make_cache
 from services.kv_transfer.tcp_gate import TcpReceiverConfig
 from services.protocol import fleet_token
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from tests.kv_transfer.helpers import DST, LAYOUT, SRC, TARGET_BLOCKS, Pair, expected_target, new_id
 
 CONFIG = TcpReceiverConfig(header_timeout_s=0.3, max_pending=8, max_transfers=2)
@@ -108,14 +109,13 @@ def test_a_bad_token_is_refused_before_any_payload_is_read(pair):
     is not touched: the fleet's own write of it still lands."""
     tid = new_id()
     layout = pair.target.descriptor(DST).layout
-    header = {"token": fleet_token.generate(), "id": tid, "layout": tcp.b64(layout), "blocks": DST,
-              "nbytes": TARGET_BLOCKS * KVLayout.from_pb(layout).bytes_per_block, "checksum": None,
-              "timeout_s": 30.0, "hand_off": None}
+    header = pb.KVTransferHeader(token=fleet_token.generate(), transfer_id=tid, layout=layout, block_ids=DST,
+                                 nbytes=TARGET_BLOCKS * KVLayout.from_pb(layout).bytes_per_block, timeout_s=30.0)
     expected = pair.target.expect(tid, DST, timeout_s=10.0)
     with connect(pair) as sock:
         tcp._send_frame(sock, header, time.monotonic() + PATIENCE_S)
-        reply = tcp._recv_frame(sock, time.monotonic() + PATIENCE_S)
-        assert reply["error"].startswith("unauthenticated: wrong fleet token")
+        reply = tcp._recv_reply(sock, time.monotonic() + PATIENCE_S)
+        assert reply.error.startswith("unauthenticated: wrong fleet token")
         assert closed_by_target(sock)
     assert pair.target.gate_counts.unauthenticated == 1
     assert not expected.done()
@@ -126,7 +126,7 @@ def test_a_bad_token_is_refused_before_any_payload_is_read(pair):
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b"\xff\xfe"])
-def test_a_header_that_is_not_a_json_object_is_closed(pair, body):
+def test_a_header_that_is_not_a_header_message_is_closed(pair, body):
     with connect(pair) as sock:
         sock.sendall(struct.pack(">I", len(body)) + body)
         assert closed_by_target(sock)
@@ -136,7 +136,8 @@ def test_a_header_that_is_not_a_json_object_is_closed(pair, body):
 def test_a_header_with_a_timeout_that_is_no_number_of_seconds_fails_nothing_it_did_not_claim(pair):
     tid = new_id()
     expected = pair.target.expect(tid, DST, timeout_s=10.0)
-    header = {"token": fleet_token.active().presented().decode(), "id": tid, "timeout_s": "inf"}
+    header = pb.KVTransferHeader(token=fleet_token.active().presented().decode(), transfer_id=tid,
+                                 timeout_s=float("inf"))
     with connect(pair) as sock:
         tcp._send_frame(sock, header, time.monotonic() + PATIENCE_S)
         assert closed_by_target(sock)

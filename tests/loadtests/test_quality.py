@@ -252,7 +252,7 @@ class EngineHTTPServer:
         from services.protocol.convert import logprob_to_pb
         from services.engine.sampling_params import SamplingParams
         from services.gateway.openai_responses import Collected, Shaper
-        from services.gateway.openai_schema import ResponsePlan
+        from services.gateway.openai_schema import ResponseShape
 
         self.requests.append(body)
         if body.get("model") != self.model.name:
@@ -270,10 +270,10 @@ class EngineHTTPServer:
         collected.logprobs.extend(logprob_to_pb(lp) for lp in out.logprobs)
         if echo and out.prompt_logprobs is not None:
             collected.prompt_logprobs.extend(logprob_to_pb(lp, t) for lp, t in zip(out.prompt_logprobs, ids))
-        plan = ResponsePlan(kind="completion", request_id="cmpl-test", model=self.model.name,
+        shape = ResponseShape(kind="completion", request_id="cmpl-test", model=self.model.name,
                             created=int(time.time()), stream=False, include_usage=False,
                             logprobs=logprobs is not None, echo_text=body["prompt"] if echo else None)
-        return 200, Shaper(plan, self.model, tuple(ids)).body(collected, len(ids), len(out.token_ids))
+        return 200, Shaper(shape, self.model, tuple(ids)).body(collected, len(ids), len(out.token_ids))
 
     def _handler(self):
         server = self

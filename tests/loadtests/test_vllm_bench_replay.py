@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 DATA = json.loads((Path(__file__).parent / "data" / "vllm_bench_requests.json").read_text())
 GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -23,7 +23,7 @@ DROPPED_HEADERS = ("host", "content-length")          # httpx writes its own
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
     """A disaggregated fleet serving the name the client used (`--served-model-name`)."""
-    with kvfleet_up(tiny_model_dir, "--served-model-name", DATA["served_model_name"]) as up:
+    with up_fleet(tiny_model_dir, "--served-model-name", DATA["served_model_name"]) as up:
         yield up.url
 
 

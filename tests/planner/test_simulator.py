@@ -56,7 +56,7 @@ def test_the_same_seed_gives_the_same_summary_and_another_seed_another(tmp_path)
 
 def test_a_disaggregated_request_waits_for_its_kv_between_first_and_second_token():
     # the real fleet streams the first token from the prefill worker before any KV moves
-    # (services/gateway/plan.py), so the transfer shows in the first gap, not in TTFT
+    # (services/gateway/fleet_run.py), so the transfer shows in the first gap, not in TTFT
     spec = chat(duration_s=3.0)
     slow, fast = 0.5, 400.0
     model = CostModel.for_target()

@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.state.fleet_state import (COMMAND_TIMEOUT_S, FleetState, LeaseTerms, StreamLease,
-                                         TenantCounters, parse_stats)
+                                         parse_stats)
+from tests.state.state_helpers import TenantCounters, charge_tokens, reset_tenant, tenant_counters
 
 T0 = 1_700_000_000.0          # 20 s into a minute (T0 % 60 == 20): its window ends at T0 + 40
 WINDOW_END = T0 + 40
@@ -184,7 +185,7 @@ def test_fifty_concurrent_admits_with_limit_ten_take_exactly_ten(any_redis_url, 
         assert await fs.streams("acme", now=T0) == 0
         assert await fs._r.exists(fs._leases_key("acme")) == 0     # no empty key left behind
         assert (await take(fs, "acme", 10)).admitted
-        assert (await fs.tenant_counters("acme", now=T0)).streams == 1
+        assert (await tenant_counters(fs, "acme", now=T0)).streams == 1
         assert not (await take(fs, "zero", 0)).admitted
 
     run(any_redis_url, redis_ns, scenario, clients=5)
@@ -235,7 +236,7 @@ def test_renewal_adds_back_leases_redis_lost_and_says_which(any_redis_url, redis
     async def scenario(fs: FleetState):
         x = (await take(fs, "t", 5, lease_id="g/1")).lease
         y = (await take(fs, "u", 5, lease_id="g/2")).lease
-        await fs.reset_tenant("t", now=T0)                  # as an empty Redis would be
+        await reset_tenant(fs, "t", now=T0)                  # as an empty Redis would be
         assert await fs.streams("t", now=T0) == 0
         assert await fs.renew_leases([x, y], TERMS, now=T0 + 1) == [x]
         assert await fs.streams("t", now=T0 + 1) == 1 and await fs.streams("u", now=T0 + 1) == 1
@@ -262,10 +263,10 @@ def test_finishing_a_stream_gives_its_slot_back_and_charges_what_it_generated(an
         second = await fs.admit("acme", 2, 100, 50, 10_000, now=T0)
         assert first.admitted and second.admitted and first.refused is None
         assert await fs.finish_stream(first.lease, 300, now=T0 + 1)
-        assert await fs.tenant_counters("acme", now=T0) == TenantCounters(streams=1, tokens=400,
+        assert await tenant_counters(fs, "acme", now=T0) == TenantCounters(streams=1, tokens=400,
                                                                           requests=2)
         assert await fs.finish_stream(second.lease, 20_000, now=T0 + 3)   # past the budget:
-        counters = await fs.tenant_counters("acme", now=T0)                # charged anyway
+        counters = await tenant_counters(fs, "acme", now=T0)                # charged anyway
         assert counters == TenantCounters(streams=0, tokens=20_400, requests=2)
         refused = await fs.admit("acme", 2, 100, 50, 10_000, now=T0 + 4)
         assert refused.refused == "tokens"
@@ -280,33 +281,33 @@ def test_finishing_a_stream_gives_its_slot_back_and_charges_what_it_generated(an
 
 def test_charge_tokens_until_the_limit_then_refuse_with_retry_after(any_redis_url, redis_ns):
     async def scenario(fs: FleetState):
-        assert await fs.charge_tokens("acme", 600, 1000, now=T0) == (True, 0.0)
-        assert await fs.charge_tokens("acme", 400, 1000, now=T0 + 1) == (True, 0.0)  # exactly at the limit
-        allowed, retry_after = await fs.charge_tokens("acme", 1, 1000, now=T0 + 10)
+        assert await charge_tokens(fs, "acme", 600, 1000, now=T0) == (True, 0.0)
+        assert await charge_tokens(fs, "acme", 400, 1000, now=T0 + 1) == (True, 0.0)  # exactly at the limit
+        allowed, retry_after = await charge_tokens(fs, "acme", 1, 1000, now=T0 + 10)
         assert not allowed and retry_after == pytest.approx(WINDOW_END - (T0 + 10))
         assert 0 < retry_after <= 60
-        assert (await fs.tenant_counters("acme", now=T0)).tokens == 1000
+        assert (await tenant_counters(fs, "acme", now=T0)).tokens == 1000
 
     run(any_redis_url, redis_ns, scenario)
 
 
 def test_a_refused_charge_consumes_nothing(any_redis_url, redis_ns):
     async def scenario(fs: FleetState):
-        assert (await fs.charge_tokens("acme", 900, 1000, now=T0))[0]
-        assert not (await fs.charge_tokens("acme", 200, 1000, now=T0))[0]   # would pass the limit
-        assert not (await fs.charge_tokens("acme", 5000, 1000, now=T0))[0]  # bigger than any window
-        assert (await fs.tenant_counters("acme", now=T0)).tokens == 900
-        assert (await fs.charge_tokens("acme", 100, 1000, now=T0))[0]        # what is left still fits
+        assert (await charge_tokens(fs, "acme", 900, 1000, now=T0))[0]
+        assert not (await charge_tokens(fs, "acme", 200, 1000, now=T0))[0]   # would pass the limit
+        assert not (await charge_tokens(fs, "acme", 5000, 1000, now=T0))[0]  # bigger than any window
+        assert (await tenant_counters(fs, "acme", now=T0)).tokens == 900
+        assert (await charge_tokens(fs, "acme", 100, 1000, now=T0))[0]        # what is left still fits
 
     run(any_redis_url, redis_ns, scenario)
 
 
 def test_a_new_minute_starts_fresh_and_windows_expire(any_redis_url, redis_ns):
     async def scenario(fs: FleetState):
-        assert (await fs.charge_tokens("acme", 1000, 1000, now=T0))[0]
-        assert not (await fs.charge_tokens("acme", 1, 1000, now=WINDOW_END - 0.001))[0]
-        assert await fs.charge_tokens("acme", 1000, 1000, now=WINDOW_END) == (True, 0.0)
-        assert (await fs.tenant_counters("acme", now=WINDOW_END)).tokens == 1000
+        assert (await charge_tokens(fs, "acme", 1000, 1000, now=T0))[0]
+        assert not (await charge_tokens(fs, "acme", 1, 1000, now=WINDOW_END - 0.001))[0]
+        assert await charge_tokens(fs, "acme", 1000, 1000, now=WINDOW_END) == (True, 0.0)
+        assert (await tenant_counters(fs, "acme", now=WINDOW_END)).tokens == 1000
         key = fs._window_key("acme", "tokens", T0)
         assert 0 < await fs._r.pttl(key) <= 120_000  # every window key carries a TTL
 
@@ -327,16 +328,16 @@ def test_charge_request_counters_and_reset(any_redis_url, redis_ns):
     async def scenario(fs: FleetState):
         results = await asyncio.gather(*(fs.charge_request("acme", 5, now=T0) for _ in range(8)))
         assert [ok for ok, _ in results].count(True) == 5
-        await fs.charge_tokens("acme", 42, 1000, now=T0)
+        await charge_tokens(fs, "acme", 42, 1000, now=T0)
         assert (await take(fs, "acme", 4)).admitted           # 1 more token, 1 more request
-        assert await fs.tenant_counters("acme", now=T0) == TenantCounters(1, 43, 6)
-        assert await fs.tenant_counters("other", now=T0) == TenantCounters(0, 0, 0)
+        assert await tenant_counters(fs, "acme", now=T0) == TenantCounters(1, 43, 6)
+        assert await tenant_counters(fs, "other", now=T0) == TenantCounters(0, 0, 0)
 
-        await fs.reset_tenant("acme", now=T0)
-        assert await fs.tenant_counters("acme", now=T0) == TenantCounters(0, 0, 0)
+        await reset_tenant(fs, "acme", now=T0)
+        assert await tenant_counters(fs, "acme", now=T0) == TenantCounters(0, 0, 0)
         assert (await fs.charge_request("acme", 5, now=T0))[0]
         with pytest.raises(ValueError, match="negative"):
-            await fs.charge_tokens("acme", -1, 1000, now=T0)
+            await charge_tokens(fs, "acme", -1, 1000, now=T0)
 
     run(any_redis_url, redis_ns, scenario)
 
@@ -365,9 +366,9 @@ def test_admit_takes_slot_request_and_tokens_in_one_step_or_refuses_cleanly(any_
             refused = await state.admit("t", 1, 10, 60, 100, now=now)   # 50 + 60 > 100
             assert refused.refused == "tokens" and 0 < refused.retry_after_s <= 60
             assert refused.lease is None
-            assert await state.tenant_counters("t", now=now) == TenantCounters(0, 50, 2)
+            assert await tenant_counters(state, "t", now=now) == TenantCounters(0, 50, 2)
             assert (await state.admit("t", 1, 2, 1, 100, now=now)).refused == "requests"
-            assert (await state.tenant_counters("t", now=now)).streams == 0
+            assert (await tenant_counters(state, "t", now=now)).streams == 0
     asyncio.run(story())
 
 

@@ -14,6 +14,7 @@ import logging
 from services.gateway.config import ApiKey
 from services.gateway.quota import Quotas
 from services.state.fleet_state import MAX_WINDOW_TTL_MS, WINDOW_S, FleetState, LeaseTerms
+from tests.state.state_helpers import charge_tokens, tenant_counters
 from tests.state.test_fleet_state import T0, run
 
 TERMS = LeaseTerms(ttl_s=10.0, renew_every_s=2.0)
@@ -82,11 +83,11 @@ def test_a_window_that_is_not_a_count_is_dropped_not_a_crash(any_redis_url, redi
         granted = await admit(fs, T0)
         assert granted.admitted
         assert await fs.finish_stream(granted.lease, 5, now=T0 + 1)
-        counters = await fs.tenant_counters("t", now=T0 + 1)
+        counters = await tenant_counters(fs, "t", now=T0 + 1)
         assert (counters.requests, counters.tokens) == (1, 6)
 
         await fs._r.set(tokens, "-7", px=30_000)
-        assert await fs.charge_tokens("t", 3, 100, now=T0 + 2) == (True, 0.0)
+        assert await charge_tokens(fs, "t", 3, 100, now=T0 + 2) == (True, 0.0)
         assert await fs._r.get(tokens) == "3"
 
     run(any_redis_url, redis_ns, scenario)

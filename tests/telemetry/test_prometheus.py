@@ -30,7 +30,7 @@ import yaml
 from tests.waiting import wait_until
 from services.state.redis_server import free_port
 from services.telemetry import promql
-from tests.harness import kvfleet_up, redis_env
+from tests.harness import up_fleet, redis_env
 from tests.gateway.gateway_helpers import KEYS, write_configs
 
 PROMETHEUS = shutil.which("prometheus")
@@ -187,7 +187,7 @@ def scraped_fleet(tiny_model_dir, tmp_path_factory):
     """(Prometheus URL, the fleet's targets) after the load, with one stream still running."""
     tmp = tmp_path_factory.mktemp("prometheus")
     engine_yaml, keys_yaml = write_configs(tmp)
-    with kvfleet_up(tiny_model_dir, mode="disagg", config=engine_yaml, api_keys=keys_yaml) as up:
+    with up_fleet(tiny_model_dir, mode="disagg", config=engine_yaml, api_keys=keys_yaml) as up:
         targets = write_targets(up.redis_url, tmp / "targets" / "kvfleet.json",
                                 {"gateway", "router", "prefill", "decode"})
         with prometheus(tmp) as url:

@@ -15,7 +15,7 @@ import pytest
 
 from services.telemetry import tracing
 from services.telemetry.receiver import OtlpReceiver, Span
-from tests.harness import kvfleet_up
+from tests.harness import up_fleet
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -37,7 +37,7 @@ SERVICE_OF = {"gateway.request": "kvfleet-gateway", "gateway.auth": "kvfleet-gat
 @pytest.fixture
 def traced_fleet(tiny_model_dir):
     with OtlpReceiver() as rx:
-        with kvfleet_up(tiny_model_dir, mode="disagg", env=OtlpReceiver.env(rx.endpoint)) as up:
+        with up_fleet(tiny_model_dir, mode="disagg", env=OtlpReceiver.env(rx.endpoint)) as up:
             yield rx, up.url, up.lines
 
 

@@ -20,6 +20,7 @@ from services.engine.sampling_params import SamplingParams
 from services.worker.engine_client import EngineCallError, EngineClient, EngineFailed
 from services.worker.engine_core import Done, StepStats
 from services.worker.faults import ENGINE_STEP
+from tests.engine.engine_helpers import export_kv
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
@@ -180,12 +181,12 @@ def test_a_command_that_does_not_decode_is_refused_and_the_core_goes_on(tiny_mod
 
 
 def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_model_dir):
-    """Core -> server: the prefill role keeps the prompt's KV after "prefilled"; the server reads
+    """Core -> server: the prefill role keeps the prompt's KV after its prefilled output; the server reads
     those blocks straight from its view of the cache (what the KV senders do)."""
     ref = LLMEngine(config(tiny_model_dir, role="prefill"))
     ref.add_request(PROMPT, GREEDY, request_id="p")
     ref_first = [o for o in ref.stream() if o.request_id == "p"][-1].new_token_ids
-    ref_kv = ref.export_kv("p")
+    ref_kv = export_kv(ref, "p")
 
     async def scenario(client: EngineClient):
         stream = client.stream("p")
@@ -195,7 +196,7 @@ def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_mo
         return outs, client.kv_cache.read_blocks(blocks)
 
     outs, kv = with_core(config(tiny_model_dir, role="prefill"), scenario)
-    assert outs[-1].finish_reason == "prefilled" and outs[-1].new_token_ids == ref_first
+    assert outs[-1].prefilled and outs[-1].new_token_ids == ref_first
     assert kv.abs().sum() > 0 and torch.allclose(kv, ref_kv, atol=1e-5)
 
 
@@ -207,7 +208,7 @@ def test_kv_the_server_writes_is_what_the_decode_core_attends_to(tiny_model_dir)
     prefill = LLMEngine(config(tiny_model_dir, role="prefill"))
     prefill.add_request(PROMPT, GREEDY, request_id="d")
     first = [o for o in prefill.stream() if o.request_id == "d"][-1].new_token_ids[0]
-    kv = prefill.export_kv("d")
+    kv = export_kv(prefill, "d")
 
     async def decode(client: EngineClient, rid: str, write: bool) -> list[int]:
         blocks = await client.reserve(rid, PROMPT, GREEDY, None, None)

@@ -87,19 +87,39 @@ def _tail(f) -> str:
 
 
 def test_a_worker_names_the_budget_it_runs_and_where_it_came_from(tmp_path):
-    """A prefill worker without --config runs the prefill role's larger budget; its log says so,
-    as it says which file set the budget of a worker that has one."""
+    """A prefill worker runs the prefill role's larger budget, with or without --config, unless its
+    file sets one: one source for the role's defaults (role_scheduler), and the log says which
+    file set the rest."""
     import argparse
 
-    from services.worker.serve import (PREFILL_ROLE_BUDGET, add_worker_args, config_line,
-                                       engine_config_for)
+    from services.engine.config import PREFILL_ROLE_DEFAULTS
+    from services.worker.serve import add_worker_args, config_line, engine_config_for
     p = argparse.ArgumentParser()
     add_worker_args(p)
+    role_budget = f"token_budget {PREFILL_ROLE_DEFAULTS['token_budget']}, chunk_size " \
+                  f"{PREFILL_ROLE_DEFAULTS['chunk_size']}"
     prefill = p.parse_args(["prefill"])
     line = config_line("prefill-0", prefill, engine_config_for(prefill))
-    assert f"token_budget {PREFILL_ROLE_BUDGET['token_budget']}" in line
-    assert "(the prefill role's default, no --config)" in line
+    assert role_budget in line and "(the prefill role's defaults, no --config)" in line
+    (tmp_path / "classes.yaml").write_text("scheduler:\n  drr_quantum: 64\n")
+    prefill = p.parse_args(["prefill", "--config", str(tmp_path / "classes.yaml")])
+    line = config_line("prefill-0", prefill, engine_config_for(prefill))
+    assert role_budget in line and "classes.yaml, the prefill role's defaults" in line
     (tmp_path / "engine.yaml").write_text("scheduler:\n  token_budget: 384\n  chunk_size: 32\n")
-    decode = p.parse_args(["decode", "--config", str(tmp_path / "engine.yaml")])
-    line = config_line("decode-0", decode, engine_config_for(decode))
-    assert "token_budget 384, chunk_size 32" in line and "engine.yaml" in line
+    for role in ("prefill", "decode"):
+        args = p.parse_args([role, "--config", str(tmp_path / "engine.yaml")])
+        line = config_line(f"{role}-0", args, engine_config_for(args))
+        assert "token_budget 384, chunk_size 32" in line and "engine.yaml" in line
+
+
+def test_a_worker_process_is_not_offered_the_in_process_kv_backend(capsys):
+    """`local` moves blocks between pools of one process: no two workers could share it."""
+    import argparse
+
+    from services.worker.serve import add_worker_args
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    assert p.parse_args(["decode", "--kv-backend", "nixl"]).kv_backend == "nixl"
+    with pytest.raises(SystemExit):
+        p.parse_args(["decode", "--kv-backend", "local"])
+    assert "invalid choice: 'local'" in capsys.readouterr().err

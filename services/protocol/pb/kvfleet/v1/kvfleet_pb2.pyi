@@ -27,6 +27,18 @@ class OverloadStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     S2_CAP_OUTPUT: _ClassVar[OverloadStage]
     S3_FALLBACK: _ClassVar[OverloadStage]
     S4_REJECT: _ClassVar[OverloadStage]
+
+class KVFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_FAILURE_UNSPECIFIED: _ClassVar[KVFailure]
+    KV_CHECKSUM_MISMATCH: _ClassVar[KVFailure]
+    KV_LAYOUT_MISMATCH: _ClassVar[KVFailure]
+    KV_CLOSED: _ClassVar[KVFailure]
+    KV_TIMEOUT: _ClassVar[KVFailure]
+    KV_DEADLINE: _ClassVar[KVFailure]
+    KV_PEER_GONE: _ClassVar[KVFailure]
+    KV_REFUSED: _ClassVar[KVFailure]
+    KV_OTHER: _ClassVar[KVFailure]
 REASON_UNSPECIFIED: Reason
 INVALID_REQUEST: Reason
 OVERLOADED: Reason
@@ -42,6 +54,15 @@ S1_NO_BATCH: OverloadStage
 S2_CAP_OUTPUT: OverloadStage
 S3_FALLBACK: OverloadStage
 S4_REJECT: OverloadStage
+KV_FAILURE_UNSPECIFIED: KVFailure
+KV_CHECKSUM_MISMATCH: KVFailure
+KV_LAYOUT_MISMATCH: KVFailure
+KV_CLOSED: KVFailure
+KV_TIMEOUT: KVFailure
+KV_DEADLINE: KVFailure
+KV_PEER_GONE: KVFailure
+KV_REFUSED: KVFailure
+KV_OTHER: KVFailure
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "n", "priority")
@@ -405,6 +426,34 @@ class KVNotice(_message.Message):
     crc32: int
     hand_off: HandOff
     def __init__(self, transfer_id: _Optional[str] = ..., crc32: _Optional[int] = ..., hand_off: _Optional[_Union[HandOff, _Mapping]] = ...) -> None: ...
+
+class KVTransferHeader(_message.Message):
+    __slots__ = ("token", "transfer_id", "layout", "block_ids", "nbytes", "crc32", "timeout_s", "hand_off")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    transfer_id: str
+    layout: KVLayout
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    crc32: int
+    timeout_s: float
+    hand_off: HandOff
+    def __init__(self, token: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., timeout_s: _Optional[float] = ..., hand_off: _Optional[_Union[HandOff, _Mapping]] = ...) -> None: ...
+
+class KVTransferReply(_message.Message):
+    __slots__ = ("error", "failure")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    failure: KVFailure
+    def __init__(self, error: _Optional[str] = ..., failure: _Optional[_Union[KVFailure, str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params")

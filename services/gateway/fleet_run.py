@@ -16,8 +16,13 @@ the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
      touched (fire and forget: the decode worker owns the safety of its blocks, so the order of
      these Cancels does not matter).
 
+Words: the router's answer is the request's plan (pb.Plan); a FleetRun is one request's calls to
+the workers the plan names; how the REST answer is shaped is openai_schema.ResponseShape.
+
 Every call has a deadline (services/protocol/timeouts.py); failures come back typed
-(services/protocol/status.py) and are raised as grpc.aio.AioRpcError carrying a CallStatus.
+(services/protocol/status.py) and are raised as status.CallFailed carrying a CallStatus: the
+stubs convert grpc's exception once (services/protocol/typed_stub.py), and the run raises the same
+type for a failure it decides itself (a deadline it keeps, a worker that never accepted).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
+from services.protocol.typed_stub import TypedCall, TypedStub
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -58,8 +64,9 @@ class Channels:
             channel = self._channels[address] = internal_channel(address, self._auth)
         return channel
 
-    def worker(self, address: str) -> pb_grpc.WorkerStub:
-        return pb_grpc.WorkerStub(self.get(address))
+    def worker(self, address: str) -> TypedStub:
+        """A Worker stub whose calls raise status.CallFailed."""
+        return TypedStub(pb_grpc.WorkerStub(self.get(address)))
 
     def decode_link(self, address: str) -> DecodeLink:
         """The one DecodeStream call to this decode worker (a new one once the last broke)."""
@@ -82,7 +89,7 @@ class DecodeLink:
     request's queue. If the call breaks (the worker died), every request on it fails UNAVAILABLE
     and the next subscription opens a new call."""
 
-    def __init__(self, stub: pb_grpc.WorkerStub, address: str) -> None:
+    def __init__(self, stub: TypedStub, address: str) -> None:
         self.address = address
         self.broken = False
         self._subs: dict[str, asyncio.Queue] = {}
@@ -114,7 +121,7 @@ class DecodeLink:
             yield sub
 
     async def _read(self) -> None:
-        why: grpc.aio.AioRpcError
+        why: status.CallFailed
         try:
             async for batch in self._call:
                 for chunk in batch.chunks:
@@ -125,12 +132,12 @@ class DecodeLink:
                     queue = self._subs.pop(end.request_id, None)
                     if queue is not None:
                         queue.put_nowait(end)
-            why = status.rpc_error(status.failed(
+            why = status.CallFailed(status.failed(
                 pb.UNAVAILABLE, f"decode worker {self.address} ended its decode stream"))
-        except grpc.aio.AioRpcError as e:
+        except status.CallFailed as e:
             why = e
         except asyncio.CancelledError:
-            why = status.rpc_error(status.failed(pb.UNAVAILABLE, "the gateway closed the link"))
+            why = status.CallFailed(status.failed(pb.UNAVAILABLE, "the gateway closed the link"))
         self.broken = True
         subs, self._subs = self._subs, {}
         for queue in subs.values():
@@ -139,7 +146,7 @@ class DecodeLink:
 
 class Subscription:
     """One request's tokens 2..N from its decode worker's link, as an async iterator: chunks,
-    then the end; a failure (the request's, or the link's) raises AioRpcError with a CallStatus.
+    then the end; a failure (the request's, or the link's) raises status.CallFailed.
     The request's own deadline (Timeouts.stream_s) is kept here, since the link has none."""
 
     def __init__(self, link: DecodeLink, request_id: str, queue: asyncio.Queue,
@@ -156,14 +163,14 @@ class Subscription:
                 item = await asyncio.wait_for(self._queue.get(), max(0.0, left))
             except asyncio.TimeoutError:
                 self.cancel()
-                raise status.rpc_error(status.failed(
+                raise status.CallFailed(status.failed(
                     pb.UNAVAILABLE, f"{self.request_id}: no end from decode worker "
                     f"{self.link.address} within the request's deadline")) from None
             if isinstance(item, pb.TokenChunk):
                 yield item
             elif isinstance(item, pb.DecodeEnd):
                 if item.HasField("failure"):
-                    raise status.rpc_error(item.failure)
+                    raise status.CallFailed(item.failure)
                 return
             else:
                 raise item
@@ -186,27 +193,28 @@ class Routers:
         self._timeouts = timeouts
         self._next = itertools.cycle(range(len(self.addresses)))
 
-    def stub(self, address: str) -> pb_grpc.RouterStub:
-        return pb_grpc.RouterStub(self._channels.get(address))
+    def stub(self, address: str) -> TypedStub:
+        """A Router stub whose calls raise status.CallFailed."""
+        return TypedStub(pb_grpc.RouterStub(self._channels.get(address)))
 
     async def admit(self, request: pb.WorkRequest,
                     metadata: tuple[tuple[str, str], ...] | None = None) -> pb.Plan:
         first = next(self._next)
-        last: grpc.aio.AioRpcError | None = None
+        last: status.CallFailed | None = None
         for i in range(len(self.addresses)):
             address = self.addresses[(first + i) % len(self.addresses)]
             try:
                 return await self.stub(address).Admit(
                     request, timeout=self._timeouts.admit_call_s(), metadata=metadata)
-            except grpc.aio.AioRpcError as e:
+            except status.CallFailed as e:
                 if not _router_unreachable(e):
                     raise           # the router decided (a refusal, a bad request): final
                 log.warning("router %s did not answer (%s); asking the next", address,
-                            e.code().name)
+                            e.untyped_code.name)
                 last = e
-        raise status.rpc_error(status.failed(
+        raise status.CallFailed(status.failed(
             pb.UNAVAILABLE, f"no router answered ({', '.join(self.addresses)}): "
-            f"{last.code().name if last else ''}", retry_after_s=2.0))
+            f"{last.untyped_code.name if last else ''}", retry_after_s=2.0))
 
     async def health(self) -> list[tuple[str, pb.HealthResponse | None, str]]:
         async def one(address: str):
@@ -214,22 +222,20 @@ class Routers:
                 resp = await self.stub(address).Health(pb.HealthRequest(),
                                                         timeout=self._timeouts.health_s)
                 return address, resp, ""
-            except grpc.aio.AioRpcError as e:
-                return address, None, e.code().name
+            except status.CallFailed as e:
+                return address, None, e.status.message
         return list(await asyncio.gather(*(one(a) for a in self.addresses)))
 
 
-def _router_unreachable(e: grpc.aio.AioRpcError) -> bool:
+def _router_unreachable(e: status.CallFailed) -> bool:
     """The router itself did not answer (dead, restarting), as opposed to a decision of its."""
-    if any(key == status.STATUS_KEY for key, _ in (e.trailing_metadata() or ())):
-        return False
-    return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+    return e.untyped_code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
 
-class PlanRun:
+class FleetRun:
     """One request's run through the fleet. `next()` returns TokenChunks (client-visible fields
-    only) until None; any failure raises grpc.aio.AioRpcError carrying a CallStatus.
+    only) until None; any failure raises status.CallFailed.
 
     `trace` is the request's span context (services/telemetry/tracing.py): the Admit, Prefill
     and Generate calls carry it in their metadata. It is passed explicitly, since `_read` runs in
@@ -244,7 +250,7 @@ class PlanRun:
         self.plan: pb.Plan | None = None
         self.admitted_at: float | None = None       # monotonic time the router's plan came
         self._metadata = tracing.outgoing(trace) if trace is not None else None
-        self._calls: list[grpc.aio.Call] = []      # Generate / Prefill calls, to stop early
+        self._calls: list[TypedCall] = []          # Generate / Prefill calls, to stop early
         self._touched: set[str] = set()            # prefill / mixed workers, to Cancel on
         self._decode: Subscription | None = None   # the decode side, ended once (_end_decode)
         self._reader = self._read()
@@ -265,7 +271,7 @@ class PlanRun:
             return await self._reader.__anext__()
         except StopAsyncIteration:
             return None
-        except grpc.aio.AioRpcError:
+        except status.CallFailed:
             self.close()     # a failed run frees what it holds now: the decode reservation too
             raise
 
@@ -311,7 +317,7 @@ class PlanRun:
         try:
             async for chunk in decode:
                 yield chunk
-        except grpc.aio.AioRpcError:
+        except status.CallFailed:
             # the decode stream failed: if the KV write failed, that is the cause to report
             failed_write = await _failure_of(self._prefill_tail)
             if failed_write is not None:
@@ -336,13 +342,13 @@ class PlanRun:
                 async for reply in call:
                     if reply.HasField("chunk"):
                         return call, reply.chunk
-                raise status.rpc_error(status.failed(
+                raise status.CallFailed(status.failed(
                     pb.UNAVAILABLE, f"prefill worker {worker.worker_id} ended without a token"))
-            except grpc.aio.AioRpcError as e:
-                if status.of(e).reason not in RETRYABLE or attempt + 1 == len(attempts):
+            except status.CallFailed as e:
+                if e.status.reason not in RETRYABLE or attempt + 1 == len(attempts):
                     raise
                 log.warning("%s: prefill on %s failed before its first token (%s); retrying "
-                            "on %s", self.request_id, worker.worker_id, status.of(e).message,
+                            "on %s", self.request_id, worker.worker_id, e.status.message,
                             attempts[attempt + 1].worker_id)
                 self._cancel(worker.address)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -354,7 +360,7 @@ class PlanRun:
         start_s = min(self.timeouts.prefill_start_s, self.timeouts.first_token_s)
         if not await accepted_within(call, start_s):
             call.cancel()
-            raise status.rpc_error(status.failed(
+            raise status.CallFailed(status.failed(
                 pb.UNAVAILABLE, f"prefill worker {worker.worker_id} did not accept the request "
                 f"within {start_s:g} s (prefill_start_s)"))
 
@@ -385,8 +391,8 @@ class PlanRun:
         try:
             await self.channels.worker(address).Cancel(
                 pb.CancelRequest(request_id=self.request_id), timeout=self.timeouts.cancel_s)
-        except grpc.aio.AioRpcError as e:
-            log.info("%s: Cancel on %s: %s", self.request_id, address, e.code().name)
+        except status.CallFailed as e:
+            log.info("%s: Cancel on %s: %s", self.request_id, address, e.status.message)
 
 
 _TAILS: set[asyncio.Task] = set()     # prefill calls still shipping KV after their first token
@@ -404,12 +410,12 @@ async def _drain(call) -> None:
         pass
 
 
-async def _failure_of(task: asyncio.Task | None) -> grpc.aio.AioRpcError | None:
+async def _failure_of(task: asyncio.Task | None) -> status.CallFailed | None:
     if task is None:
         return None
     try:
         await asyncio.wait_for(asyncio.shield(task), 1.0)
-    except grpc.aio.AioRpcError as e:
+    except status.CallFailed as e:
         return e
     except (asyncio.TimeoutError, asyncio.CancelledError):
         return None
