@@ -17,7 +17,7 @@ from services.cli.up import add_up_args, check_tensor_parallel
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
 from services.engine.tiny_model import make_tiny_model
-from services.protocol import fleet_token
+from services.protocol import fleet_token, status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from tests.harness import holds_nothing, route_request, running_fleet, stats, up_fleet
@@ -79,12 +79,12 @@ def test_a_decode_worker_of_another_tensor_parallel_size_is_refused_naming_both(
         fleet.worker("prefill-0", "prefill", str(tiny_model_dir), extra_args=TP2, engine="real")
         fleet.worker("decode-0", "decode", str(tiny_model_dir), engine="real")
         assert wait_until(lambda: serving(fleet), 30)
-        with pytest.raises(grpc.RpcError) as error:
+        with pytest.raises(status.CallFailed) as error:     # converted once, at the typed stub
             list(fleet.generate(route_request("tp-mismatch", PROMPT, MAX_TOKENS, ignore_eos=True)))
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.value.status.reason == pb.KV_TRANSFER_FAILED
         assert ("layout mismatch: tensor parallel size differs: source (prefill) has "
-                "tensor_parallel_size 2" in error.value.details())
-        assert "target (decode) has tensor_parallel_size 1" in error.value.details()
+                "tensor_parallel_size 2" in error.value.status.message)
+        assert "target (decode) has tensor_parallel_size 1" in error.value.status.message
         assert wait_until(lambda: idle(fleet, "prefill-0", "decode-0"), 5.0)
 
 
