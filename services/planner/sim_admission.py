@@ -328,7 +328,10 @@ class SimAdmission:
         if admission.best_case_s(p) > target:
             term = "prefill" if p.prefill_s >= p.transfer_s else "kv transfer"
             return Miss(term, p, blocks, final=True)
-        if p.total_s > target:
+        budget = target - (self.now - self.waiters[rid].began)   # what waiting left of it
+        if admission.best_case_s(p) > budget:
+            return Miss("queue", p, blocks, final=True)
+        if p.total_s > budget:
             return Miss(p.dominant(), p, blocks, from_stats=True)
         if first and not protected and self.line.waiting(cls.name):
             return Miss("queue", p, blocks, from_stats=True)
@@ -375,7 +378,8 @@ class SimAdmission:
                               sum(w.queued_prefill_tokens for w in prefill),
                               sum(w.prefill_drain_tokens_per_s for w in prefill))
         self.refusals[stage] += 1
-        self._decided(rid, error=not miss.by_stage, record=Decided(
+        # every refusal here is for load: a decision, not an error (the router counts none)
+        self._decided(rid, error=False, record=Decided(
             rid, False, self.now - self.waiters[rid].began, miss.prediction.total_s,
             admission.best_case_s(miss.prediction), cls.ttft_target_s, self.stage, miss.term,
             miss.by_stage, self._bound(self.waiters[rid])))

@@ -245,7 +245,10 @@ class RouterServicer(pb_grpc.RouterServicer):
                 if e.status.reason == pb.UNAVAILABLE:
                     self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
                 e.status.stage = self.keeper.stage
-                self.counts.count(error=not isinstance(e, StageRefusal))
+                # a refusal for load is a decision, not an error: counted as one it would drive
+                # the error-rate signal (and so the stage) up under any sustained overload
+                self.counts.count(error=e.status.reason != pb.OVERLOADED
+                                  and not isinstance(e, StageRefusal))
                 self._decided(span, cls, started, pb.Reason.Name(e.status.reason))
                 span.set_status(Status(StatusCode.ERROR, e.status.message))
                 await status.abort(context, e.status)
@@ -273,7 +276,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         began, until, queued_at = time.monotonic(), None, None
         try:
             while True:
-                outcome = await self._try(request, cls, first=until is None)
+                outcome = await self._try(request, cls, first=until is None,
+                                          waited_s=time.monotonic() - began)
                 if isinstance(outcome, pb.Plan):
                     if queued_at is not None:     # how long it waited in the queue
                         outcome.queue_wait_s = time.monotonic() - queued_at
@@ -363,8 +367,10 @@ class RouterServicer(pb_grpc.RouterServicer):
             if plan is not None:
                 span.set_attribute(tracing.PREDICTED_TTFT, plan.predicted_ttft_s)
 
-    async def _try(self, request: pb.WorkRequest, cls, first: bool) -> pb.Plan | Miss:
-        """One decision on the live workers: a plan, or why not."""
+    async def _try(self, request: pb.WorkRequest, cls, first: bool,
+                   waited_s: float = 0.0) -> pb.Plan | Miss:
+        """One decision on the live workers: a plan, or why not. `waited_s`: what the request
+        already spent in the queue, which its TTFT target no longer has."""
         workers = await self.live_workers()
         span = trace.get_current_span()
         if workers and span.is_recording():     # one model per fleet: any worker names it
@@ -414,7 +420,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         if admission.best_case_s(p) > cls.ttft_target_s:
             return Miss(max(("prefill", p.prefill_s), ("kv transfer", p.transfer_s),
                             key=lambda t: t[1])[0], p, blocks, final=True)
-        if p.total_s > cls.ttft_target_s:
+        budget_s = cls.ttft_target_s - waited_s
+        if admission.best_case_s(p) > budget_s:   # it could have, but has waited too long now
+            return Miss("queue", p, blocks, final=True)
+        if p.total_s > budget_s:
             return Miss(p.dominant(), p, blocks, from_stats=True)
         if first and not protected and await self._others_waiting(cls.name):
             return Miss("queue", p, blocks, from_stats=True,
