@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.config import add_engine_args  # torch-free
+from services.engine.config import add_engine_args, add_sim_args  # torch-free
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--json", action="store_true",
                     help="one JSON object: added_ttft_ms, added_per_token_ms, fleet_tok_s, "
                          "engine_tok_s, then both sides")
+    add_sim_args(bf)
     bf.set_defaults(func=_lazy("services.cli.fleet_bench", "run_fleet_bench"))
     _delegate(bsub, "kvfleet bench telemetry", "what tracing (100%) and metrics cost: two fleets, "
               "telemetry on and off, paired", "services.cli.telemetry_bench:add_args",
@@ -215,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(ssub, "kvfleet sim run", "a workload through a simulated fleet on a virtual clock "
               "(the real scheduler and router placement, modelled step times): the bench's "
               "report", "services.cli.sim_cmd:add_run_args", "services.cli.sim_cmd:run_sim")
+    _delegate(ssub, "kvfleet sim validate", "the simulator against the real CPU fleet: the same "
+              "workloads through both, TTFT / ITL errors (docs/capacity.md, Validation)",
+              "services.planner.validation:add_validate_args",
+              "services.planner.validation:run_validate")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)

@@ -41,6 +41,7 @@ from loadtests.workload import PlannedRequest, WorkloadSpec, plan_requests, slo_
 from services.engine.config import EngineConfig, SimConfig, Tenant
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
+from services.planner.overhead import FleetOverhead
 from services.planner.step_time import StepTimer
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.router.placement import can_ever_hold, rank_decode, rank_prefill
@@ -90,6 +91,8 @@ class SimRunConfig:
     model: str = "tiny"                  # the served model: its tokenizer and config (no weights)
     # scheduler and KV settings; kv_cache_mib: the workers' default (a profile's KV capacity)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # the fleet's own costs measured in a real fleet (overhead.py); None: the engines alone
+    overhead: FleetOverhead | None = None
 
 
 class VirtualClock:
@@ -167,8 +170,9 @@ class Simulation:
 
     # ------------------------------------------------------------------- run
     def run(self) -> RunResult:
-        for p in self.planned:
-            self._push(p.at_s, ARRIVE, p)
+        path = self.cfg.overhead.sampler(self.spec.seed) if self.cfg.overhead else float
+        for p in self.planned:           # a request reaches the router after the fleet's path
+            self._push(p.at_s + path(), ARRIVE, p)
         while self._events:
             at, _, kind, data = heapq.heappop(self._events)
             self.clock.now = at
@@ -390,6 +394,8 @@ class SimOutcome:
 
 def simulate(spec: WorkloadSpec, cfg: SimRunConfig) -> SimOutcome:
     timer, transfer_s = timing_of(cfg)
+    if cfg.overhead is not None and cfg.overhead.handoff_s > 0:
+        transfer_s = _plus(transfer_s, cfg.overhead.handoff_s)
     sim_cfg = cfg
     if cfg.sim.profile is not None and cfg.sim.kv_tokens is None and not cfg.engine.num_blocks:
         # a profile of this machine: the served model's own KV capacity, as its real worker has
@@ -419,6 +425,10 @@ def timing_of(cfg: SimRunConfig) -> tuple[StepTimer, Callable[[int], float]]:
         return model, lambda n: model.transfer_s(n, gbps)
     per_token = served_kv_bytes_per_token(cfg)
     return timer, lambda n: n * per_token / (gbps * 1e9 / 8)
+
+
+def _plus(transfer_s: Callable[[int], float], handoff_s: float) -> Callable[[int], float]:
+    return lambda n: transfer_s(n) + handoff_s
 
 
 def served_kv_bytes_per_token(cfg: SimRunConfig) -> int:

@@ -1,0 +1,140 @@
+"""The fleet's own costs, measured in a running fleet, for the discrete-event simulator.
+
+A step profile calibrated in-process times the engine alone. In a fleet a request also crosses the
+load generator, the gateway (HTTP, SSE, detokenizing), the router, two gRPC hops and the engine
+core's command socket before its first token reaches the client, and on a small machine those
+processes share the cores with the engine, so its steps run slower than alone. Both are measured
+from a real fleet under load (`kvfleet sim calibrate --in-fleet`, services/planner/in_fleet.py):
+
+  * the steps: every engine step the fleet ran (its shape and the time the core spent on it,
+    services/worker/step_trace.py) fitted by the same model as an in-process profile
+    (services/planner/profile.py), so the contention of that run is in the profile;
+  * the path (`FleetOverhead.path_quantiles_s`): per request, the client's TTFT less the
+    engine's own part of it (the server's queue + prefill times), the distribution kept as
+    quantiles. The simulator draws one per request (seeded) and delays the request's arrival at
+    the router by it: a delay spent before or after the engine changes the TTFT alike;
+  * the hand-off (`handoff_s`, disaggregated fleets): the transfer phase the fleet measured
+    beyond the modelled KV transfer time (the prefill worker's "prefilled" to the decode worker's
+    start: a gRPC call, a reservation check and the transport's own set-up), added to every
+    simulated transfer.
+
+Inter-token gaps take nothing more: a token's trip from the core to the client is the same for
+every token, so it leaves the gaps as the steps make them, and the CPU the streaming costs is in
+the in-fleet steps.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loadtests.records import RunResult
+
+FORMAT = "kvfleet-fleet-overhead/1"
+QUANTILES = 21                  # the path's distribution at 0, 5, ..., 100%
+
+
+class OverheadError(ValueError):
+    """An overhead file that cannot be used, or a run it cannot be fitted from."""
+
+
+@dataclass(frozen=True)
+class FleetOverhead:
+    path_quantiles_s: tuple[float, ...]    # the path's seconds at evenly spaced quantiles 0..1
+    handoff_s: float = 0.0                 # per disaggregated hand-off, beyond the modelled transfer
+    samples: int = 0                       # requests the path was measured on
+    source: str = ""                       # what it was measured on (workload, rate, load average)
+
+    def __post_init__(self) -> None:
+        q = self.path_quantiles_s
+        if len(q) < 2 or any(not math.isfinite(v) or v < 0 for v in q) or list(q) != sorted(q):
+            raise OverheadError("path_quantiles_s: at least 2 finite, non-negative, ascending seconds")
+        if not math.isfinite(self.handoff_s) or self.handoff_s < 0:
+            raise OverheadError("handoff_s must be finite and >= 0")
+
+    @property
+    def path_mean_s(self) -> float:
+        return float(np.trapezoid(self.path_quantiles_s, np.linspace(0, 1, len(self.path_quantiles_s))))
+
+    def path_s(self, u: float) -> float:
+        """The path at quantile u in [0, 1] (linear between the kept quantiles)."""
+        q = self.path_quantiles_s
+        return float(np.interp(u, np.linspace(0, 1, len(q)), q))
+
+    def sampler(self, seed: int) -> Callable[[], float]:
+        """Seeded draws of the path, one per request in arrival order."""
+        rng = np.random.default_rng(seed)
+        return lambda: self.path_s(float(rng.random()))
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, **asdict(self), "path_mean_s": self.path_mean_s}
+
+    @classmethod
+    def from_dict(cls, d: object) -> "FleetOverhead":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise OverheadError(f"not a fleet overhead file (expected \"format\": {FORMAT!r})")
+        try:
+            return cls(path_quantiles_s=tuple(float(v) for v in d["path_quantiles_s"]),
+                       handoff_s=float(d.get("handoff_s", 0.0)), samples=int(d.get("samples", 0)),
+                       source=str(d.get("source", "")))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, OverheadError):
+                raise
+            raise OverheadError(f"fleet overhead: bad field ({e})") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FleetOverhead":
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise OverheadError(f"cannot read fleet overhead {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise OverheadError(f"{path}: not JSON ({e})") from None
+        try:
+            return cls.from_dict(data)
+        except OverheadError as e:
+            raise OverheadError(f"{path}: {e}") from None
+
+
+def path_samples(run: RunResult) -> list[float]:
+    """Per ok request with the server's phase times: client TTFT - (queue_s + prefill_s)."""
+    out = []
+    for r in run.records:
+        t = r.timing or {}
+        if r.ok and isinstance(t.get("queue_s"), (int, float)) and isinstance(t.get("prefill_s"), (int, float)):
+            out.append(max(0.0, r.ttft_s - t["queue_s"] - t["prefill_s"]))
+    return out
+
+
+def handoff_samples(run: RunResult, transfer_s: Callable[[int], float] | None) -> list[float]:
+    """Per ok disaggregated request: its measured transfer phase less the modelled transfer."""
+    out = []
+    for r in run.records:
+        t = r.timing or {}
+        if r.ok and t.get("pool") != "mixed" and isinstance(t.get("transfer_s"), (int, float)) \
+                and t["transfer_s"] > 0:
+            modelled = transfer_s(r.prompt_tokens) if transfer_s else 0.0
+            out.append(max(0.0, t["transfer_s"] - modelled))
+    return out
+
+
+def fit_overhead(runs: Sequence[RunResult], transfer_s: Callable[[int], float] | None = None,
+                 source: str = "") -> FleetOverhead:
+    """The path's quantiles and the mean hand-off over the runs' ok requests."""
+    paths = [p for run in runs for p in path_samples(run)]
+    if len(paths) < 2:
+        raise OverheadError("need at least 2 ok requests with the server's phase times to fit the "
+                            "fleet's path (a kvfleet fleet sends them in `timing`)")
+    handoffs = [h for run in runs for h in handoff_samples(run, transfer_s)]
+    q = np.quantile(np.array(paths), np.linspace(0, 1, QUANTILES))
+    return FleetOverhead(path_quantiles_s=tuple(float(v) for v in np.maximum.accumulate(q)),
+                         handoff_s=float(np.mean(handoffs)) if handoffs else 0.0,
+                         samples=len(paths), source=source)
