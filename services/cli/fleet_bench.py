@@ -156,11 +156,12 @@ def up_args(args: argparse.Namespace, config: str) -> argparse.Namespace:
     """`kvfleet up`'s own arguments for this bench (its defaults for everything else), on ports
     the OS picks, with the engine config file `config`."""
     from services.cli.up import add_up_args
+    from services.engine.config import sim_args
     parser = argparse.ArgumentParser(prog="kvfleet up")
     add_up_args(parser)
     return parser.parse_args(["--model", args.model, "--mode", args.mode, "--kv-backend",
                               args.kv_backend, "--http-port", "0", "--grpc-port", "0",
-                              "--config", config])
+                              "--config", config, *sim_args(args)])
 
 
 def write_config() -> str:
@@ -169,14 +170,33 @@ def write_config() -> str:
     return str(path)
 
 
-def bench_engine(model: str, threads: int):
+def bench_engine(model: str, threads: int, sim=None):
     """The in-process engine with the same torch threads as one fleet worker, so that the
-    difference is the serving path, not the core split. It sits idle while the fleet serves."""
+    difference is the serving path, not the core split. It sits idle while the fleet serves.
+    `sim` (a SimConfig, --engine sim): the simulated core, each step paced on the wall clock to
+    its modelled time as the fleet's engine core paces it."""
     import torch
 
     from services.engine.engine import LLMEngine, engine_config
     torch.set_num_threads(threads)
-    return LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False))
+    engine = LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False, sim=sim))
+    if sim is not None:
+        engine.step = paced(engine)
+    return engine
+
+
+def paced(engine):
+    """engine.step, ending no earlier than its start + its modelled time (the engine core's pace)."""
+    step = engine.step
+
+    def run():
+        started = time.monotonic()
+        outputs = step()
+        left = started + engine.last_step_modelled_s - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        return outputs
+    return run
 
 
 def _redis():
@@ -192,10 +212,12 @@ def _redis():
 def run_fleet_bench(args: argparse.Namespace) -> int:
     from services.cli.launcher import Launcher
     from services.cli.up import start_fleet, worker_threads
+    from services.engine.config import sim_config_from_args
 
     up = up_args(args, write_config())
     threads = worker_threads(up)
-    engine = bench_engine(args.model, threads)
+    sim = sim_config_from_args(args)
+    engine = bench_engine(args.model, threads, sim)
     prompts = Prompts.draw(args.repeats, vocab=engine.model_config.vocab_size)
     redis, launcher = _redis(), Launcher()
     try:
@@ -205,7 +227,8 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
         launcher.stop_all()
         redis.stop()
     result = bench_result(fleet, local, mode=args.mode, kv_backend=args.kv_backend, model=args.model,
-                          threads_per_worker=threads, repeats=args.repeats)
+                          threads_per_worker=threads, repeats=args.repeats,
+                          engine_kind="real" if sim is None else "sim")
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
