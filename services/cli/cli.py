@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
               "workloads through both, TTFT / ITL errors (docs/capacity.md, Validation)",
               "services.planner.validation:add_validate_args",
               "services.planner.validation:run_validate")
+    _delegate(ssub, "kvfleet sim overhead", "the emulated fleet (kvfleet up --engine sim) against "
+              "the discrete-event run on one target: the fleet's own overhead per phase",
+              "services.planner.emulation:add_overhead_args",
+              "services.planner.emulation:run_overhead")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)

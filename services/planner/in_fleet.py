@@ -85,11 +85,12 @@ def step_costs(cores: list[list[TracedStep]]) -> list[tuple[BatchShape, float]]:
 
 
 def fit_in_fleet(samples: list[tuple[BatchShape, float]], **meta) -> StepProfile:
-    """The profile's fit (relative error, the steps far off it left out), then every coefficient
-    scaled so that the fitted steps add up to the time the core spent on all of them, spikes
-    included: under load a relative fit runs short (a step stretched by a neighbour counts as
-    little as a typical one), and the simulated queues grow with the total busy time."""
-    fitted = fit_profile(samples, **meta)
+    """The profile's fit by absolute error over every step, spikes included (under load a
+    relative fit runs short: a step stretched by a neighbour counts as little as a typical one,
+    and the simulated queues grow with the total busy time), then every coefficient scaled so
+    that the fitted steps add up to the time the core spent on them (a term dropped as negative
+    leaves the rest a little short)."""
+    fitted = fit_profile(samples, relative=False, **meta)
     predicted = sum(fitted.step_s(b) for b, _ in samples)
     scale = sum(s for _, s in samples) / predicted if predicted > 0 else 1.0
     return replace(fitted, coefficients={k: v * scale for k, v in fitted.coefficients.items()},

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -66,9 +67,10 @@ class RealRun:
     replay: tuple[StepProfile, FleetOverhead] | None   # fitted on the run itself
 
 
-def real_runs(specs: list[WorkloadSpec]) -> list[RealRun]:
+def real_runs(specs: list[WorkloadSpec], keep_trace: Path | None = None) -> list[RealRun]:
     """The specs (one workload's tenants) one after the other through one real fleet, its engine
-    core tracing its steps; each run with the load average at its end and its own fit."""
+    core tracing its steps (copied to `keep_trace`); each run with the load average at its end
+    and its own fit."""
     from loadtests.local_fleet import FleetSetup, local_fleet  # noqa: PLC0415
     from loadtests.runner import RunConfig, run_workload  # noqa: PLC0415
     from services.planner.in_fleet import read_trace  # noqa: PLC0415
@@ -86,6 +88,8 @@ def real_runs(specs: list[WorkloadSpec]) -> list[RealRun]:
                 run.meta["loadavg_1m"] = os.getloadavg()[0]
                 out.append(run)
         cores = read_trace(trace)
+        if keep_trace is not None:
+            shutil.copytree(trace, keep_trace, dirs_exist_ok=True)
     return [RealRun(run, _replay_fit(run, cores, window)) for run, window in zip(out, windows)]
 
 
@@ -123,7 +127,7 @@ def compare(workload: str, rates: list[float], duration_s: float, profile: str,
     if reuse_real and saved and all(p.is_file() for p in saved):
         reals = [RealRun(RunResult.load(p), None) for p in saved]
     else:
-        reals = real_runs(specs)
+        reals = real_runs(specs, out / f"{workload}-steps" if out else None)
     rows = []
     for rate, spec, real in zip(rates, specs, reals):
         sim = sim_run(spec, profile, overhead)
