@@ -12,7 +12,9 @@ on a virtual clock, with none of the fleet's own costs. Per request, the server'
     prefill     scheduled -> first token in the engine
     transfer    first token -> the decode worker starts (disaggregated: the KV hand-off)
     path        client TTFT - queue - prefill: what the client waited beyond the server's phases
-                (HTTP, SSE, the gRPC hops of the first token, the load generator)
+                (HTTP, SSE, the gRPC hops of the first token, the load generator). A simulated
+                core stamps the first token at its step's start, so on both sides the path also
+                holds the first token's last step; the difference is the fleet's
     TTFT, ITL   as the client saw them
 
 A third column, "DES + overhead", runs the simulation again with the fleet overhead fitted on the
@@ -107,19 +109,23 @@ class Versus:
     overhead: dict                     # the fitted FleetOverhead's to_dict()
 
 
-def versus(spec: WorkloadSpec, fleet: Fleet, target: Target, out: Path | None = None) -> Versus:
+def versus(spec: WorkloadSpec, fleet: Fleet, target: Target, out: Path | None = None,
+           reuse: bool = False) -> Versus:
+    """`reuse`: the emulated run an earlier call saved under `out`, when it is there."""
     from loadtests.report import write_report  # noqa: PLC0415
     from services.planner.capacity import CostModel  # noqa: PLC0415
-    emulated = emulated_run(spec, fleet, target)
+    folder = out / f"{spec.name}-{str(fleet).replace(':', '-')}" if out is not None else None
+    saved = folder / "emulated" / "run.json" if folder is not None else None
+    emulated = (RunResult.load(saved) if reuse and saved is not None and saved.is_file()
+                else emulated_run(spec, fleet, target))
     des = des_run(spec, fleet, target)
     model = CostModel.for_target(model=target.model, gpu=target.gpu, tp=target.tp,
                                  dtype=target.dtype)
     gbps = target.sim_config().network_gbps
     overhead = fit_overhead([emulated], transfer_s=lambda n: model.transfer_s(n, gbps),
-                            source=f"emulated {spec.name} on {fleet}")
+                            source=f"emulated {spec.name} on {fleet}", baseline=des, per_step=True)
     des_o = des_run(spec, fleet, target, overhead)
-    if out is not None:
-        folder = out / f"{spec.name}-{str(fleet).replace(':', '-')}"
+    if folder is not None:
         for name, run in (("emulated", emulated), ("des", des), ("des-overhead", des_o)):
             write_report(run, folder / name)
         overhead.save(folder / "overhead.json")
@@ -160,6 +166,8 @@ def add_overhead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds (default: the workload's)")
     p.add_argument("--out", default="sim-overhead",
                    help="folder for each side's report (run.json, summary.json, report.md)")
+    p.add_argument("--reuse", action="store_true",
+                   help="take the emulated runs an earlier call saved under --out")
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -176,7 +184,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     rows = []
     for spec in specs:
         for fleet in fleets:
-            rows.append(versus(spec, fleet, target, out))
+            rows.append(versus(spec, fleet, target, out, args.reuse))
             print("\n".join(table(rows[-1:]).splitlines()[2:]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     print(f"{target}\n" + table(rows))

@@ -8,7 +8,9 @@ services/worker/step_trace.py) serves a seeded workload with the load tester; th
     A step's cost is the time from its start to the next step's start when the core went straight
     on (the step, sending its outputs, the commands that came meanwhile); the last step before
     the core idled costs its own time plus the median of those in-between times;
-  * the load tester's records give the path and the hand-off (`fit_overhead`).
+  * the path: each request's TTFT in the fleet less its TTFT in the discrete-event simulation
+    of the same seeded workload with that profile (`fit_overhead` with a baseline): what the
+    fleet added beyond its engine's steps, the gateway's and router's queues included.
 """
 from __future__ import annotations
 
@@ -126,7 +128,20 @@ def calibrate_in_fleet(spec: WorkloadSpec, model: str = "tiny", threads: int = 1
     profile = fit_in_fleet(samples, model=model, threads=threads, machine=machine_facts(),
                            notes=f"{source}, {len(samples)} steps")
     run.meta["loadavg_1m"] = load
-    return InFleetResult(profile, fit_overhead([run], source=source), run, load)
+    des = simulated(spec, profile)
+    return InFleetResult(profile, fit_overhead([run], source=source, baseline=des), run, load)
+
+
+def simulated(spec: WorkloadSpec, profile: StepProfile) -> RunResult:
+    """The spec through the discrete-event simulation of the load tester's fleet (one mixed
+    worker, its default KV) with this profile and no overhead."""
+    from services.engine.config import SimConfig  # noqa: PLC0415
+    from services.planner.simulator import Fleet, SimRunConfig, simulate  # noqa: PLC0415
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "profile.json")
+        profile.save(path)
+        return simulate(spec, SimRunConfig(fleet=Fleet.parse("colocated:1"),
+                                           sim=SimConfig(profile=path))).run
 
 
 def with_overhead_of(result: InFleetResult) -> dict:

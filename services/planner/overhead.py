@@ -9,10 +9,12 @@ from a real fleet under load (`kvfleet sim calibrate --in-fleet`, services/plann
   * the steps: every engine step the fleet ran (its shape and the time the core spent on it,
     services/worker/step_trace.py) fitted by the same model as an in-process profile
     (services/planner/profile.py), so the contention of that run is in the profile;
-  * the path (`FleetOverhead.path_quantiles_s`): per request, the client's TTFT less the
-    engine's own part of it (the server's queue + prefill times), the distribution kept as
-    quantiles. The simulator draws one per request (seeded) and delays the request's arrival at
-    the router by it: a delay spent before or after the engine changes the TTFT alike;
+  * the path (`FleetOverhead.path_quantiles_s`): per request, what the fleet added to its TTFT
+    beyond the engine: its client TTFT less its TTFT in the discrete-event simulation of the same
+    seeded workload with the in-fleet profile (or, without such a run, less the server's queue
+    and prefill times), the distribution kept as quantiles. The simulator draws one per request
+    (seeded) and delays the request's arrival at the router by it: a delay spent before or after
+    the engine changes the TTFT alike;
   * the hand-off (`handoff_s`, disaggregated fleets): the transfer phase the fleet measured
     beyond the modelled KV transfer time (the prefill worker's "prefilled" to the decode worker's
     start: a gRPC call, a reservation check and the transport's own set-up), added to every
@@ -46,6 +48,7 @@ class OverheadError(ValueError):
 class FleetOverhead:
     path_quantiles_s: tuple[float, ...]    # the path's seconds at evenly spaced quantiles 0..1
     handoff_s: float = 0.0                 # per disaggregated hand-off, beyond the modelled transfer
+    step_s: float = 0.0                    # per engine step, beyond the modelled step (simulated cores)
     samples: int = 0                       # requests the path was measured on
     source: str = ""                       # what it was measured on (workload, rate, load average)
 
@@ -53,8 +56,9 @@ class FleetOverhead:
         q = self.path_quantiles_s
         if len(q) < 2 or any(not math.isfinite(v) or v < 0 for v in q) or list(q) != sorted(q):
             raise OverheadError("path_quantiles_s: at least 2 finite, non-negative, ascending seconds")
-        if not math.isfinite(self.handoff_s) or self.handoff_s < 0:
-            raise OverheadError("handoff_s must be finite and >= 0")
+        for name in ("handoff_s", "step_s"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise OverheadError(f"{name} must be finite and >= 0")
 
     @property
     def path_mean_s(self) -> float:
@@ -80,7 +84,8 @@ class FleetOverhead:
             raise OverheadError(f"not a fleet overhead file (expected \"format\": {FORMAT!r})")
         try:
             return cls(path_quantiles_s=tuple(float(v) for v in d["path_quantiles_s"]),
-                       handoff_s=float(d.get("handoff_s", 0.0)), samples=int(d.get("samples", 0)),
+                       handoff_s=float(d.get("handoff_s", 0.0)), step_s=float(d.get("step_s", 0.0)),
+                       samples=int(d.get("samples", 0)),
                        source=str(d.get("source", "")))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, OverheadError):
@@ -127,14 +132,36 @@ def handoff_samples(run: RunResult, transfer_s: Callable[[int], float] | None) -
 
 
 def fit_overhead(runs: Sequence[RunResult], transfer_s: Callable[[int], float] | None = None,
-                 source: str = "") -> FleetOverhead:
-    """The path's quantiles and the mean hand-off over the runs' ok requests."""
-    paths = [p for run in runs for p in path_samples(run)]
+                 source: str = "", baseline: RunResult | None = None,
+                 per_step: bool = False) -> FleetOverhead:
+    """The path's quantiles and the mean hand-off over the runs' ok requests.
+
+    Without `baseline`, a request's path is its client TTFT less the server's queue and prefill
+    times (`path_samples`). With `baseline`, the discrete-event run of the same seeded workload
+    (one run in `runs`), it is the request's TTFT less the simulated TTFT of the same request
+    (ok in both): everything the fleet added, its own queues included (the gateway's wait for
+    the router's admission is in the server's queue time, where the first form cannot tell it
+    from the engine's), and nothing the engines did. `per_step` (with `baseline`; runs on
+    simulated cores, whose steps last exactly their modelled time): `step_s` is the mean
+    inter-token gap the fleet added over the baseline's, the core's own work between steps and
+    the streaming's contention for the CPU (a measured profile holds these already)."""
+    if baseline is not None:
+        simulated = {r.index: r.ttft_s for r in baseline.records if r.ok}
+        paths = [max(0.0, r.ttft_s - simulated[r.index]) for run in runs for r in run.records
+                 if r.ok and r.index in simulated]
+    else:
+        paths = [p for run in runs for p in path_samples(run)]
     if len(paths) < 2:
         raise OverheadError("need at least 2 ok requests with the server's phase times to fit the "
                             "fleet's path (a kvfleet fleet sends them in `timing`)")
     handoffs = [h for run in runs for h in handoff_samples(run, transfer_s)]
     q = np.quantile(np.array(paths), np.linspace(0, 1, QUANTILES))
+    step_s = 0.0
+    if per_step and baseline is not None:
+        gaps = [g for run in runs for r in run.records if r.ok for g in r.itl_s]
+        base = [g for r in baseline.records if r.ok for g in r.itl_s]
+        if gaps and base:
+            step_s = max(0.0, float(np.mean(gaps) - np.mean(base)))
     return FleetOverhead(path_quantiles_s=tuple(float(v) for v in np.maximum.accumulate(q)),
-                         handoff_s=float(np.mean(handoffs)) if handoffs else 0.0,
+                         handoff_s=float(np.mean(handoffs)) if handoffs else 0.0, step_s=step_s,
                          samples=len(paths), source=source)

@@ -86,11 +86,21 @@ def real_runs(specs: list[WorkloadSpec], keep_trace: Path | None = None) -> list
                 run = asyncio.run(run_workload(spec, cfg))
                 windows.append((t0, time.monotonic()))
                 run.meta["loadavg_1m"] = os.getloadavg()[0]
+                run.meta["trace_window"] = list(windows[-1])   # the host's monotonic clock
                 out.append(run)
         cores = read_trace(trace)
         if keep_trace is not None:
             shutil.copytree(trace, keep_trace, dirs_exist_ok=True)
     return [RealRun(run, _replay_fit(run, cores, window)) for run, window in zip(out, windows)]
+
+
+def _saved_real(run: RunResult, steps: Path) -> RealRun:
+    """A real run saved by an earlier call, refitted from its saved step trace when there is one."""
+    from services.planner.in_fleet import read_trace  # noqa: PLC0415
+    window = run.meta.get("trace_window")
+    if not window or not steps.is_dir():
+        return RealRun(run, None)
+    return RealRun(run, _replay_fit(run, read_trace(steps), tuple(window)))
 
 
 def _replay_fit(run: RunResult, cores, window) -> tuple[StepProfile, FleetOverhead] | None:
@@ -120,12 +130,13 @@ def compare(workload: str, rates: list[float], duration_s: float, profile: str,
             overhead: FleetOverhead | None = None) -> list[Comparison]:
     """One workload at each rate, through one real fleet and through the simulator.
     `reuse_real`: the real runs saved under `out` by an earlier call, when all are there (a new
-    profile is then checked against the same real runs; no replay)."""
+    profile is then checked against the same real runs, the replay refitted from their saved
+    step traces)."""
     base = load_workload(workload)
     specs = [base.with_overrides(duration_s=duration_s, rate_scale=r) for r in rates]
     saved = [out / f"{workload}-{r:g}" / "real" / "run.json" for r in rates] if out else []
     if reuse_real and saved and all(p.is_file() for p in saved):
-        reals = [RealRun(RunResult.load(p), None) for p in saved]
+        reals = [_saved_real(RunResult.load(p), out / f"{workload}-steps") for p in saved]
     else:
         reals = real_runs(specs, out / f"{workload}-steps" if out else None)
     rows = []
@@ -197,6 +208,10 @@ def run_validate(args: argparse.Namespace) -> int:
     profile, overhead = args.profile, None
     if args.overhead:
         overhead = FleetOverhead.load(args.overhead)
+    if profile is None and args.reuse_real and (out / "profile.json").is_file():
+        profile = str(out / "profile.json")          # the in-fleet calibration saved there
+        if overhead is None and (out / "overhead.json").is_file():
+            overhead = FleetOverhead.load(out / "overhead.json")
     if profile is None:
         from services.planner.in_fleet import calibrate_in_fleet  # noqa: PLC0415
         spec = load_workload(args.calibrate_workload).with_overrides(

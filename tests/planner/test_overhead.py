@@ -119,3 +119,12 @@ def test_the_simulated_ttft_includes_the_drawn_path():
     for a, b in zip(alone.records, with_path.records):
         assert b.ttft_s == pytest.approx(a.ttft_s + 0.05)
         assert b.itl_s == pytest.approx(a.itl_s)
+
+
+def test_against_a_discrete_event_run_the_path_is_each_requests_added_ttft():
+    # the same seeded requests: the fleet added 30 ms to each, queues included
+    fleet = run_of([record(i, ttft_s=0.15 + 0.01 * i, queue_s=0.08, prefill_s=0.05) for i in range(5)])
+    des = run_of([record(i, ttft_s=0.12 + 0.01 * i, queue_s=0.05, prefill_s=0.05) for i in range(5)])
+    got = fit_overhead([fleet], baseline=des)
+    assert got.path_s(0.0) == pytest.approx(0.03)
+    assert got.path_s(1.0) == pytest.approx(0.03)
