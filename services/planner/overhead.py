@@ -131,6 +131,18 @@ def handoff_samples(run: RunResult, transfer_s: Callable[[int], float] | None) -
     return out
 
 
+def _mean_kept(differences: list[float]) -> list[float]:
+    """Delays from signed per-request differences: the negative ones (a request the simulation
+    happened to batch later) are 0 and the rest scaled so that the mean stays the differences'
+    mean (clipping alone would add to every TTFT what the negative ones took off)."""
+    if not differences:
+        return []
+    kept = [max(0.0, d) for d in differences]
+    mean, kept_mean = float(np.mean(differences)), float(np.mean(kept))
+    scale = max(0.0, mean) / kept_mean if kept_mean > 0 else 0.0
+    return [k * scale for k in kept]
+
+
 def fit_overhead(runs: Sequence[RunResult], transfer_s: Callable[[int], float] | None = None,
                  source: str = "", baseline: RunResult | None = None,
                  per_step: bool = False) -> FleetOverhead:
@@ -147,8 +159,8 @@ def fit_overhead(runs: Sequence[RunResult], transfer_s: Callable[[int], float] |
     the streaming's contention for the CPU (a measured profile holds these already)."""
     if baseline is not None:
         simulated = {r.index: r.ttft_s for r in baseline.records if r.ok}
-        paths = [max(0.0, r.ttft_s - simulated[r.index]) for run in runs for r in run.records
-                 if r.ok and r.index in simulated]
+        paths = _mean_kept([r.ttft_s - simulated[r.index] for run in runs for r in run.records
+                            if r.ok and r.index in simulated])
     else:
         paths = [p for run in runs for p in path_samples(run)]
     if len(paths) < 2:

@@ -128,3 +128,13 @@ def test_against_a_discrete_event_run_the_path_is_each_requests_added_ttft():
     got = fit_overhead([fleet], baseline=des)
     assert got.path_s(0.0) == pytest.approx(0.03)
     assert got.path_s(1.0) == pytest.approx(0.03)
+
+
+def test_a_request_the_simulation_batched_later_takes_nothing_off_the_mean_path():
+    fleet = run_of([record(i, ttft_s=t, queue_s=0.0, prefill_s=0.0) for i, t in enumerate([0.2, 0.2, 0.1])])
+    des = run_of([record(i, ttft_s=0.1, queue_s=0.0, prefill_s=0.0) for i in range(2)]
+                 + [record(2, ttft_s=0.15, queue_s=0.0, prefill_s=0.0)])
+    got = fit_overhead([fleet], baseline=des)
+    # differences +100, +100, -50 ms: mean 50 ms, kept as delays 0..75 ms
+    assert got.path_s(0.0) == pytest.approx(0.0)
+    assert got.path_s(1.0) == pytest.approx(0.075)
