@@ -220,6 +220,8 @@ def run_validate(args: argparse.Namespace) -> int:
         profile, overhead = str(out / "profile.json"), got.overhead
         got.profile.save(profile)
         got.overhead.save(out / "overhead.json")
+        from loadtests.report import write_report  # noqa: PLC0415
+        write_report(got.run, out / "calibration")
         print(f"calibrated in a fleet: {got.profile.notes}; path mean "
               f"{got.overhead.path_mean_s * 1e3:.0f} ms", flush=True)
     rows = []
