@@ -2,7 +2,11 @@
 step traces, and added by `kvfleet sim run --sim-overhead`."""
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 from hypothesis import given
@@ -138,3 +142,37 @@ def test_a_request_the_simulation_batched_later_takes_nothing_off_the_mean_path(
     # differences +100, +100, -50 ms: mean 50 ms, kept as delays 0..75 ms
     assert got.path_s(0.0) == pytest.approx(0.0)
     assert got.path_s(1.0) == pytest.approx(0.075)
+
+
+def test_sim_run_names_a_bad_overhead_file_and_stops(tmp_path):
+    (tmp_path / "bad.json").write_text("{}")
+    done = subprocess.run([sys.executable, "-m", "services.cli.cli", "sim", "run", "--workload",
+                           "chat-only", "--fleet", "colocated:1", "--duration", "1",
+                           "--sim-overhead", str(tmp_path / "bad.json"), "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "not a fleet overhead file" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_fleet_hands_the_simulated_target_to_kvfleet_up_and_paces_its_own_engine():
+    from services.cli.fleet_bench import bench_engine, up_args
+    from services.engine.config import add_sim_args, sim_config_from_args
+    from services.engine.sampling_params import SamplingParams
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--mode", default="disagg")
+    p.add_argument("--kv-backend", default="tcp")
+    add_sim_args(p)
+    args = p.parse_args(["--engine", "sim", "--sim-step-ms", "5", "--sim-kv-tokens", "4096"])
+    up = up_args(args, "engine.yaml")
+    assert (up.engine, up.sim_step_ms, up.sim_kv_tokens) == ("sim", 5.0, 4096)
+    engine = bench_engine("tiny", 1, sim_config_from_args(args))
+    # the same pacing as the engine core: a step ends no earlier than its start + its modelled
+    # time (a lower bound the sleep guarantees, not a measurement)
+    engine.add_request(list(range(16, 48)), SamplingParams(max_tokens=3, ignore_eos=True))
+    started = time.monotonic()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += engine.last_step is not None
+    assert steps >= 3 and time.monotonic() - started >= steps * 0.005
