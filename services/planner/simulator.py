@@ -20,6 +20,10 @@ What runs is the fleet's own decision code, with time modelled instead of spent:
     bytes over --sim-network-gbps for a profile), then the decode worker starts decoding
     (start_decode) and the prefill worker frees the pages (release).
 
+With `SimRunConfig.overhead` (a `FleetOverhead` measured in a real or emulated fleet,
+services/planner/overhead.py) each request reaches the router after a drawn path, every hand-off
+and (for simulated cores) every step takes the fleet's measured extra: the fleet's own costs.
+
 Each request becomes the `RequestRecord` the load tester would have written (TTFT, every
 inter-token gap, e2e, status, and the server's phase times), so `loadtests/report.py` writes the
 same run.json / summary.json / report.md as `kvfleet bench serve`, and `kvfleet bench compare
