@@ -292,8 +292,8 @@ def write_fleet_config(tenants: list[TenantSpec], setup: FleetSetup, folder: Pat
 def up_options(setup: FleetSetup, engine_yaml: str, keys_yaml: str, redis_url: str | None
                ) -> tuple[list[str], dict]:
     """`kvfleet up`'s arguments for this setup: (extra flags, kvfleet_up's keywords)."""
-    return (["--prefill", str(setup.prefill), "--decode", str(setup.decode), "--host", "127.0.0.1", "--kv-backend",
-             setup.kv_backend],
+    return (["--prefill", str(setup.prefill), "--decode", str(setup.decode), "--host", "127.0.0.1",
+             "--kv-backend", setup.kv_backend],
             dict(mode=setup.mode, redis_url=redis_url, config=engine_yaml, api_keys=keys_yaml,
                  kv_cache_mib=setup.kv_cache_mib, engine=setup.engine, sim_args=setup.sim_args,
                  env=dict(setup.env) or None))

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from loadtests.records import RunResult
+from services.planner.step_time import BatchShape, StepTimer
 
 FORMAT = "kvfleet-fleet-overhead/1"
 QUANTILES = 21                  # the path's distribution at 0, 5, ..., 100%
@@ -68,6 +69,17 @@ class FleetOverhead:
         """The path at quantile u in [0, 1] (linear between the kept quantiles)."""
         q = self.path_quantiles_s
         return float(np.interp(u, np.linspace(0, 1, len(q)), q))
+
+    def applied(self, timer: StepTimer, transfer_s: Callable[[int], float]
+                ) -> tuple[StepTimer, Callable[[int], float]]:
+        """The simulation's step timer and KV transfer time with this fleet's per-step cost and
+        hand-off added."""
+        if self.step_s > 0:
+            timer = SlowerSteps(timer, self.step_s)
+        if self.handoff_s > 0:
+            base, handoff = transfer_s, self.handoff_s
+            transfer_s = lambda n: base(n) + handoff  # noqa: E731
+        return timer, transfer_s
 
     def sampler(self, seed: int) -> Callable[[], float]:
         """Seeded draws of the path, one per request in arrival order."""
@@ -107,6 +119,18 @@ class FleetOverhead:
             return cls.from_dict(data)
         except OverheadError as e:
             raise OverheadError(f"{path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class SlowerSteps:
+    """A StepTimer whose every non-empty step takes `extra_s` more (the fleet's own per-step cost)."""
+
+    timer: StepTimer
+    extra_s: float
+
+    def step_s(self, batch: BatchShape) -> float:
+        base = self.timer.step_s(batch)
+        return base if batch.is_empty else base + self.extra_s
 
 
 def path_samples(run: RunResult) -> list[float]:

@@ -398,10 +398,8 @@ class SimOutcome:
 
 def simulate(spec: WorkloadSpec, cfg: SimRunConfig) -> SimOutcome:
     timer, transfer_s = timing_of(cfg)
-    if cfg.overhead is not None and cfg.overhead.handoff_s > 0:
-        transfer_s = _plus(transfer_s, cfg.overhead.handoff_s)
-    if cfg.overhead is not None and cfg.overhead.step_s > 0:
-        timer = SlowerSteps(timer, cfg.overhead.step_s)
+    if cfg.overhead is not None:
+        timer, transfer_s = cfg.overhead.applied(timer, transfer_s)
     sim_cfg = cfg
     if cfg.sim.profile is not None and cfg.sim.kv_tokens is None and not cfg.engine.num_blocks:
         # a profile of this machine: the served model's own KV capacity, as its real worker has
@@ -431,22 +429,6 @@ def timing_of(cfg: SimRunConfig) -> tuple[StepTimer, Callable[[int], float]]:
         return model, lambda n: model.transfer_s(n, gbps)
     per_token = served_kv_bytes_per_token(cfg)
     return timer, lambda n: n * per_token / (gbps * 1e9 / 8)
-
-
-@dataclass(frozen=True)
-class SlowerSteps:
-    """A StepTimer whose every non-empty step takes `extra_s` more (the fleet's own per-step cost)."""
-
-    timer: StepTimer
-    extra_s: float
-
-    def step_s(self, batch) -> float:
-        base = self.timer.step_s(batch)
-        return base if batch.is_empty else base + self.extra_s
-
-
-def _plus(transfer_s: Callable[[int], float], handoff_s: float) -> Callable[[int], float]:
-    return lambda n: transfer_s(n) + handoff_s
 
 
 def served_kv_bytes_per_token(cfg: SimRunConfig) -> int:
