@@ -257,6 +257,9 @@ class FleetSetup:
     key_overrides: dict = field(default_factory=dict)   # tenant -> key file fields (quotas) to change
     engine: str = "real"                         # real | sim (the simulated engine core)
     sim_args: tuple[str, ...] = ()               # --sim-kv-tokens N, --sim-model ... (engine sim)
+    env: dict = field(default_factory=dict)      # added to the fleet's environment (a step trace)
+    prefill: int = 1                             # workers: prefill (disagg) and decode (disagg)
+    decode: int = 1                              # or mixed (colocated)
 
 
 @dataclass(frozen=True)
@@ -289,10 +292,11 @@ def write_fleet_config(tenants: list[TenantSpec], setup: FleetSetup, folder: Pat
 def up_options(setup: FleetSetup, engine_yaml: str, keys_yaml: str, redis_url: str | None
                ) -> tuple[list[str], dict]:
     """`kvfleet up`'s arguments for this setup: (extra flags, kvfleet_up's keywords)."""
-    return (["--prefill", "1", "--decode", "1", "--host", "127.0.0.1", "--kv-backend",
-             setup.kv_backend],
+    return (["--prefill", str(setup.prefill), "--decode", str(setup.decode), "--host", "127.0.0.1",
+             "--kv-backend", setup.kv_backend],
             dict(mode=setup.mode, redis_url=redis_url, config=engine_yaml, api_keys=keys_yaml,
-                 kv_cache_mib=setup.kv_cache_mib, engine=setup.engine, sim_args=setup.sim_args))
+                 kv_cache_mib=setup.kv_cache_mib, engine=setup.engine, sim_args=setup.sim_args,
+                 env=dict(setup.env) or None))
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.config import add_device_arg, add_engine_args  # torch-free
+from services.engine.config import add_device_arg, add_engine_args, add_sim_args  # torch-free
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--json", action="store_true",
                     help="one JSON object: added_ttft_ms, added_per_token_ms, fleet_tok_s, "
                          "engine_tok_s, then both sides")
+    add_sim_args(bf)
     bf.set_defaults(func=_lazy("services.cli.fleet_bench", "run_fleet_bench"))
     _delegate(bsub, "kvfleet bench telemetry", "what tracing (100%) and metrics cost: two fleets, "
               "telemetry on and off, paired", "services.cli.telemetry_bench:add_args",
@@ -227,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(ssub, "kvfleet sim rebalance", "the rebalancer in the loop: a trace whose mix shifts, "
               "pool sizes over time and goodput against fixed-ratio fleets (a PNG and JSON)",
               "services.cli.sim_rebalance_cmd:add_args", "services.cli.sim_rebalance_cmd:run")
+    _delegate(ssub, "kvfleet sim validate", "the simulator against the real CPU fleet: the same "
+              "workloads through both, TTFT / ITL errors (docs/capacity.md, Validation)",
+              "services.planner.validation:add_validate_args",
+              "services.planner.validation:run_validate")
+    _delegate(ssub, "kvfleet sim overhead", "the emulated fleet (kvfleet up --engine sim) against "
+              "the discrete-event run on one target: the fleet's own overhead per phase",
+              "services.planner.emulation:add_overhead_args",
+              "services.planner.emulation:run_overhead")
 
     ev = sub.add_parser("eval", help="evaluations")
     esub = ev.add_subparsers(dest="target", required=True)

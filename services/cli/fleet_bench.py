@@ -156,12 +156,13 @@ def up_args(args: argparse.Namespace, config: str) -> argparse.Namespace:
     """`kvfleet up`'s own arguments for this bench (its defaults for everything else), on ports
     the OS picks, with the engine config file `config`."""
     from services.cli.up import add_up_args
+    from services.engine.config import sim_args
     parser = argparse.ArgumentParser(prog="kvfleet up")
     add_up_args(parser)
     device = ["--device", args.device] if getattr(args, "device", None) else []
     return parser.parse_args(["--model", args.model, "--mode", args.mode, "--kv-backend",
                               args.kv_backend, "--http-port", "0", "--grpc-port", "0",
-                              "--config", config, *device])
+                              "--config", config, *device, *sim_args(args)])
 
 
 def write_config() -> str:
@@ -170,14 +171,34 @@ def write_config() -> str:
     return str(path)
 
 
-def bench_engine(model: str, threads: int, device: str = "auto"):
+def bench_engine(model: str, threads: int, device: str = "auto", sim=None):
     """The in-process engine with the same torch threads as one fleet worker, so that the
-    difference is the serving path, not the core split. It sits idle while the fleet serves."""
+    difference is the serving path, not the core split. It sits idle while the fleet serves.
+    `sim` (a SimConfig, --engine sim): the simulated core, each step paced on the wall clock to
+    its modelled time as the fleet's engine core paces it."""
     import torch
 
     from services.engine.engine import LLMEngine, engine_config
     torch.set_num_threads(threads)
-    return LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False, device=device))
+    engine = LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False, device=device,
+                                     sim=sim))
+    if sim is not None:
+        engine.step = paced(engine)
+    return engine
+
+
+def paced(engine):
+    """engine.step, ending no earlier than its start + its modelled time (the engine core's pace)."""
+    step = engine.step
+
+    def run():
+        started = time.monotonic()
+        outputs = step()
+        left = started + engine.last_step_modelled_s - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        return outputs
+    return run
 
 
 def _redis():
@@ -193,12 +214,14 @@ def _redis():
 def run_fleet_bench(args: argparse.Namespace) -> int:
     from services.cli.launcher import Launcher
     from services.cli.up import start_fleet, worker_threads
+    from services.engine.config import sim_config_from_args
 
     from services.engine.device import check_device
     check_device(getattr(args, "device", None), "kvfleet bench fleet")
     up = up_args(args, write_config())
     threads = worker_threads(up)
-    engine = bench_engine(args.model, threads, getattr(args, "device", None) or "auto")
+    sim = sim_config_from_args(args)
+    engine = bench_engine(args.model, threads, getattr(args, "device", None) or "auto", sim)
     prompts = Prompts.draw(args.repeats, vocab=engine.model_config.vocab_size)
     redis, launcher = _redis(), Launcher()
     try:
@@ -208,7 +231,8 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
         launcher.stop_all()
         redis.stop()
     result = bench_result(fleet, local, mode=args.mode, kv_backend=args.kv_backend, model=args.model,
-                          threads_per_worker=threads, repeats=args.repeats)
+                          threads_per_worker=threads, repeats=args.repeats,
+                          engine_kind="real" if sim is None else "sim")
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 

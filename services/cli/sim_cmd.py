@@ -23,6 +23,34 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="a step's time over its repeated runs: median (typical on a shared "
                         "machine, default) or min (the machine unloaded)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    f = p.add_argument_group("in a fleet: the steps and the fleet's own costs under load")
+    f.add_argument("--in-fleet", action="store_true",
+                   help="measure inside a real co-located fleet serving a workload (its engine "
+                        "core traces every step) instead of the engine alone; also writes the "
+                        "fleet's overhead (--overhead-out) for kvfleet sim run --sim-overhead")
+    f.add_argument("--workload", default="mixed", help="with --in-fleet: the workload served")
+    f.add_argument("--rate-scale", type=float, default=0.75, help="with --in-fleet: x arrival rates")
+    f.add_argument("--duration", type=float, default=30.0, help="with --in-fleet: seconds served")
+    f.add_argument("--overhead-out", default="fleet-overhead.json",
+                   help="with --in-fleet: the fleet overhead file to write")
+
+
+def run_in_fleet(args: argparse.Namespace, threads: int) -> int:
+    from loadtests.distributions import SpecError  # noqa: PLC0415
+    from loadtests.workload import load_workload  # noqa: PLC0415
+    from services.planner.in_fleet import calibrate_in_fleet, with_overhead_of  # noqa: PLC0415
+    try:
+        spec = load_workload(args.workload).with_overrides(duration_s=args.duration,
+                                                           rate_scale=args.rate_scale)
+        got = calibrate_in_fleet(spec, model=args.model, threads=threads)
+    except (SpecError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"kvfleet sim calibrate: {e}", file=sys.stderr)
+        return 2
+    got.profile.save(args.out)
+    got.overhead.save(args.overhead_out)
+    print(json.dumps(with_overhead_of(got), indent=1))
+    print(f"profile written to {args.out}, fleet overhead to {args.overhead_out}")
+    return 0
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -31,6 +59,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print("kvfleet sim calibrate: --threads must be >= 1", file=sys.stderr)
         return 2
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1)
+    if args.in_fleet:
+        return run_in_fleet(args, threads)
     try:
         profile = calibrate(CalibrateConfig(model=args.model, threads=threads,
                                             quick=args.quick, seed=args.seed, stat=args.stat),
@@ -75,6 +105,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "served model's real worker's)")
     t.add_argument("--sim-step-ms", type=float, default=None, metavar="MS",
                    help="every step takes MS (no target, no profile)")
+    t.add_argument("--sim-overhead", default=None, metavar="FILE",
+                   help="the fleet's own costs measured in a real fleet (kvfleet sim calibrate "
+                        "--in-fleet): each request's path to its first token, the KV hand-off")
     p.add_argument("--sim-network-gbps", type=float, default=None, metavar="G",
                    help="KV transfer bandwidth in Gbit/s (default 400)")
     p.add_argument("--sim-kv-tokens", type=int, default=None, metavar="N",
@@ -114,6 +147,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from loadtests.distributions import SpecError  # noqa: PLC0415
     from loadtests.report import class_table, write_report  # noqa: PLC0415
     from services.engine.config import EngineConfig  # noqa: PLC0415
+    from services.planner.overhead import FleetOverhead  # noqa: PLC0415
     from services.planner.profile import ProfileError  # noqa: PLC0415
     from services.planner.simulator import Fleet, SimRunConfig, simulate  # noqa: PLC0415
     try:
@@ -122,7 +156,9 @@ def run_sim(args: argparse.Namespace) -> int:
         cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim, model=args.model,
                            engine=EngineConfig(kv_cache_mib=args.kv_cache_mib),
                            admission=admission_of(args.admission, spec, sim.network_gbps),
-                           hybrid_threshold_tokens=args.hybrid_threshold_tokens)
+                           hybrid_threshold_tokens=args.hybrid_threshold_tokens,
+                           overhead=FleetOverhead.load(args.sim_overhead) if args.sim_overhead
+                           else None)
         if args.hybrid_threshold_tokens < 0:
             raise ValueError("--hybrid-threshold-tokens must be >= 1 (0: the model's split)")
         outcome = simulate(spec, cfg)

@@ -128,11 +128,13 @@ class StepProfile:
 
 
 def fit_profile(samples: Sequence[tuple[BatchShape, float]], terms: Sequence[str] = TERMS,
-                **meta) -> StepProfile:
+                relative: bool = True, **meta) -> StepProfile:
     """Least-squares fit of measured (batch, seconds) samples over `terms`, weighted by
     1 / seconds so that short decode steps count as much as long prefills (the fit minimises
     relative error). Negative coefficients are dropped one at a time (the most negative first)
-    and the rest refitted. `meta`: StepProfile's model, dtype, threads, machine, notes."""
+    and the rest refitted. `relative=False`: unweighted (absolute error), every step kept (a
+    fleet's steps under load: their total is what the simulated queues feel). `meta`:
+    StepProfile's model, dtype, threads, machine, notes."""
     rows = [(features(b), s) for b, s in samples if not b.is_empty]
     if len(rows) < len(terms):
         raise ProfileError(f"need at least {len(terms)} non-empty measured steps, got {len(rows)}")
@@ -141,10 +143,12 @@ def fit_profile(samples: Sequence[tuple[BatchShape, float]], terms: Sequence[str
     index = [TERMS.index(t) for t in terms]
     x = np.array([[f[i] for i in index] for f, _ in rows])
     y = np.array([s for _, s in rows])
-    keep, coef = _nonnegative_fit(x, y)
+    keep, coef = _nonnegative_fit(x, y, relative)
     # one trimmed refit: steps a burst of load stretched far past the fit are left out
     rel = np.abs(x[:, keep] @ coef - y) / y
     inliers = rel <= max(OUTLIER_FACTOR * float(np.median(rel)), OUTLIER_FLOOR)
+    if not relative:
+        inliers[:] = True
     if inliers.sum() >= len(terms) and not inliers.all():
         keep, coef = _nonnegative_fit(x[inliers], y[inliers])
     coefficients = {terms[k]: float(c) for k, c in zip(keep, coef)}
@@ -156,11 +160,12 @@ OUTLIER_FACTOR = 4.0    # a step off the fit by this many times the median relat
 OUTLIER_FLOOR = 0.25    # ... and by at least 25% is an outlier
 
 
-def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[list[int], np.ndarray]:
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray,
+                     relative: bool = True) -> tuple[list[int], np.ndarray]:
     """The columns kept and their coefficients, all >= 0 (the most negative dropped first)."""
     keep = list(range(x.shape[1]))
     while True:
-        coef = _weighted_lstsq(x[:, keep], y)
+        coef = _weighted_lstsq(x[:, keep], y, relative)
         if (coef >= 0).all():
             return keep, coef
         keep.pop(int(np.argmin(coef)))
@@ -168,8 +173,8 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[list[int], np.ndarra
             raise ProfileError("no term fits the measured steps with a non-negative coefficient")
 
 
-def _weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    w = 1.0 / y
+def _weighted_lstsq(x: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
+    w = 1.0 / y if relative else np.ones_like(y)
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)      # columns to unit size: conditioning
     coef, *_ = np.linalg.lstsq(x * w[:, None] / scale, y * w, rcond=None)
     return coef / scale

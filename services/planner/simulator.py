@@ -20,9 +20,15 @@ What runs is the fleet's own decision code, with time modelled instead of spent:
     bytes over --sim-network-gbps for a profile), then the decode worker starts decoding
     (start_decode) and the prefill worker frees the pages (release).
 
-The simulated router runs no overload stages and has no wait queue: it admits or refuses at once,
-so a record names no stage (its refusals count under "none" in the summary's rejections_by_stage)
-and its time in the router's wait queue (`wait_queue_s`) is 0.
+Without `SimRunConfig.admission` the simulated router runs no overload stages and has no wait
+queue: it admits or refuses at once, so a record names no stage (its refusals count under "none" in
+the summary's rejections_by_stage) and its time in the router's wait queue is 0. With it
+(`--admission on`), the router's own admission, wait queue and stages decide each request
+(services/planner/sim_admission.py).
+
+With `SimRunConfig.overhead` (a `FleetOverhead` measured in a real or emulated fleet,
+services/planner/overhead.py) each request reaches the router after a drawn path, every hand-off
+and (for simulated cores) every step takes the fleet's measured extra: the fleet's own costs.
 
 Each request becomes the `RequestRecord` the load tester would have written (TTFT, every
 inter-token gap, e2e, status, and the server's phase times), so `loadtests/report.py` writes the
@@ -45,6 +51,7 @@ from loadtests.workload import PlannedRequest, WorkloadSpec, plan_requests, slo_
 from services.engine.config import PREFILL_ROLE_DEFAULTS, EngineConfig, SimConfig, Tenant
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
+from services.planner.overhead import FleetOverhead
 from services.planner.step_time import StepTimer
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.planner.hybrid import threshold_tokens
@@ -106,6 +113,8 @@ class SimRunConfig:
     hybrid_threshold_tokens: int = 0
     # the router's admission and stages (services/planner/sim_admission.py); None: place all
     admission: object | None = None
+    # the fleet's own costs measured in a real fleet (overhead.py); None: the engines alone
+    overhead: FleetOverhead | None = None
 
 
 class VirtualClock:
@@ -189,8 +198,9 @@ class Simulation:
 
     # ------------------------------------------------------------------- run
     def run(self) -> RunResult:
-        for p in self.planned:
-            self._push(p.at_s, ARRIVE, p)
+        path = self.cfg.overhead.sampler(self.spec.seed) if self.cfg.overhead else float
+        for p in self.planned:           # a request reaches the router after the fleet's path
+            self._push(p.at_s + path(), ARRIVE, p)
         if self.gate is not None:
             self.gate.start()
         while self._events:
@@ -458,6 +468,8 @@ class SimOutcome:
 
 def simulate(spec: WorkloadSpec, cfg: SimRunConfig) -> SimOutcome:
     timer, transfer_s = timing_of(cfg)
+    if cfg.overhead is not None:
+        timer, transfer_s = cfg.overhead.applied(timer, transfer_s)
     sim_cfg = cfg
     if cfg.sim.profile is not None and cfg.sim.kv_tokens is None and not cfg.engine.num_blocks:
         # a profile of this machine: the served model's own KV capacity, as its real worker has

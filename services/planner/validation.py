@@ -1,11 +1,17 @@
 """The simulator against the real fleet on this machine: the same seeded workload through
 `kvfleet up` (co-located, the tiny model, the load tester's own fleet: loadtests/local_fleet.py)
-and through `kvfleet sim run` with a profile measured here (`kvfleet sim calibrate`), and the
+and through `kvfleet sim run` with a profile and the fleet's overhead measured here, and the
 relative errors of the simulated TTFT and ITL (mean and p99 over every ok request, all classes).
 
-`python -m services.planner.validation PROFILE [--workloads chat-only,mixed] [--rates 0.5,1]
-[--duration S] [--out DIR]` prints the table docs/capacity.md ("Validation") shows and writes
-each run's reports under DIR.
+`kvfleet sim validate [--profile FILE --overhead FILE] [--workloads chat-only,mixed]
+[--rates 0.5,1] [--duration S] [--out DIR]` prints the table docs/capacity.md ("Validation")
+shows and writes each run's reports under DIR. Without --profile it first calibrates in a fleet
+(`kvfleet sim calibrate --in-fleet`: services/planner/in_fleet.py) on its own workload.
+
+Each real run's engine core traces its steps; a second simulation per run ("replay") uses a
+profile and overhead fitted on that run itself. The replay says what the model can do with the
+step times of that very minute; the prediction (the calibration's profile) adds the drift of a
+shared machine's load between the calibration and the run.
 """
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +29,8 @@ from loadtests.metrics import latency_stats
 from loadtests.records import RunResult
 from loadtests.workload import WorkloadSpec, load_workload
 from services.engine.config import SimConfig
+from services.planner.overhead import FleetOverhead, fit_overhead
+from services.planner.profile import ProfileError, StepProfile
 from services.planner.simulator import Fleet, SimRunConfig, simulate
 
 
@@ -32,11 +43,15 @@ class Comparison:
     sim: dict
     real_ok: int
     sim_ok: int
-    loadavg_1m: float
+    loadavg_1m: float    # at the end of the real run
+    replay: dict | None = None   # the simulation with the run's own steps and path
 
-    def error(self, metric: str, stat: str) -> float | None:
-        """(sim - real) / real."""
-        r, s = self.real[metric][stat], self.sim[metric][stat]
+    def error(self, metric: str, stat: str, of: str = "sim") -> float | None:
+        """(sim - real) / real; of="replay": the replay's."""
+        other = self.sim if of == "sim" else self.replay
+        if other is None:
+            return None
+        r, s = self.real[metric][stat], other[metric][stat]
         return None if r in (None, 0) or s is None else (s - r) / r
 
 
@@ -46,47 +61,102 @@ def latencies(run: RunResult) -> dict:
             "itl_s": latency_stats([g for r in ok for g in r.itl_s])}
 
 
-def real_runs(specs: list[WorkloadSpec]) -> list[RunResult]:
-    """The specs (one workload's tenants) one after the other through one real fleet."""
+@dataclass(frozen=True)
+class RealRun:
+    run: RunResult
+    replay: tuple[StepProfile, FleetOverhead] | None   # fitted on the run itself
+
+
+def real_runs(specs: list[WorkloadSpec], keep_trace: Path | None = None) -> list[RealRun]:
+    """The specs (one workload's tenants) one after the other through one real fleet, its engine
+    core tracing its steps (copied to `keep_trace`); each run with the load average at its end
+    and its own fit."""
     from loadtests.local_fleet import FleetSetup, local_fleet  # noqa: PLC0415
     from loadtests.runner import RunConfig, run_workload  # noqa: PLC0415
-    with local_fleet(list(specs[0].tenants), FleetSetup(mode="colocated")) as fleet:
-        cfg = RunConfig(fleet.endpoint, tenant_keys=fleet.tenant_keys)
-        return [asyncio.run(run_workload(spec, cfg)) for spec in specs]
+    from services.planner.in_fleet import read_trace  # noqa: PLC0415
+    from services.protocol import env  # noqa: PLC0415
+    out = []
+    with tempfile.TemporaryDirectory(prefix="kvfleet-steps-") as trace:
+        setup = FleetSetup(mode="colocated", env={env.STEP_TRACE.name: trace})
+        with local_fleet(list(specs[0].tenants), setup) as fleet:
+            cfg = RunConfig(fleet.endpoint, tenant_keys=fleet.tenant_keys)
+            windows = []
+            for spec in specs:
+                t0 = time.monotonic()
+                run = asyncio.run(run_workload(spec, cfg))
+                windows.append((t0, time.monotonic()))
+                run.meta["loadavg_1m"] = os.getloadavg()[0]
+                run.meta["trace_window"] = list(windows[-1])   # the host's monotonic clock
+                out.append(run)
+        cores = read_trace(trace)
+        if keep_trace is not None:
+            shutil.copytree(trace, keep_trace, dirs_exist_ok=True)
+    return [RealRun(run, _replay_fit(run, cores, window)) for run, window in zip(out, windows)]
 
 
-def sim_run(spec: WorkloadSpec, profile: str) -> RunResult:
+def _saved_real(run: RunResult, steps: Path) -> RealRun:
+    """A real run saved by an earlier call, refitted from its saved step trace when there is one."""
+    from services.planner.in_fleet import read_trace  # noqa: PLC0415
+    window = run.meta.get("trace_window")
+    if not window or not steps.is_dir():
+        return RealRun(run, None)
+    return RealRun(run, _replay_fit(run, read_trace(steps), tuple(window)))
+
+
+def _replay_fit(run: RunResult, cores, window) -> tuple[StepProfile, FleetOverhead] | None:
+    from services.planner.in_fleet import fit_in_fleet, step_costs  # noqa: PLC0415
+    t0, t1 = window
+    inside = [[s for s in steps if t0 <= s.started <= t1] for steps in cores]
+    try:
+        return (fit_in_fleet(step_costs(inside), notes="replay: the run's own steps"),
+                fit_overhead([run], source="replay: the run's own path"))
+    except (ProfileError, ValueError):
+        return None
+
+
+def sim_run(spec: WorkloadSpec, profile: str | StepProfile,
+            overhead: FleetOverhead | None = None) -> RunResult:
     # the load tester's fleet: one mixed worker, kvfleet up's 256 MiB of KV (local_fleet.py)
+    if isinstance(profile, StepProfile):
+        with tempfile.TemporaryDirectory() as d:
+            profile.save(Path(d) / "profile.json")
+            return sim_run(spec, str(Path(d) / "profile.json"), overhead)
     return simulate(spec, SimRunConfig(fleet=Fleet.parse("colocated:1"),
-                                       sim=SimConfig(profile=profile))).run
+                                       sim=SimConfig(profile=profile), overhead=overhead)).run
 
 
 def compare(workload: str, rates: list[float], duration_s: float, profile: str,
-            out: Path | None = None, reuse_real: bool = False) -> list[Comparison]:
+            out: Path | None = None, reuse_real: bool = False,
+            overhead: FleetOverhead | None = None) -> list[Comparison]:
     """One workload at each rate, through one real fleet and through the simulator.
     `reuse_real`: the real runs saved under `out` by an earlier call, when all are there (a new
-    profile is then checked against the same real runs)."""
+    profile is then checked against the same real runs, the replay refitted from their saved
+    step traces)."""
     base = load_workload(workload)
     specs = [base.with_overrides(duration_s=duration_s, rate_scale=r) for r in rates]
     saved = [out / f"{workload}-{r:g}" / "real" / "run.json" for r in rates] if out else []
     if reuse_real and saved and all(p.is_file() for p in saved):
-        reals = [RunResult.load(p) for p in saved]
-        load = float(reals[0].meta.get("loadavg_1m", float("nan")))
+        reals = [_saved_real(RunResult.load(p), out / f"{workload}-steps") for p in saved]
     else:
-        load = os.getloadavg()[0]
-        reals = real_runs(specs)
-        for real in reals:
-            real.meta["loadavg_1m"] = load
+        reals = real_runs(specs, out / f"{workload}-steps" if out else None)
     rows = []
     for rate, spec, real in zip(rates, specs, reals):
-        sim = sim_run(spec, profile)
+        sim = sim_run(spec, profile, overhead)
+        replay = sim_run(spec, *real.replay) if real.replay else None
         if out is not None:
             from loadtests.report import write_report  # noqa: PLC0415
-            write_report(real, out / f"{workload}-{rate:g}" / "real")
-            write_report(sim, out / f"{workload}-{rate:g}" / "sim")
-        rows.append(Comparison(workload, rate, len(real.records), latencies(real), latencies(sim),
-                               sum(r.ok for r in real.records), sum(r.ok for r in sim.records),
-                               load))
+            folder = out / f"{workload}-{rate:g}"
+            write_report(real.run, folder / "real")
+            write_report(sim, folder / "sim")
+            if replay is not None:
+                write_report(replay, folder / "replay")
+                real.replay[0].save(folder / "replay" / "profile.json")
+                real.replay[1].save(folder / "replay" / "overhead.json")
+        load = float(real.run.meta.get("loadavg_1m", float("nan")))
+        rows.append(Comparison(workload, rate, len(real.run.records), latencies(real.run),
+                               latencies(sim), sum(r.ok for r in real.run.records),
+                               sum(r.ok for r in sim.records), load,
+                               latencies(replay) if replay is not None else None))
     return rows
 
 
@@ -97,44 +167,79 @@ def table(rows: list[Comparison]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.0f}"
 
+    stats = [(m, s) for m in ("ttft_s", "itl_s") for s in ("mean", "p99")]
     lines = ["| workload | rate | requests (ok real / sim) | load 1m | TTFT mean real / sim (ms) "
              "| err | TTFT p99 real / sim (ms) | err | ITL mean real / sim (ms) | err "
-             "| ITL p99 real / sim (ms) | err |",
-             "|---|---:|---|---:|---|---:|---|---:|---|---:|---|---:|"]
+             "| ITL p99 real / sim (ms) | err | replay err: TTFT mean / p99, ITL mean / p99 |",
+             "|---|---:|---|---:|---|---:|---|---:|---|---:|---|---:|---|"]
     for c in rows:
         cells = []
-        for metric in ("ttft_s", "itl_s"):
-            for stat in ("mean", "p99"):
-                cells += [f"{ms(c.real[metric][stat])} / {ms(c.sim[metric][stat])}",
-                          pct(c.error(metric, stat))]
+        for metric, stat in stats:
+            cells += [f"{ms(c.real[metric][stat])} / {ms(c.sim[metric][stat])}",
+                      pct(c.error(metric, stat))]
+        replay = " / ".join(pct(c.error(m, s, of="replay")) for m, s in stats)
         lines.append(f"| {c.workload} | {c.rate:g} | {c.requests} ({c.real_ok} / {c.sim_ok}) "
-                     f"| {c.loadavg_1m:.1f} | " + " | ".join(cells) + " |")
+                     f"| {c.loadavg_1m:.1f} | " + " | ".join(cells) + f" | {replay} |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.planner.validation",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("profile", help="a kvfleet sim calibrate profile of this machine")
+def add_validate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="a step profile (kvfleet sim calibrate); default: calibrate in a fleet first")
+    p.add_argument("--overhead", default=None, metavar="FILE",
+                   help="the fleet's overhead (kvfleet sim calibrate --in-fleet); none: the "
+                        "engines alone")
     p.add_argument("--workloads", default="chat-only,mixed,azure-conv")
     p.add_argument("--rates", default="0.5,1", help="scale.rate values")
-    p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--out", default=None, help="folder for each run's reports and table.md")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of each real run")
+    p.add_argument("--calibrate-workload", default="mixed",
+                   help="without --profile: the in-fleet calibration's workload")
+    p.add_argument("--calibrate-rate", type=float, default=0.75)
+    p.add_argument("--calibrate-duration", type=float, default=30.0)
+    p.add_argument("--out", default="sim-validation",
+                   help="folder for each run's reports, the profile, table.md and rows.json")
     p.add_argument("--reuse-real", action="store_true",
                    help="take the real runs an earlier call saved under --out (new profile, same runs)")
-    args = p.parse_args(argv)
-    out = Path(args.out) if args.out else None
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile, overhead = args.profile, None
+    if args.overhead:
+        overhead = FleetOverhead.load(args.overhead)
+    if profile is None and args.reuse_real and (out / "profile.json").is_file():
+        profile = str(out / "profile.json")          # the in-fleet calibration saved there
+        if overhead is None and (out / "overhead.json").is_file():
+            overhead = FleetOverhead.load(out / "overhead.json")
+    if profile is None:
+        from services.planner.in_fleet import calibrate_in_fleet  # noqa: PLC0415
+        spec = load_workload(args.calibrate_workload).with_overrides(
+            duration_s=args.calibrate_duration, rate_scale=args.calibrate_rate)
+        got = calibrate_in_fleet(spec)
+        profile, overhead = str(out / "profile.json"), got.overhead
+        got.profile.save(profile)
+        got.overhead.save(out / "overhead.json")
+        from loadtests.report import write_report  # noqa: PLC0415
+        write_report(got.run, out / "calibration")
+        print(f"calibrated in a fleet: {got.profile.notes}; path mean "
+              f"{got.overhead.path_mean_s * 1e3:.0f} ms", flush=True)
     rows = []
     rates = [float(r) for r in args.rates.split(",")]
     for workload in args.workloads.split(","):
-        got = compare(workload, rates, args.duration, args.profile, out, args.reuse_real)
-        rows += got
-        print("\n".join(table(got).splitlines()[2:]), flush=True)
+        got_rows = compare(workload, rates, args.duration, profile, out, args.reuse_real, overhead)
+        rows += got_rows
+        print("\n".join(table(got_rows).splitlines()[2:]), flush=True)
     print(table(rows))
-    if out is not None:
-        (out / "table.md").write_text(table(rows) + "\n")
-        (out / "rows.json").write_text(json.dumps([c.__dict__ for c in rows], indent=1))
+    (out / "table.md").write_text(table(rows) + "\n")
+    (out / "rows.json").write_text(json.dumps([c.__dict__ for c in rows], indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvfleet sim validate", description=__doc__.split("\n\n")[0])
+    add_validate_args(p)
+    return run_validate(p.parse_args(argv))
 
 
 if __name__ == "__main__":

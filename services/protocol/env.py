@@ -77,6 +77,9 @@ OTEL_SAMPLER = Var("OTEL_TRACES_SAMPLER", "every service (tracing.py)",
                    "the OpenTelemetry SDK's own sampler choice; unset: parent-based ratio")
 OTEL_SAMPLER_ARG = Var("OTEL_TRACES_SAMPLER_ARG", "every service (tracing.py)",
                        "the ratio of traces sampled when OTEL_TRACES_SAMPLER is unset (default 1)")
+STEP_TRACE = Var("KVFLEET_STEP_TRACE", "an engine core (services/worker/step_trace.py)",
+                 "a directory: every engine step's shape and time, one JSON line each "
+                 "(kvfleet sim calibrate --in-fleet)")
 # -- the fault suite's injections (tests/faults/)
 FAULT_ENGINE_STEP = Var("KVFLEET_FAULT_ENGINE_STEP", "an engine core (services/worker/faults.py)",
                         "N: the engine's N-th step raises (a crashed core)")

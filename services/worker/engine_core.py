@@ -60,7 +60,7 @@ from services.engine.engine import EngineStats, LLMEngine, StepRecord
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.tp_ranks import TPRankFailed
-from services.worker import faults
+from services.worker import faults, step_trace
 
 log = logging.getLogger(__name__)
 
@@ -499,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
         engine = build_engine(config, kv_allocator(config, kv))
         faults.install(engine)
+        step_trace.install(engine)
         core = EngineCore(engine, commands, replies, sys.stdin.fileno())
         core.send(ready_message(config, engine, kv))
         core.run()
