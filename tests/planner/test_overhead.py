@@ -166,7 +166,7 @@ def test_bench_fleet_hands_the_simulated_target_to_kvfleet_up_and_paces_its_own_
     args = p.parse_args(["--engine", "sim", "--sim-step-ms", "5", "--sim-kv-tokens", "4096"])
     up = up_args(args, "engine.yaml")
     assert (up.engine, up.sim_step_ms, up.sim_kv_tokens) == ("sim", 5.0, 4096)
-    engine = bench_engine("tiny", 1, sim_config_from_args(args))
+    engine = bench_engine("tiny", 1, sim=sim_config_from_args(args))
     # the same pacing as the engine core: a step ends no earlier than its start + its modelled
     # time (a lower bound the sleep guarantees, not a measurement)
     engine.add_request(list(range(16, 48)), SamplingParams(max_tokens=3, ignore_eos=True))
