@@ -2,8 +2,7 @@
 
 Each child prints one `READY <name> <host:port>` line on stdout when it serves. The launcher reads
 stdout on a thread (so pipes never fill) and waits for that line (`start_many` starts children
-side by side and waits for all of them; `spawn` then `wait_ready` lets the caller start others
-meanwhile; `stopping` aborts the wait).
+side by side and waits for all of them; `stopping` aborts the wait).
 
 Stopping (R2, item 9: every process gone within SHUTDOWN_BUDGET_S of SIGTERM, streams in flight
 or not). Each child runs in its own session, so its process group holds it and whatever it starts
@@ -72,13 +71,7 @@ class Launcher:
         """Start every `name: module_args` at once, then wait until each is ready; returns their
         addresses. If one fails (or `stopping` is set), all of them are stopped and LaunchError
         names the first that failed, with its log's tail."""
-        return self.wait_ready([self.spawn(name, args) for name, args in specs.items()],
-                               ready_timeout_s)
-
-    def wait_ready(self, children: list[Child], ready_timeout_s: float = 120.0) -> dict[str, str]:
-        """Wait until each of `children` (spawned) is ready; returns their addresses. If one fails
-        (or `stopping` is set), all of them are stopped and LaunchError names the first that
-        failed, with its log's tail."""
+        children = [self.spawn(name, args) for name, args in specs.items()]
         deadline = time.monotonic() + ready_timeout_s
         for child in children:
             while not child.ready.wait(0.05) and time.monotonic() < deadline \

@@ -180,8 +180,8 @@ def port_plan(args: argparse.Namespace, embedded_redis: bool) -> list[ports.List
 
 def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
                 limits: Timeouts = Timeouts(), plan: list[ports.Listener] = ()) -> dict[str, str]:
-    """Workers and routers side by side, the gateway once the routers serve (the workers may
-    still be loading); returns every child's address (and `gateway-grpc`) once all of them serve. `args` as `add_up_args` makes them (`routers` may be missing: one); `plan`:
+    """Workers and routers side by side, then the gateway; returns every child's address (and
+    `gateway-grpc`). `args` as `add_up_args` makes them (`routers` may be missing: one); `plan`:
     the --port-base ports (`port_plan`), or none (free ports)."""
     model = model_dir(args.model)
     config = ["--config", args.config] if args.config else []
@@ -210,28 +210,12 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
         specs[name] = ["services.router", "--redis-url", redis_url, "--mode", args.mode,
                        "--router-id", name, "--placement", getattr(args, "placement", "prefix"),
                        *config, *limit_args, *ports.child_args(plan, name)]
-    # the gateway needs only the routers: it loads while the workers still load theirs
-    spawned = {name: launcher.spawn(name, module_args) for name, module_args in specs.items()}
-    try:
-        ready = launcher.wait_ready([spawned[name] for name in routers])
-        endpoints = _start_gateway(args, launcher, model, redis_url, config + limit_args,
-                                   [ready[name] for name in routers])
-        ready.update(launcher.wait_ready([c for n, c in spawned.items() if n not in routers]))
-    except LaunchError:
-        launcher.stop_all()              # the workers still loading, or the gateway
-        raise
-    return {**{name: ready[name] for name in specs}, **endpoints}
-
-
-def _start_gateway(args: argparse.Namespace, launcher: Launcher, model: str, redis_url: str,
-                   common: list[str], routers: list[str]) -> dict[str, str]:
-    """Start the gateway in front of `routers` (their addresses); returns its `gateway` (HTTP)
-    and `gateway-grpc` addresses."""
-    endpoints = {}
+    endpoints = launcher.start_many(specs)
     http, grpc = gateway_ports(args)
-    gateway = ["services.gateway", "--model", model, "--router", ",".join(routers),
+    gateway = ["services.gateway", "--model", model,
+               "--router", ",".join(endpoints[name] for name in routers),
                "--redis-url", redis_url, "--host", args.host,
-               "--http-port", str(http), "--grpc-port", str(grpc), *common]
+               "--http-port", str(http), "--grpc-port", str(grpc), *config, *limit_args]
     if getattr(args, "served_model_name", None):
         gateway += ["--served-model-name", *args.served_model_name]
     if args.api_keys:
