@@ -11,8 +11,8 @@ import importlib
 import signal
 import sys
 from collections.abc import Callable
-from typing import NoReturn
 from dataclasses import dataclass
+from typing import NoReturn
 
 from services.engine.config import add_engine_args  # torch-free
 
