@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from services.engine.config import add_device_arg, add_engine_args, add_sim_args  # torch-free
 
@@ -83,11 +84,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """`kvfleet serve`: one worker process until it is told to stop."""
+def run_worker(args: argparse.Namespace) -> NoReturn:
+    """`kvfleet serve`: one worker process until it is told to stop; then it ends at once,
+    without the interpreter's teardown (services/protocol/shutdown.py exit_now)."""
     from services.protocol.aio import run
+    from services.protocol.shutdown import exit_now
     from services.worker.serve import serve
-    return run(serve(args))
+    exit_now(run(serve(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from services.gateway.config import (DEFAULT_DOCUMENT_THRESHOLD_TOKENS, DEFAULT_
 
 from services.protocol import env
 from services.protocol import timeouts
+from services.protocol.shutdown import exit_now
 
 METRICS_KEY_ENV = env.METRICS_KEY.name
 
@@ -112,4 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())                   # stopped and closed: no interpreter teardown

@@ -19,7 +19,6 @@ to start). Prints `READY router <host:port>` once serving; SIGTERM / SIGINT stop
 import argparse
 import asyncio
 import logging
-import sys
 
 import grpc
 
@@ -30,7 +29,7 @@ from services.protocol.standard_health import add_standard_health
 
 from services.state.fleet_state import FleetState
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.protocol.shutdown import wait_for_stop_signal
+from services.protocol.shutdown import exit_now, wait_for_stop_signal
 from services.router.paths import DEFAULT_THRESHOLD_TOKENS, MODES
 from services.router.prefix_index import KVEventFeed, PrefixIndex
 from services.engine.config import SchedulerConfig
@@ -120,4 +119,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())                   # stopped and closed: no interpreter teardown

@@ -43,7 +43,7 @@ from services.protocol.aio import LOOPBACK, run, setup_logging
 from services.protocol.standard_health import StandardHealth, add_standard_health
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.protocol.shutdown import wait_for_stop_signal
+from services.protocol.shutdown import exit_now, wait_for_stop_signal
 from services.state.fleet_state import FleetState
 from services.state.wait_queue import WaitQueue
 from services.state.outage import UNREACHABLE, Backoff, Outage
@@ -391,11 +391,4 @@ def paced_transport(transport, config: EngineConfig):
 def main(role: str | None = None, argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(prog=f"kvfleet serve {role or ''}".strip())
     add_worker_args(parser, role)
-    code = run(serve(parser.parse_args(argv)))
-    # Everything is stopped and closed (the engine core reaped, ports closed), so the process ends
-    # at once: the interpreter's own teardown (the GC of torch's and grpc's modules) is slow enough
-    # to threaten the 3-s stop budget (docs/benchmarks.md, the time to stop).
-    tracing.shutdown()                 # export the spans still buffered: os._exit skips atexit
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(run(serve(parser.parse_args(argv))))
