@@ -8,11 +8,11 @@ both sizes rather than with tokens from a misread cache."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import grpc
 import pytest
 
+from services.cli.launcher import descendants
 from services.cli.up import add_up_args, check_tensor_parallel
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
@@ -96,15 +96,12 @@ def up_parser() -> argparse.ArgumentParser:
 
 def _followers(worker_pid: int) -> int:
     """Tensor-parallel follower ranks under a worker process (children of its engine core)."""
-    tree, found = {worker_pid}, 0
-    for _ in range(3):                                   # worker -> engine core -> ranks
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if ppid in tree and int(entry) not in tree:
-                tree.add(int(entry))
-                found += b"services.engine.tp_ranks" in cmdline
-    return found
+    return sum(b"services.engine.tp_ranks" in _cmdline(pid) for pid in descendants(worker_pid))
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:                                      # gone meanwhile
+        return b""

@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 
+from services.cli.launcher import children
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
@@ -57,14 +58,13 @@ def test_a_tp2_worker_with_an_fp8_cache_answers_like_tp1_and_fails_visibly_when_
 
 
 def _child(parent: int, marker: bytes) -> int:
-    for entry in filter(str.isdigit, os.listdir("/proc")):
+    for pid in children(parent):
         try:
-            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-        except OSError:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker in f.read():
+                    return pid
+        except OSError:                                  # gone meanwhile
             continue
-        if ppid == parent and marker in cmdline:
-            return int(entry)
     raise AssertionError(f"process {parent} has no child running {marker.decode()}")
 
 
