@@ -122,3 +122,14 @@ def test_an_external_redis_leaves_out_the_bundled_one_and_the_secrets_made_elsew
     assert fleet.of_kind("StatefulSet") == []
     [secret] = fleet.of_kind("Secret")
     assert set(secret["data"]) == {"redis-url"}
+
+
+def test_only_the_gateway_is_reachable_from_outside_the_release():
+    policies = {p["metadata"]["name"].rsplit("-", 1)[-1]: p["spec"]
+                for p in render("default").of_kind("NetworkPolicy")}
+    internal = policies["internal"]
+    assert {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["gateway"]} \
+        in internal["podSelector"]["matchExpressions"]
+    assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/instance": "ci"}}}]}]
+    assert policies["gateway"]["ingress"] == [{"ports": [{"port": "http"}, {"port": "grpc"}]}]
