@@ -133,3 +133,14 @@ def test_only_the_gateway_is_reachable_from_outside_the_release():
     assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/instance": "ci"}}}]}]
     assert policies["gateway"]["ingress"] == [{"ports": [{"port": "http"}, {"port": "grpc"}]}]
+
+
+def test_the_bundled_redis_url_carries_the_password_redis_is_started_with():
+    import base64
+    [secret] = render("default").of_kind("Secret")
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert len(data["redis-password"]) >= 32 and len(data["fleet-token"]) >= 32
+    assert data["redis-url"] == f"redis://:{data['redis-password']}@ci-kvfleet-redis:6379/0"
+    redis = render("default").of_kind("StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert redis["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert redis["env"][0]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"

@@ -65,3 +65,8 @@ def test_a_gateway_without_api_keys_is_refused_unless_made_insecure_on_purpose()
     with pytest.raises(helm().HelmError, match="API keys"):
         render_values({})
     render_values({"gateway": {"insecure": True}})
+
+
+def test_an_external_redis_needs_its_url():
+    with pytest.raises(helm().HelmError, match="redis.externalUrl"):
+        render_values({"gateway": {"insecure": True}, "redis": {"bundled": False}})
