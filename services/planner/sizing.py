@@ -12,7 +12,8 @@ Two steps, per fleet mode (co-located, disaggregated, hybrid):
 
 A fleet of n replicas of one mode is fixed by n (`fleet_of`): disaggregated splits n by the offered
 prefill share of the work, hybrid gives half to mixed workers and splits the rest evenly, as the
-study's hybrid (services/planner/study.py). GPUs are replicas x TP.
+study's hybrid (services/planner/study.py); for a disaggregated n the search also tries one
+prefill replica fewer and one more (`candidates`). GPUs are replicas x TP.
 
 R is requests per second: the spec's arrival rates are scaled by R over the spec's own planned
 rate (its requests over its duration), so the mix of classes and tenants is the spec's.
@@ -79,6 +80,16 @@ def fleet_of(mode: str, n: int, prefill_share: float) -> str:
     return f"hybrid:{mixed}:{p}:{n - mixed - p}"
 
 
+def candidates(mode: str, n: int, prefill_share: float) -> list[str]:
+    """The fleets of `n` replicas the search tries, best guess first: a disaggregated fleet's
+    split by the prefill share, then one prefill replica fewer and one more."""
+    first = fleet_of(mode, n, prefill_share)
+    if mode != "disagg":
+        return [first]
+    p = int(first.split(":")[1])
+    return [first] + [f"disagg:{q}:{n - q}" for q in (p - 1, p + 1) if 1 <= q <= n - 1]
+
+
 def estimate(load: OfferedLoad, util: float) -> dict[str, int]:
     """Replicas per mode from the offered accelerator-seconds alone."""
     pre = max(1, math.ceil(load.prefill_replica_s_per_s / util))
@@ -106,12 +117,16 @@ def search(mode: str, start: int, share: float, cfg: SizingConfig, attained) -> 
     lo = MIN_REPLICAS[mode]
     n = min(max(start, lo), cfg.max_replicas)
     tried: dict[str, float] = {}
+    met: dict[int, str] = {}
 
     def meets(k: int) -> bool:
-        f = fleet_of(mode, k, share)
-        if f not in tried:
-            tried[f] = attained(f)
-        return tried[f] >= cfg.attainment
+        for f in candidates(mode, k, share):
+            if f not in tried:
+                tried[f] = attained(f)
+            if tried[f] >= cfg.attainment:
+                met[k] = f
+                return True
+        return False
 
     if meets(n):
         while n > lo and meets(n - 1):
@@ -122,7 +137,7 @@ def search(mode: str, start: int, share: float, cfg: SizingConfig, attained) -> 
         n += 1
         if n > cfg.max_replicas:
             return Sized(mode, fleet_of(mode, start, share), None, None, None, None, tried)
-    best = fleet_of(mode, n, share)
+    best = met[n]
     return Sized(mode, fleet_of(mode, max(start, lo), share), best, n, n * cfg.tp, tried[best],
                  tried)
 
