@@ -40,7 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--duration", type=float, default=10.0,
                    help="with --rate: simulated seconds per check (default 10)")
     r.add_argument("--attainment", type=float, default=0.9,
-                   help="with --rate: SLO attainment a fleet must reach (default 0.9)")
+                   help="with --rate: SLO attainment every class with a target must reach "
+                        "(default 0.9)")
     r.add_argument("--max-replicas", type=int, default=32,
                    help="with --rate: the search's bound per mode (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -124,8 +125,8 @@ def _sizing(m: CostModel, args: argparse.Namespace) -> dict:
         spec = replace(spec, scale=Scale())
     sim = SimConfig(target_model=args.model, gpu=args.gpu, tp=args.tp, dtype=args.dtype,
                     kv_dtype=args.kv_dtype, network_gbps=args.network_gbps)
-    got = size(spec, m, sim, cfg, progress=None if args.json else lambda p: print(
-        f"  checked {p.setup:14s} attainment {p.attainment:6.1%}", file=sys.stderr, flush=True))
+    got = size(spec, m, sim, cfg, progress=None if args.json else lambda f, a: print(
+        f"  checked {f:14s} worst class's SLO attainment {a:6.1%}", file=sys.stderr, flush=True))
     return {"rate_rps": got["rate_rps"], "rate_scale": got["rate_scale"],
             "attainment": cfg.attainment, "duration_s": args.duration, "tp": cfg.tp,
             "offered": {"prefill_replica_s_per_s": got["load"].prefill_replica_s_per_s,

@@ -6,7 +6,8 @@ Two steps, per fleet mode (co-located, disaggregated, hybrid):
             target utilization: co-located N = ceil((prefill + decode) / util); disaggregated
             P = ceil(prefill / util), D = ceil(decode / util); hybrid the same total, at least 3;
   check:    the simulator runs the mix at rate R on a fleet of n replicas and reads its SLO
-            attainment (requests that met their class's TTFT and ITL targets). Starting at the
+            attainment: the worst class's share of requests that met the class's TTFT and ITL
+            targets (classes without a target, batch, count not). Starting at the
             estimate, the search walks down while the fleet still meets `attainment` and up until
             one does; the answer is the smallest n met. At most `max_replicas` per mode.
 
@@ -23,7 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loadtests.workload import WorkloadSpec, plan_requests
+from loadtests.metrics import summarize
+from loadtests.workload import WorkloadSpec, plan_requests, slo_table
 from services.engine.config import SimConfig
 from services.planner.capacity import CostModel
 from services.planner.offered_load import OfferedLoad, offered_load_of
@@ -143,11 +145,25 @@ def search(mode: str, start: int, share: float, cfg: SizingConfig, attained) -> 
 
 
 def _attainment_of(spec: WorkloadSpec, sim: SimConfig, progress):
-    from services.planner.study import point  # noqa: PLC0415 (the simulator and the engine)
+    from services.planner.simulator import Fleet, SimRunConfig, simulate  # noqa: PLC0415
 
     def attained(fleet: str) -> float:
-        p = point(spec, fleet, sim, spec.scale.rate)
+        run = simulate(spec, SimRunConfig(fleet=Fleet.parse(fleet), sim=sim)).run
+        a = class_attainment(summarize(run), slo_table(spec))
         if progress:
-            progress(p)
-        return p.attainment
+            progress(fleet, a)
+        return a
     return attained
+
+
+def class_attainment(summary: dict, slos: dict) -> float:
+    """The worst SLO attainment of the classes that have a target (a class without one, batch,
+    counts not): a fleet serves the mix only if every such class is served, not 90% of requests
+    that chats dominate. No such class: the overall attainment."""
+    worst = [c["attainment"]["slo"] for name, c in summary["classes"].items()
+             if c["requests"] and name in slos
+             and (slos[name].ttft_s is not None or slos[name].itl_s is not None)]
+    if worst:
+        return min(worst)
+    overall = summary["overall"]
+    return overall["met"] / max(1, overall["requests"])

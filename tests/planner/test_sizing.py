@@ -111,3 +111,14 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     done = cli(*args)
     assert done.returncode == 2 and message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_worst_class_with_a_target_decides_not_the_chats_that_outnumber_it():
+    from loadtests.workload import slo_table
+    from services.planner.sizing import class_attainment
+    slos = slo_table(load_workload("mixed"))
+    summary = {"overall": {"met": 95, "requests": 100},
+               "classes": {"interactive": {"requests": 90, "attainment": {"slo": 1.0}},
+                           "document": {"requests": 5, "attainment": {"slo": 0.2}},
+                           "batch": {"requests": 5, "attainment": {"slo": 0.0}}}}
+    assert class_attainment(summary, slos) == 0.2           # batch has no target: not counted
