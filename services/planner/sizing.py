@@ -43,7 +43,8 @@ class SizingConfig:
 
     def __post_init__(self) -> None:
         if not self.rate_rps > 0 or math.isinf(self.rate_rps):
-            raise ValueError(f"--rate must be a finite number of requests/s > 0, got {self.rate_rps}")
+            raise ValueError(f"--rate must be a finite number of requests/s > 0, "
+                             f"got {self.rate_rps}")
         if not 0 < self.attainment <= 1:
             raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
         if self.max_replicas < 3:
@@ -96,7 +97,8 @@ def estimate(load: OfferedLoad, util: float) -> dict[str, int]:
     """Replicas per mode from the offered accelerator-seconds alone."""
     pre = max(1, math.ceil(load.prefill_replica_s_per_s / util))
     dec = max(1, math.ceil(load.decode_replica_s_per_s / util))
-    together = max(1, math.ceil((load.prefill_replica_s_per_s + load.decode_replica_s_per_s) / util))
+    both = load.prefill_replica_s_per_s + load.decode_replica_s_per_s
+    together = max(1, math.ceil(both / util))
     return {"colocated": together, "disagg": pre + dec, "hybrid": max(3, pre + dec)}
 
 

@@ -15,7 +15,8 @@ from loadtests.workload import load_workload, plan_requests
 from services.engine.config import SimConfig
 from services.planner.capacity import CostModel
 from services.planner.offered_load import OfferedLoad
-from services.planner.sizing import SizingConfig, candidates, estimate, fleet_of, rate_scale_for, search, size
+from services.planner.sizing import (SizingConfig, candidates, estimate, fleet_of, rate_scale_for,
+                                     search, size)
 
 
 def seventy_b() -> CostModel:
