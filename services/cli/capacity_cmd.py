@@ -33,6 +33,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unscaled", action="store_true",
                    help="with --workload: ignore the spec's scale (shipped specs shrink prompts "
                         "for a CPU); plan for the real mix")
+    r = p.add_argument_group("GPUs needed (with --workload): services/planner/sizing.py")
+    r.add_argument("--rate", type=float, default=None, metavar="R",
+                   help="requests/s to serve: the replicas and GPUs each fleet mode needs for the "
+                        "workload's mix at its SLOs, estimated then checked on the simulator")
+    r.add_argument("--duration", type=float, default=10.0,
+                   help="with --rate: simulated seconds per check (default 10)")
+    r.add_argument("--attainment", type=float, default=0.9,
+                   help="with --rate: SLO attainment every class with a target must reach "
+                        "(default 0.9)")
+    r.add_argument("--max-replicas", type=int, default=32,
+                   help="with --rate: the search's bound per mode (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--check", action="store_true",
                    help="compare with published measurements; exit 1 if any is >15%% off")
@@ -51,9 +62,13 @@ def run(args: argparse.Namespace) -> int:
                                      constants=constants)
         _check_fits(model)
         report = capacity_report(model, args.network_gbps)
+        if args.rate is not None and not args.workload:
+            raise ValueError("--rate needs --workload (the mix to size for)")
         if args.workload:
             report["workload"] = _workload(model, args.workload, args.unscaled)
-    except ValueError as e:                      # SpecError is a ValueError
+        if args.rate is not None:
+            report["sizing"] = _sizing(model, args)
+    except (ValueError, KeyError, FileNotFoundError) as e:   # SpecError is a ValueError
         print(f"kvfleet capacity: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -97,6 +112,28 @@ def _workload(m: CostModel, name: str, unscaled: bool) -> dict:
             "prefill_to_decode": load.prefill_to_decode}
 
 
+def _sizing(m: CostModel, args: argparse.Namespace) -> dict:
+    from dataclasses import replace  # noqa: PLC0415
+
+    from loadtests.workload import Scale, load_workload  # noqa: PLC0415
+    from services.engine.config import SimConfig  # noqa: PLC0415
+    from services.planner.sizing import SizingConfig, size  # noqa: PLC0415
+    cfg = SizingConfig(rate_rps=args.rate, attainment=args.attainment,
+                       max_replicas=args.max_replicas, tp=args.tp)
+    spec = load_workload(args.workload).with_overrides(duration_s=args.duration)
+    if args.unscaled:
+        spec = replace(spec, scale=Scale())
+    sim = SimConfig(target_model=args.model, gpu=args.gpu, tp=args.tp, dtype=args.dtype,
+                    kv_dtype=args.kv_dtype, network_gbps=args.network_gbps)
+    got = size(spec, m, sim, cfg, progress=None if args.json else lambda f, a: print(
+        f"  checked {f:14s} worst class's SLO attainment {a:6.1%}", file=sys.stderr, flush=True))
+    return {"rate_rps": got["rate_rps"], "rate_scale": got["rate_scale"],
+            "attainment": cfg.attainment, "duration_s": args.duration, "tp": cfg.tp,
+            "offered": {"prefill_replica_s_per_s": got["load"].prefill_replica_s_per_s,
+                        "decode_replica_s_per_s": got["load"].decode_replica_s_per_s},
+            "modes": {s.mode: asdict(s) for s in got["modes"]}}
+
+
 def render(r: dict) -> str:
     t = r["target"]
     lines = [f"{t['model']} on {t['tp']} x {t['gpu']}, weights {t['dtype']}, KV {t['kv_dtype']}",
@@ -119,6 +156,8 @@ def render(r: dict) -> str:
               for b, row in r["decode_step_s"].items()]
     if "workload" in r:
         lines += ["", *_render_workload(r["workload"])]
+    if "sizing" in r:
+        lines += ["", *_render_sizing(r["sizing"])]
     return "\n".join(lines)
 
 
@@ -131,6 +170,20 @@ def _render_workload(w: dict) -> list[str]:
             f"    decode   {w['decode_replica_s_per_s']:8.3f} replica-s per s at batch "
             f"{w['decode_batch']} -> {w['decode_replicas']} replica(s)",
             f"    prefill:decode work = {w['prefill_to_decode']:.2f} : 1"]
+
+
+def _render_sizing(s: dict) -> list[str]:
+    o = s["offered"]
+    lines = [f"  GPUs needed at {s['rate_rps']:g} requests/s (x{s['rate_scale']:.3g} the spec's "
+             f"rates), SLO attainment >= {s['attainment']:.0%} on {s['duration_s']:g} simulated s:",
+             f"    offered: prefill {o['prefill_replica_s_per_s']:.2f}, decode "
+             f"{o['decode_replica_s_per_s']:.2f} replica-s per s",
+             f"    {'mode':10s} {'estimate':>16s} {'checked':>16s} {'replicas':>8s} {'GPUs':>5s}"]
+    for mode, m in s["modes"].items():
+        lines.append(f"    {mode:10s} {m['estimate']:>16s} {m['fleet'] or 'none':>16s} "
+                     f"{m['replicas'] or '-':>8} {m['gpus'] or '-':>5}"
+                     + ("" if m["fleet"] else "  (none within --max-replicas)"))
+    return lines
 
 
 def _check(constants, as_json: bool) -> int:

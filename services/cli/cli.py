@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(ssub, "kvfleet sim study", "fleets of the same GPUs (co-located, disaggregated, "
               "hybrid) swept past their knee on the simulator: goodput at SLO per GPU and a plot",
               "services.cli.sim_cmd:add_study_args", "services.cli.sim_cmd:run_study")
+    _delegate(ssub, "kvfleet sim crossover", "co-located vs disaggregated on the same GPUs by "
+              "prompt length and KV link: where disaggregation starts to pay (a table and a PNG)",
+              "services.cli.sim_crossover_cmd:add_args", "services.cli.sim_crossover_cmd:run")
     _delegate(ssub, "kvfleet sim rebalance", "the rebalancer in the loop: a trace whose mix shifts, "
               "pool sizes over time and goodput against fixed-ratio fleets (a PNG and JSON)",
               "services.cli.sim_rebalance_cmd:add_args", "services.cli.sim_rebalance_cmd:run")

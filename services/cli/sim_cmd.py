@@ -208,6 +208,10 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-tp", type=int, default=4)
     p.add_argument("--sim-kv-tokens", type=int, default=None, metavar="N",
                    help="KV capacity per worker in tokens (default: the target's)")
+    p.add_argument("--scheduler", choices=("chunked", "fcfs"), default="chunked",
+                   help="chunked: the engine's scheduler (token budget, chunked prefill); fcfs: "
+                        "the baseline, whole prompts first come first served with no token "
+                        "budget (services/planner/study.py fcfs_engine)")
     p.add_argument("--out", default="docs/capacity/study", help="folder for study.json, goodput.png")
 
 
@@ -232,7 +236,8 @@ def run_study(args: argparse.Namespace) -> int:
             f"{p.setup:16s} {p.gbps:7g} Gb/s x{p.rate_scale:<5g} offered {p.offered_rps:7.2f} "
             f"goodput {p.goodput_rps:7.2f} req/s attainment {p.attainment:6.1%} "
             f"TTFT p99 {p.ttft_p99_s:7.3f} s ITL p99 {p.itl_p99_s * 1000:6.1f} ms",
-            file=sys.stderr, flush=True))
+            file=sys.stderr, flush=True),
+            engine=study.fcfs_engine() if args.scheduler == "fcfs" else None)
     except (SpecError, ValueError, KeyError) as e:
         print(f"kvfleet sim study: {e}", file=sys.stderr)
         return 2

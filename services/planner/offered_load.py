@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from loadtests.workload import Scale, load_workload, plan_requests
+from loadtests.workload import Scale, WorkloadSpec, load_workload, plan_requests
 from services.planner.capacity import CostModel
 
 
@@ -48,6 +48,11 @@ def offered_load(model: CostModel, name_or_path: str, unscaled: bool = False) ->
     spec = load_workload(name_or_path)
     if unscaled:
         spec = replace(spec, scale=Scale())
+    return offered_load_of(model, spec)
+
+
+def offered_load_of(model: CostModel, spec: WorkloadSpec) -> OfferedLoad:
+    """The load of a parsed spec, at its own scales."""
     requests = plan_requests(spec)
     if not requests:
         raise ValueError(f"workload {spec.name!r} plans no requests in {spec.duration_s:g} s")

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from loadtests.metrics import summarize
 from loadtests.workload import WorkloadSpec
-from services.engine.config import SimConfig
+from services.engine.config import EngineConfig, SimConfig
 from services.planner.simulator import Fleet, SimRunConfig, simulate
 
-__all__ = ["Fleet", "Point", "knee", "point", "setups", "sweep", "write"]
+__all__ = ["Fleet", "Point", "fcfs_engine", "knee", "point", "setups", "sweep", "write"]
 
 ATTAINMENT = 0.9
 
@@ -53,9 +53,12 @@ def setups(replicas: int) -> list[str]:
     return out
 
 
-def point(spec: WorkloadSpec, setup: str, sim: SimConfig, rate_scale: float) -> Point:
-    run = simulate(spec.with_overrides(rate_scale=rate_scale),
-                   SimRunConfig(fleet=Fleet.parse(setup), sim=sim)).run
+def point(spec: WorkloadSpec, setup: str, sim: SimConfig, rate_scale: float,
+          engine: EngineConfig | None = None) -> Point:
+    cfg = SimRunConfig(fleet=Fleet.parse(setup), sim=sim)
+    if engine is not None:
+        cfg = replace(cfg, engine=engine)
+    run = simulate(spec.with_overrides(rate_scale=rate_scale), cfg).run
     s = summarize(run)
     overall = s["overall"]
     inter = s["classes"].get("interactive", {})
@@ -70,6 +73,23 @@ def _p99(cls: dict, key: str) -> float:
     return float(stats.get("p99", float("nan"))) if isinstance(stats, dict) else float("nan")
 
 
+def fcfs_engine() -> EngineConfig:
+    """The baseline scheduler: whole prompts first come, first served, no token budget.
+
+    Each iteration runs every running decode and then admits waiting prompts whole (no chunking,
+    no per-step token budget, no attention cap), oldest first; no decode protection, no late
+    refusal, no class priority or class share (every class is one level), and a tenant's turn is
+    its whole queue. What remains of the order is the tenants' round-robin when KV is short."""
+    from services.engine.config import SchedulerConfig  # noqa: PLC0415
+    base = SchedulerConfig()
+    unlimited = 1 << 24
+    classes = tuple(replace(c, priority=0, share_while_interactive_waits=1.0)
+                    for c in base.classes)
+    return EngineConfig(scheduler=replace(
+        base, token_budget=unlimited, chunk_size=unlimited, max_prefill_attention=0,
+        protect_itl=False, reject_late=False, drr_quantum=unlimited, classes=classes))
+
+
 def knee(points: list[Point], attainment: float = ATTAINMENT) -> Point | None:
     """The highest-rate point that still met `attainment` (None: none did)."""
     good = [p for p in points if p.attainment >= attainment]
@@ -77,12 +97,12 @@ def knee(points: list[Point], attainment: float = ATTAINMENT) -> Point | None:
 
 
 def sweep(spec: WorkloadSpec, sim: SimConfig, fleets: list[str], rates: list[float],
-          gbps: list[float], progress=None) -> list[Point]:
+          gbps: list[float], progress=None, engine: EngineConfig | None = None) -> list[Point]:
     out = []
     for setup in fleets:
         for g in (gbps if not setup.startswith("colocated") else gbps[:1]):
             for r in rates:
-                p = point(spec, setup, replace(sim, network_gbps=g), r)
+                p = point(spec, setup, replace(sim, network_gbps=g), r, engine)
                 out.append(p)
                 if progress:
                     progress(p)
