@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -20,6 +19,7 @@ from services.protocol.fleet_token import ENV_TOKEN
 from services.state import redis_auth
 from services.state.fleet_state import FleetState
 from tests.harness import up_fleet
+from tests.waiting import wait_until
 
 TOKEN = "rebalance-story-token-0123456789"
 SIM = ["--engine", "sim", "--sim-step-ms", "20", "--sim-kv-tokens", "65536",
@@ -45,14 +45,9 @@ def live(up) -> dict[str, object]:
     return asyncio.run(read())
 
 
-def wait_for(what, deadline_s: float = DEADLINE_S):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {deadline_s} s: {what.__doc__ or what}")
+def wait_for(what, deadline_s: float = DEADLINE_S) -> None:
+    """Until `what()` holds (its docstring says what is awaited), at most `deadline_s`."""
+    assert wait_until(what, deadline_s, interval_s=0.1), f"not within {deadline_s} s: {what.__doc__}"
 
 
 def decision(out: subprocess.CompletedProcess, pool: str) -> dict:
