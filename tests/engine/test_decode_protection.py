@@ -52,6 +52,17 @@ def assert_pool_empty(sched: Scheduler) -> None:
     assert not sched.requests and not sched.running and not sched.slot_waiting
 
 
+def run_out(sched, steps: int = 40) -> int:
+    """Step until nothing is left (at most `steps`); the largest running batch seen."""
+    peak = 0
+    for _ in range(steps):
+        if not sched.has_work:
+            break
+        step(sched)
+        peak = max(peak, len(sched.running))
+    return peak
+
+
 # ----------------------------------------------------------------------------- the rule itself
 @settings(max_examples=200, deadline=None)
 @given(fixed=st.floats(1e-4, 0.05), per_seq=st.floats(1e-5, 0.01),
@@ -102,12 +113,7 @@ def test_mixed_role_the_batch_stops_at_the_target_and_the_rest_start_as_others_f
     step(sched)
     assert reqs[CAP].status == reqs[CAP + 1].status == Status.RUNNING  # ... two start, in order
     assert reqs[CAP + 2].status == Status.WAITING
-    peak = 0
-    for _ in range(40):
-        if not sched.has_work:
-            break
-        step(sched)
-        peak = max(peak, len(sched.running))
+    peak = run_out(sched)
     assert peak <= CAP and all(r.is_finished for r in reqs)   # nobody starves
     assert_pool_empty(sched)
 
@@ -120,12 +126,7 @@ def test_a_target_that_a_batch_of_one_misses_holds_nobody_back():
     reqs = [make_request(sched, 6, max_tokens=3, clock=clock) for _ in range(3)]
     for r in reqs:
         sched.add(r)
-    peak = 0
-    for _ in range(40):
-        if not sched.has_work:
-            break
-        step(sched)
-        peak = max(peak, len(sched.running))
+    peak = run_out(sched)
     assert peak == 3 and sched.num_waiting_for_decode_slot == 0
     assert all(r.status == Status.FINISHED_LENGTH for r in reqs)
     assert_pool_empty(sched)

@@ -22,6 +22,7 @@ from services.engine.engine import engine_config
 from services.engine.sampling_params import SamplingParams
 from services.worker.engine_client import EngineClient
 from tests.waiting import eventually
+from tests.worker.test_engine_core import with_core as run_with_core
 
 PROMPT = list(range(1, 41))            # 40 tokens: 3 blocks of 16
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -39,14 +40,8 @@ def stopped(client: EngineClient):
 
 
 def with_core(model_dir, scenario):
-    async def main():
-        client = EngineClient(engine_config(str(model_dir), kv_cache_mib=8))
-        await asyncio.wait_for(client.start(), DEADLINE_S)
-        try:
-            return await scenario(client)
-        finally:
-            await client.close()
-    return asyncio.run(main())
+    """`scenario(client)` against a started core with a small cache; the core always stops."""
+    return run_with_core(engine_config(str(model_dir), kv_cache_mib=8), scenario)
 
 
 async def blocks_taken(client: EngineClient) -> int:
