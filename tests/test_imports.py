@@ -41,3 +41,13 @@ def test_no_kernel_module_imports_anything_from_services():
     assert kernels
     found = reaching(kernels, ("services",))
     assert not found, "kernels/ is below the engine; it must not import it:\n" + "\n".join(found)
+
+
+def test_the_worker_imports_no_role():
+    """The worker serves the Role it is given (services/worker/role.py); only the process entry
+    (services/cli/serve_cmd.py) knows the roles by name."""
+    worker = list((ROOT / "services" / "worker").rglob("*.py"))
+    assert worker
+    found = reaching(worker, ("services.prefill", "services.decode", "services.mixed",
+                              "services.cli"))
+    assert not found, "services/worker must not import a role package:\n" + "\n".join(found)
