@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 def build_worker(config: WorkerConfig, role: Role, auth: FleetAuth | None = None) -> "Worker":
     """The worker `config` describes, serving `role` (whose name must be config.role); `auth`:
     the fleet token its server requires (None: none)."""
+    if not isinstance(role, Role):
+        raise TypeError(f"build_worker needs a Role (services/worker/role.py), got "
+                        f"{type(role).__name__}")
     if role.name != config.role:
         raise ValueError(f"worker {config.worker_id} is configured as {config.role!r} but was "
                          f"given the {role.name!r} role")

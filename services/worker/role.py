@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.worker.capacity import CapacityNotifier
@@ -53,6 +53,7 @@ class RoleLoad:
     kv_blocks_held: int = 0            # blocks of ended reservations a write may still land in
 
 
+@runtime_checkable
 class Role(Protocol):
     name: str          # prefill | decode | mixed: the role WorkerConfig.role names
     moves_kv: bool     # the worker makes it a KV transport (config.kv_backend)

@@ -41,6 +41,11 @@ def test_an_unknown_role_name_is_a_clear_error():
         role_named("router")
 
 
+def test_what_is_not_a_role_is_refused_with_a_clear_error():
+    with pytest.raises(TypeError, match="build_worker needs a Role .* got str"):
+        build_worker(WorkerConfig("w-0", "mixed"), "mixed")
+
+
 def test_a_role_that_is_not_the_configured_one_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="configured as 'decode' but was given the 'mixed' role"):
         build_worker(WorkerConfig("w-0", "decode"), role_named("mixed"))
