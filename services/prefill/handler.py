@@ -67,8 +67,9 @@ class PrefillRole:
         self.state.started = True
 
     def stop(self) -> None:
-        self.state.stopped = True     # writes under way run to their deadline; calls end with
-                                      # the server's stop
+        """Open Prefill calls end with the server's stop; a KV write under way runs to its
+        deadline."""
+        self.state.stopped = True
 
     def readiness(self) -> str | None:
         return self.state.readiness()
