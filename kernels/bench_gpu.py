@@ -110,7 +110,7 @@ def bench_prefill(num_seqs: int, chunk: int, offset: int, shape: Shape, device, 
 
 def bench_backends(specs: list[tuple[int, int]], shape: Shape, device, iters: int) -> dict:
     """Full backend forward (KV store + attention) for the torch reference and Triton on one batch."""
-    from kernels.backend import TritonAttentionBackend
+    from services.engine.model.triton_backend import TritonAttentionBackend
     from services.engine.model.attention import TorchAttentionBackend
     from services.engine.model.batch import SeqChunk, prepare_inputs
     chunks, next_block = [], 0

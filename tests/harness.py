@@ -12,8 +12,8 @@ model, mode, ...)` yields a `Fleet` (redis db of its own, one Launcher, one flee
 `worker(...)`, `start_router(...)` and `start_gateway(fleet, ...)` start one process each;
 `Fleet.generate` runs a request as the gateway does. `worker_process(model, role, ...)` is one
 `kvfleet serve ROLE` alone, without Redis. In the test process itself:
-`in_process_worker` (a worker's servicer, engine core process and /metrics) and
-`InProcessGateway`, for tests that read their objects or spans.
+`in_process_worker` (a worker as build_worker assembles it: engine core process, role, gRPC,
+/metrics) and `InProcessGateway`, for tests that read their objects or spans.
 
 `ENGINE` is the engine every fleet here runs unless a test passes `engine=` ("real": the model;
 "sim": the simulated engine core, no weights, with `sim_args`).
@@ -405,24 +405,32 @@ def worker_process(model_dir, role: str, *args: str, stderr, ready_s: float = 60
 
 @dataclass
 class Worker:
-    """One in-process worker: engine core process, transport, servicer, gRPC server, /metrics."""
+    """One in-process worker (services/worker/build.py: engine core process, transport, role,
+    gRPC server, /metrics) and a client of it."""
     role: str
-    address: str
-    engine: object                # services.worker.engine_client.EngineClient
-    transport: object
-    server: grpc.aio.Server
-    metrics: object               # services.telemetry.exposition.MetricsServer
+    built: object                 # services.worker.build.Worker
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
-    telemetry: object             # services.worker.telemetry.WorkerTelemetry
+
+    @property
+    def address(self) -> str:
+        return self.built.address
+
+    @property
+    def engine(self):             # services.worker.engine_client.EngineClient
+        return self.built.engine
+
+    @property
+    def transport(self):
+        return self.built.transport
+
+    @property
+    def telemetry(self):          # services.worker.telemetry.WorkerTelemetry
+        return self.built.telemetry
 
     async def close(self) -> None:
         await self.channel.close()
-        await self.server.stop(None)
-        self.metrics.close()
-        if self.transport is not None:
-            self.transport.close()
-        await self.engine.close()
+        await self.built.stop()
 
 
 def sim_config(kv_cache_mib: int):
@@ -434,39 +442,22 @@ def sim_config(kv_cache_mib: int):
 
 async def in_process_worker(model_dir: str, role: str, engine: str | None = None,
                             **scheduler) -> Worker:
-    """A worker in this process, built as services/worker/serve.py builds one (without Redis or
-    its heartbeat): its engine core a real process (on `engine`, None: ENGINE), its servicer on
-    gRPC, its /metrics served. KV over tcp for prefill / decode (the test sets the fleet token
-    the transports ask for)."""
+    """A worker in this process, built by build_worker as `kvfleet serve` builds one (without
+    Redis): its role from the serve entry's registry, its engine core a real process (on
+    `engine`, None: ENGINE), its /metrics served. KV over tcp for prefill / decode (the test sets
+    the fleet token the transports ask for)."""
+    from services.cli.serve_cmd import role_named  # noqa: PLC0415
     from services.engine.engine import engine_config  # noqa: PLC0415
-    from services.kv_transfer import make_transport  # noqa: PLC0415
-    from services.telemetry import exposition  # noqa: PLC0415
+    from services.worker.build import build_worker  # noqa: PLC0415
     from services.worker.config import WorkerConfig  # noqa: PLC0415
-    from services.worker.engine_client import EngineClient  # noqa: PLC0415
-    from services.worker.servicer import WorkerServicer  # noqa: PLC0415
-    from services.worker.telemetry import WorkerTelemetry  # noqa: PLC0415
-    worker_id = f"{role}-0"
-    telemetry = WorkerTelemetry(role, worker_id)
     if (engine or ENGINE) != "real":
         scheduler = {"sim": sim_config(8), **scheduler}
-    engine = EngineClient(engine_config(model_dir, kv_cache_mib=8, role=role, **scheduler),
-                          on_step=telemetry.on_step)
-    await engine.start()
-    transport = None
-    if role != "mixed":
-        transport = make_transport("tcp", worker_id)
-        transport.register(engine.kv_cache)
-    servicer = WorkerServicer(WorkerConfig(worker_id, role, "tcp"), engine, transport, telemetry)
-    server = grpc.aio.server()
-    pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    servicer.address = address
-    metrics = exposition.serve(telemetry.metrics.registry, 0)
-    telemetry.metrics_url = metrics.url
-    channel = grpc.aio.insecure_channel(address)
-    return Worker(role, address, engine, transport, server, metrics, channel,
-                  pb_grpc.WorkerStub(channel), telemetry)
+    config = WorkerConfig(f"{role}-0", role, "tcp", metrics_port=0, engine=engine_config(
+        model_dir, kv_cache_mib=8, role=role, **scheduler))
+    built = build_worker(config, role_named(role))
+    await built.start()
+    channel = grpc.aio.insecure_channel(built.address)
+    return Worker(role, built, channel, pb_grpc.WorkerStub(channel))
 
 
 class InProcessGateway:

@@ -12,7 +12,6 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
 
 from services.engine.config import add_device_arg, add_engine_args, add_sim_args  # torch-free
 
@@ -82,15 +81,6 @@ def _demo(args: argparse.Namespace) -> int:
         return run_fleet_demo(args)
     from services.cli.engine_demo import run_demo
     return run_demo(args)
-
-
-def run_worker(args: argparse.Namespace) -> NoReturn:
-    """`kvfleet serve`: one worker process until it is told to stop; then it ends at once,
-    without the interpreter's teardown (services/protocol/shutdown.py exit_now)."""
-    from services.protocol.aio import run
-    from services.protocol.shutdown import exit_now
-    from services.worker.serve import serve
-    exit_now(run(serve(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     _delegate(sub, "kvfleet serve", "run one worker process (prefill | decode | mixed)",
-              "services.worker.serve:add_worker_args", "services.cli.cli:run_worker")
+              "services.worker.serve:add_worker_args", "services.cli.serve_cmd:run_worker")
     _delegate(sub, "kvfleet up", "start the whole fleet on this host (Ctrl-C stops it)",
               "services.cli.up:add_up_args", "services.cli.up:run_up")
     _delegate(sub, "kvfleet status", "every process of a fleet, its load, the overload stage and "

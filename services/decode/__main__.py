@@ -1,7 +1,6 @@
-"""`python -m services.decode`: the engine in the decode role as a gRPC worker
-(`--role mixed` is not accepted here; use `kvfleet serve mixed` for a co-located worker)."""
+"""`python -m services.decode`: the engine in the decode role as a gRPC worker."""
 import sys
 
-from services.worker.serve import main
+from services.cli.serve_cmd import main
 
 sys.exit(main("decode"))

@@ -40,7 +40,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from services.engine.errors import InvalidRequestError
-from services.kv_transfer.base import KVTransferError, wait_done
+from services.kv_transfer.base import KVTransferError, KVTransport, wait_done
 from services.protocol import status
 from services.protocol.convert import chunk_from_output, params_from_pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -48,6 +48,7 @@ from services.telemetry import tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed, OutputStream
 from services.worker.outcomes import Ending, engine_failed, invalid_request, output_failure
+from services.worker.role import RoleCalls, RoleLoad, RoleParts, RoleState
 from services.worker.telemetry import TRANSFER_S, WorkerTelemetry, end_span
 
 log = logging.getLogger(__name__)
@@ -80,17 +81,47 @@ class Reservation:
 
 
 class DecodeRole:
-    def __init__(self, config: WorkerConfig, engine: EngineClient, transport,
-                 telemetry: WorkerTelemetry | None = None) -> None:
-        self.config = config
-        self.engine = engine
-        self.transport = transport
-        self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
+    name = "decode"
+    moves_kv = True
+
+    config: WorkerConfig          # these four: the worker's parts, from `start`
+    engine: EngineClient
+    transport: KVTransport
+    telemetry: WorkerTelemetry
+
+    def __init__(self) -> None:
+        self.state = RoleState()
         self._reservations: dict[str, Reservation] = {}
         self._held: dict[str, int] = {}     # ending reservations whose blocks a write may still hit
         # told the blocks of every freed reservation (the worker tells waiting routers)
-        self.on_freed = lambda blocks: None
+        self.on_freed: Callable[[int], None] = lambda blocks: None
         self._calls: set[Callable[[], None]] = set()   # each open DecodeStream call's `stop`
+
+    def calls(self) -> RoleCalls:
+        return RoleCalls(reserve=self.reserve, decode_stream=self.decode_stream)
+
+    async def start(self, parts: RoleParts) -> None:
+        self.config, self.engine = parts.config, parts.engine
+        self.transport, self.telemetry = parts.transport, parts.telemetry
+        self.on_freed = parts.capacity.freed
+        self.state.started = True
+
+    def stop(self) -> None:
+        """The worker is stopping: end every DecodeStream call, then every reservation."""
+        self.state.stopped = True
+        for stop in list(self._calls):
+            stop()
+        for rid in list(self._reservations):
+            self.end(rid)
+
+    def readiness(self) -> str | None:
+        return self.state.readiness()
+
+    async def cancel(self, request_id: str) -> bool:
+        return self.end(request_id)
+
+    def load(self) -> RoleLoad:
+        return RoleLoad(kv_blocks_held=self.held_blocks)
 
     @property
     def held_blocks(self) -> int:
@@ -253,11 +284,11 @@ class DecodeRole:
         if res.landed_at is not None:
             chunk.timing.decode_s = time.monotonic() - res.landed_at
 
-    async def decode_stream(self, subscriptions) -> AsyncIterator[pb.DecodeBatch]:
+    async def decode_stream(self, subscriptions, context=None) -> AsyncIterator[pb.DecodeBatch]:
         """One gateway's decode streams over one call: each subscribed request is pumped by a
         task of its own into a shared outbox, and whatever is in the outbox when the sender
         wakes goes as one batch (a decode step's tokens for all of them). The call ending (the
-        gateway gone) ends every request it carried. The worker stopping (`close`) ends the call
+        gateway gone) ends every request it carried. The worker stopping (`stop`) ends the call
         from this side: each request it carries ends SHUTTING_DOWN, then the call returns, so the
         server's stop finds no call left to cancel."""
         outbox = _Outbox()
@@ -338,13 +369,6 @@ class DecodeRole:
         self._held.pop(res.request_id, None)
         self.engine.cancel_soon(res.request_id)
         self.on_freed(res.blocks)
-
-    def close(self) -> None:
-        """The worker is stopping: end every DecodeStream call, then every reservation."""
-        for stop in list(self._calls):
-            stop()
-        for rid in list(self._reservations):
-            self.end(rid)
 
 
 def _deadline(context) -> float | None:

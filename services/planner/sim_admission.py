@@ -149,7 +149,7 @@ class _Waiter:
 
 def worker_rates(timer: StepTimer, engine, kv_bytes_per_token: int, clock) -> WorkerRates:
     """What a simulated worker measures of itself, from the prior a real worker of the target
-    would start from (services/worker/serve.py: the cost model's roofline, else the CPU default)."""
+    would start from (services/worker/build.py: the cost model's roofline, else the CPU default)."""
     sched = engine.config.scheduler
     if hasattr(timer, "target"):
         t = timer.target

@@ -26,7 +26,8 @@ from collections.abc import AsyncIterator
 
 from opentelemetry.trace import SpanKind
 
-from services.kv_transfer.base import KVFailure, KVTransferError, checksum_result, wait_done
+from services.kv_transfer.base import (KVFailure, KVTransferError, KVTransport, checksum_result,
+                                       wait_done)
 from services.protocol import status
 from services.protocol.accept import send_accept
 from services.protocol.convert import chunk_from_output
@@ -35,6 +36,7 @@ from services.telemetry import tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient, EngineFailed
 from services.worker.outcomes import Ending, add_request, engine_failed, output_failure
+from services.worker.role import RoleCalls, RoleLoad, RoleParts, RoleState
 from services.worker.telemetry import WorkerTelemetry, child_context, end_span, first_token_timing
 
 log = logging.getLogger(__name__)
@@ -43,14 +45,37 @@ ABANDONED = "kvfleet.kv_transfer.abandoned"   # span attribute: the request was 
 
 
 class PrefillRole:
-    def __init__(self, config: WorkerConfig, engine: EngineClient, transport,
-                 telemetry: WorkerTelemetry | None = None) -> None:
-        self.config = config
-        self.engine = engine
-        self.transport = transport
-        self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
+    name = "prefill"
+    moves_kv = True
+
+    config: WorkerConfig          # these four: the worker's parts, from `start`
+    engine: EngineClient
+    transport: KVTransport
+    telemetry: WorkerTelemetry
+
+    def __init__(self) -> None:
+        self.state = RoleState()
         self._writes: dict[str, asyncio.Task] = {}    # request id -> its KV write, while running
         self._abandoned: set[str] = set()   # ids in _writes whose request was cancelled meanwhile
+
+    def calls(self) -> RoleCalls:
+        return RoleCalls(prefill=self.prefill)
+
+    async def start(self, parts: RoleParts) -> None:
+        self.config, self.engine = parts.config, parts.engine
+        self.transport, self.telemetry = parts.transport, parts.telemetry
+        self.state.started = True
+
+    def stop(self) -> None:
+        """Open Prefill calls end with the server's stop; a KV write under way runs to its
+        deadline."""
+        self.state.stopped = True
+
+    def readiness(self) -> str | None:
+        return self.state.readiness()
+
+    def load(self) -> RoleLoad:
+        return RoleLoad(kv_writes_in_flight=self.writes_in_flight)
 
     @property
     def writes_in_flight(self) -> int:
@@ -194,7 +219,7 @@ class PrefillRole:
                      " (abandoned: the request was cancelled)" if abandoned else "")
         self.engine.cancel_soon(rid)
 
-    def cancel(self, rid: str) -> bool:
+    async def cancel(self, rid: str) -> bool:
         """Stop the request here; a KV write already under way runs to its end (bounded by its
         deadline), and the request's blocks go back after it."""
         if rid in self._writes:

@@ -24,7 +24,7 @@ The orderings that matter, and why:
                                    runs long, and leaves the fleet only once its engine core has
                                    not answered for engine_stall_s; below the TTL, a step shorter
                                    than one beat's life would count as a stall
-                                   (services/worker/serve.py, heartbeat_forever);
+                                   (services/worker/heartbeat.py, heartbeat_forever);
   prefill_start_s <= first_token_s the accept of a prefill comes before its first token;
   health_s < unresponsive_s,
   engine_stall_s < unresponsive_s  the supervisor's probe (a Health call) can answer within the

@@ -1,5 +1,5 @@
 """A gateway's or router's heartbeat into the Redis registry (FleetState.heartbeat_service), the
-way a worker beats its WorkerStats (services/worker/serve.py: heartbeat_forever).
+way a worker beats its WorkerStats (services/worker/heartbeat.py: heartbeat_forever).
 
     beat = asyncio.create_task(beat_forever(state, record, every_s, ttl_s, log))
     ...

@@ -1,8 +1,10 @@
-"""A worker's frozen config: who it is, its role, its KV backend, and the fleet's timeouts."""
+"""A worker's frozen config: who it is, its role, its KV backend, the fleet's timeouts, its engine
+and where it serves (build.py, build_worker)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.engine.config import EngineConfig
 from services.protocol.timeouts import Timeouts
 
 ROLES = ("prefill", "decode", "mixed")
@@ -18,6 +20,15 @@ class WorkerConfig:
     tensor_parallel_size: int = 1      # the engine core is rank 0 and starts the other N - 1
     pool: str = "primary"              # primary | fallback (the router never mixes them in a plan)
     quality_version: str = ""          # services/engine/quality_version.py
+    # how the process serves (build.py); the defaults: loopback, free ports, no Redis, no /metrics
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0                      # gRPC; 0 picks a free port
+    kv_port: int = 0                   # the tcp KV backend's receiver; 0 picks a free port
+    redis_url: str | None = None       # heartbeat capacity here; None: not in a fleet's Redis
+    metrics_port: int = -1             # Prometheus /metrics; 0 picks a free port, -1: none
+    step_profile: str | None = None    # a measured step profile: the prefill cost prior (rates.py)
+    torch_threads: int = 0             # the engine core's torch intra-op threads (0: torch's)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -26,4 +37,9 @@ class WorkerConfig:
             raise ValueError(f"pool {self.pool!r} is not one of {POOLS}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {self.tensor_parallel_size}")
+        if not (0 <= self.port < 65536 and 0 <= self.kv_port < 65536
+                and -1 <= self.metrics_port < 65536):
+            raise ValueError(f"ports must be 0..65535 (metrics also -1: none); got port "
+                             f"{self.port}, kv_port {self.kv_port}, metrics_port "
+                             f"{self.metrics_port}")
         self.timeouts.check()

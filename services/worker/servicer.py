@@ -1,121 +1,64 @@
 """The Worker gRPC service, the server half of every worker process (DESIGN 3, step 5).
 
 The engine core runs in its own process (engine_client.py); this process speaks gRPC and KV
-transfer and hands each call to what its role does:
+transfer and hands each call to the role it serves (role.py), which it knows only through the
+Role protocol:
 
-  prefill  Prefill   services/prefill/handler.py: first token to the gateway, then KV to decode
-  decode   Reserve   services/decode/reservations.py: reserve, import KV, ...
+  prefill  Prefill       services/prefill/handler.py: first token to the gateway, then KV to decode
+  decode   Reserve       services/decode/reservations.py: reserve, import KV, ...
            DecodeStream  ... stream tokens 2..N once the request's own transfer has landed:
-                     one call per gateway, a decode step's chunks batched into one message
-  mixed    Generate  co-located: the whole request here (below)
-  all      Cancel, Stats, Health
+                         one call per gateway, a decode step's chunks batched into one message
+  mixed    Generate      services/mixed/generate.py: co-located, the whole request here
+  all      Cancel, Stats, Health (here, asking the role for its part)
 
-A call for another role fails WRONG_ROLE. Every path that ends a request early (the caller went
-away, an error, a deadline) frees what it holds here: the handlers' `finally` blocks end it
+A call the role does not answer fails WRONG_ROLE. Every path that ends a request early (the caller
+went away, an error, a deadline) frees what it holds here: the handlers' `finally` blocks end it
 without awaiting anything.
 """
 from __future__ import annotations
 
-import time
-
-from opentelemetry.trace import SpanKind
-
-from services.decode.reservations import DecodeRole
-from services.prefill.handler import PrefillRole
 from services.protocol import status
-from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.telemetry import tracing
-from services.worker.capacity import CapacityNotifier
-from services.worker.config import WorkerConfig
-from services.worker.engine_client import EngineClient, EngineFailed
-from services.worker.outcomes import Ending, add_request, engine_failed, output_failure
-from services.worker.telemetry import WorkerTelemetry, end_span, first_token_timing
+from services.worker.engine_client import EngineFailed
+from services.worker.outcomes import engine_failed
+from services.worker.role import Role, RoleParts
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig, engine: EngineClient, transport,
-                 telemetry: WorkerTelemetry | None = None) -> None:
-        self.config = config
-        self.engine = engine
-        self.transport = transport
-        self.telemetry = telemetry or WorkerTelemetry(config.role, config.worker_id)
+    def __init__(self, parts: RoleParts, role: Role) -> None:
+        self.config = parts.config
+        self.engine = parts.engine
+        self.telemetry = parts.telemetry
+        self.role = role
+        self._calls = role.calls()
         self.address = ""              # host:port, once serving (Stats names it)
         self.engine_stalled = False    # the core has not answered for engine_stall_s (heartbeat)
-        self.decode = (DecodeRole(config, engine, transport, self.telemetry)
-                       if config.role == "decode" else None)
-        self.prefill = (PrefillRole(config, engine, transport, self.telemetry)
-                        if config.role == "prefill" else None)
-        self.capacity = CapacityNotifier(None)   # serve.py gives it the fleet's wait queue
-        if self.decode is not None:
-            self.decode.on_freed = lambda blocks: self.capacity.freed(blocks)
 
-    # ------------------------------------------------------------ decode role
+    # ------------------------------------------------------- the role's calls
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        await self._require(context, "decode")
-        return await self.decode.reserve(request, context)
+        handler = await self._handler(context, self._calls.reserve, "Reserve")
+        return await handler(request, context)
 
     async def DecodeStream(self, request_iterator, context):
-        await self._require(context, "decode")
-        async for batch in self.decode.decode_stream(request_iterator):
+        handler = await self._handler(context, self._calls.decode_stream, "DecodeStream")
+        async for batch in handler(request_iterator, context):
             yield batch
 
-    # ----------------------------------------------------------- prefill role
     async def Prefill(self, request: pb.PrefillRequest, context):
-        await self._require(context, "prefill")
-        async for reply in self.prefill.prefill(request, context):
+        handler = await self._handler(context, self._calls.prefill, "Prefill")
+        async for reply in handler(request, context):
             yield reply
 
-    # ------------------------------------------------------------- mixed role
     async def Generate(self, request: pb.WorkRequest, context):
-        await self._require(context, "mixed")
-        rid, tel = request.request_id, self.telemetry
-        span = tel.start_span("generate", tracing.incoming(context), request, self.engine.model,
-                              SpanKind.SERVER)
-        tel.prefilling(rid, span)
-        ending, last = Ending(), None
-        first_at: float | None = None        # time.monotonic() of the first token
-        stream = self.engine.stream(rid)
-        try:
-            await add_request(self.engine, request, context, ending)
-            async for out in stream:
-                failure = output_failure(out)
-                if failure is not None:
-                    await status.abort(context, ending.failed(failure))
-                chunk = chunk_from_output(out, self.config.worker_id)
-                if first_at is None and out.new_token_ids:
-                    first_at = time.monotonic()
-                    first_token_timing(chunk, out)
-                    tel.queued(out.queue_s)
-                    tel.prefilled(rid)
-                    span.add_event("first_token")
-                if out.finished:
-                    last = out
-                    ending.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
-                    if first_at is not None:
-                        chunk.timing.decode_s = time.monotonic() - first_at
-                yield chunk
-        except EngineFailed as e:
-            await engine_failed(context, e, ending)
-        finally:
-            self.engine.close_stream(rid)
-            self.engine.cancel_soon(rid)     # a no-op once finished
-            self.capacity.freed(1)           # a sequence ended: waiting routers retry
-            tel.prefilled(rid)
-            tel.ended(ending.outcome)
-            end_span(span, output_tokens=last.num_output_tokens if last else None,
-                     finish_reason=last.finish_reason if last else None, error=ending.error)
+        handler = await self._handler(context, self._calls.generate, "Generate")
+        async for chunk in handler(request, context):
+            yield chunk
 
     # ------------------------------------------------------------------ common
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        rid = request.request_id
-        if self.decode is not None:
-            return pb.CancelResponse(cancelled=self.decode.end(rid))
-        if self.prefill is not None:
-            return pb.CancelResponse(cancelled=self.prefill.cancel(rid))
         try:
-            return pb.CancelResponse(cancelled=bool(await self.engine.cancel(rid)))
+            return pb.CancelResponse(cancelled=await self.role.cancel(request.request_id))
         except EngineFailed:
             return pb.CancelResponse(cancelled=False)   # a dead engine holds nothing any more
 
@@ -128,8 +71,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def stats(self) -> pb.WorkerStats:
         """This worker's capacity as the stats message (the Stats RPC and the Redis heartbeat)."""
         s = await self.engine.stats()
-        writes = self.prefill.writes_in_flight if self.prefill else 0
-        held = self.decode.held_blocks if self.decode else 0
+        load = self.role.load()
+        writes, held = load.kv_writes_in_flight, load.kv_blocks_held
         self.telemetry.refresh(s, writes_in_flight=writes, held_blocks=held)
         return pb.WorkerStats(
             worker_id=self.config.worker_id, role=self.config.role,
@@ -158,14 +101,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 status=pb.HealthResponse.NOT_SERVING,
                 detail=f"{self.config.role}: the engine core has not answered for "
                        f"{self.config.timeouts.engine_stall_s:g} s or more")
+        unready = self.role.readiness()
+        if unready is not None:
+            return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
+                                     detail=f"{self.config.role}: {unready}")
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, detail=self.config.role)
 
-    def close(self) -> None:
-        if self.decode is not None:
-            self.decode.close()
-
-    async def _require(self, context, role: str) -> None:
-        if self.config.role != role:
+    async def _handler(self, context, handler, rpc: str):
+        """The role's handler for `rpc`; the call fails WRONG_ROLE when the role has none."""
+        if handler is None:
             await status.abort(context, status.failed(
-                pb.WRONG_ROLE, f"worker {self.config.worker_id} has role {self.config.role}; "
-                f"this call needs a {role} worker"))
+                pb.WRONG_ROLE, f"worker {self.config.worker_id} has role {self.config.role}, "
+                f"which does not answer {rpc}"))
+        return handler

@@ -3,7 +3,7 @@ the worker already sees, and its spans (telemetry/tracing.py).
 
 Where each metric comes from:
   gauges      `refresh(EngineStats)`: the stats the heartbeat takes every heartbeat_s (the Stats
-              RPC too; without Redis, serve.py refreshes on the same period), so a gauge is at
+              RPC too; without Redis, the heartbeat refreshes on the same period), so a gauge is at
               most heartbeat_s old; tenant series are bounded by TenantLabels ("other" for the tail)
   steps       `on_step(StepStats)`: EngineClient(on_step=...) calls it once per engine step
   requests    `ended(outcome)` once per request ended here; `queued(queue_s)` at its first token;

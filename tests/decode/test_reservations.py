@@ -31,8 +31,11 @@ from services.protocol.convert import params_to_pb
 from services.engine.sampling_params import SamplingParams
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.timeouts import Timeouts
+from services.worker.capacity import CapacityNotifier
 from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
+from services.worker.role import RoleParts
+from services.worker.telemetry import WorkerTelemetry
 from tests.waiting import eventually
 
 PROMPT = list(range(100, 166))          # 66 tokens: 5 blocks of 16
@@ -52,7 +55,10 @@ class Rig:
         self.transport.register(self.engine.kv_cache)
         config = WorkerConfig("decode-0", "decode", self.backend,
                               Timeouts(reservation_s=RESERVATION_S))
-        self.role = DecodeRole(config, self.engine, self.transport)
+        self.role = DecodeRole()
+        await self.role.start(RoleParts(config, self.engine, self.transport,
+                                        WorkerTelemetry("decode", "decode-0"),
+                                        CapacityNotifier(None)))
         layout = KVLayout.of(self.engine.kv_cache)
         self.source_kv = make_cache(layout, 16)
         fill_random(self.source_kv, seed=7)
@@ -66,7 +72,7 @@ class Rig:
         return make_transport(self.backend, worker_id)
 
     async def __aexit__(self, *exc) -> None:
-        self.role.close()
+        self.role.stop()
         self.source.close()
         self.transport.close()
         await self.engine.close()

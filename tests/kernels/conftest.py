@@ -17,7 +17,7 @@ import os
 import pytest
 
 KERNEL_MODULES = ("kernels.store_kvcache", "kernels.paged_decode_attention", "kernels.chunked_prefill_attention",
-                  "kernels.rmsnorm", "kernels.rope", "kernels.silu_mul", "kernels.backend")
+                  "kernels.rmsnorm", "kernels.rope", "kernels.silu_mul")
 
 
 def _import_interpreted() -> None:

@@ -61,7 +61,7 @@ def make_case(specs: list[tuple[int, int]], heads: int = 4, kv_heads: int = 2, h
 
 def triton_forward(case: Case, k_scale: float = 1.0, v_scale: float = 1.0):
     """-> (out, k_cache, v_cache) after TritonAttentionBackend.forward on copies of the case's caches."""
-    from kernels.backend import TritonAttentionBackend
+    from services.engine.model.triton_backend import TritonAttentionBackend
     backend = TritonAttentionBackend(case.q.shape[1])
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     meta = backend.build_metadata(case.batch, case.block_size, case.q.dtype, k_scale=k_scale, v_scale=v_scale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backend import TritonAttentionBackend
+from services.engine.model.triton_backend import TritonAttentionBackend
 from kernels.chunked_prefill_attention import chunked_prefill_attention
 from tests.kernels.helpers import assert_close, make_case, reference_forward, triton_forward
 

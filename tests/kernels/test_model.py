@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kernels.backend import TritonAttentionBackend
+from services.engine.model.triton_backend import TritonAttentionBackend
 from services.engine.model import KVCache, ModelRunner, SeqChunk, TorchAttentionBackend, load_model
 from services.engine.model.runner import make_attention_backend
 from tests.kernels.helpers import DEVICE, ON_GPU

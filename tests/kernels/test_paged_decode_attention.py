@@ -32,7 +32,7 @@ def test_decode_half_precision(dtype):
 def test_split_partitions_combine_to_the_unsplit_answer(splits):
     """Flash-decoding: partitions of 64 tokens, some empty for the short contexts."""
     case = make_case([(150, 1), (20, 1), (100, 1)], block_size=8)
-    from kernels.backend import TritonAttentionBackend
+    from services.engine.model.triton_backend import TritonAttentionBackend
     meta = TritonAttentionBackend().build_metadata(case.batch, case.block_size, torch.float32)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     from kernels.store_kvcache import store_kvcache
@@ -57,7 +57,7 @@ def test_fp8_cache_reads_scaled_values():
 
 def test_rows_of_other_sequences_are_left_alone():
     case = make_case([(5, 1), (0, 3), (7, 1)])
-    from kernels.backend import TritonAttentionBackend
+    from services.engine.model.triton_backend import TritonAttentionBackend
     meta = TritonAttentionBackend().build_metadata(case.batch, case.block_size, torch.float32)
     out = torch.full(case.q.shape, 7.0)
     paged_decode_attention(case.q, case.k_cache, case.v_cache, out, meta.decode_rows, meta.decode_seqs,

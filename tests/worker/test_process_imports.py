@@ -30,8 +30,8 @@ ENTRIES = {
     "router": ("services.router.service",),
     # one interpreter for both while both miss (each import of torch costs seconds)
     "sim worker and engine core": pytest.param(
-        ("services.cli.cli", "services.worker.serve", "services.worker.engine_core",
-         "services.engine.sim_engine"), marks=TORCH_IN_WORKER),
+        ("services.cli.cli", "services.cli.serve_cmd", "services.worker.serve",
+         "services.worker.engine_core", "services.engine.sim_engine"), marks=TORCH_IN_WORKER),
 }
 
 

@@ -4,7 +4,7 @@
       1. prepare_inputs      flat token rows, positions, slot mapping, block tables (numpy, on host)
       2. build_metadata      the attention backend's per-batch index and mask tensors
       3. model forward       writes this step's K/V into the cache, returns logits for logit_rows
-The backend: TorchAttentionBackend (anywhere), or kernels.backend.TritonAttentionBackend (CUDA; it
+The backend: TorchAttentionBackend (anywhere), or triton_backend.TritonAttentionBackend (CUDA; it
 also switches RMSNorm, RoPE and SiLU-mul to Triton kernels); "auto" picks Triton on CUDA.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def make_attention_backend(name: str, num_heads: int, device: torch.device) -> A
     if device.type != "cuda" and env.TRITON_INTERPRET.get() != "1":
         raise ValueError(f"the triton attention backend needs CUDA (model on {device}), or "
                          "TRITON_INTERPRET=1 set before start (the interpreter: tests only)")
-    from kernels.backend import TritonAttentionBackend  # noqa: PLC0415 (imports triton)
+    from services.engine.model.triton_backend import TritonAttentionBackend  # noqa: PLC0415 (imports triton)
     return TritonAttentionBackend(num_heads)
 
 

@@ -1,0 +1,91 @@
+"""What only a mixed (co-located) worker does: a whole request here, its first token to its last
+(DESIGN 3, co-located mode).
+
+Generate(WorkRequest) streams TokenChunk: the request is queued on the engine core and every
+output goes back as it comes, the first chunk carrying the first token's timing and the last the
+decode time. The call ending early (the caller gone, a failure) cancels the request in the core;
+each ended request tells waiting routers a sequence's room is free.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from opentelemetry.trace import SpanKind
+
+from services.protocol import status
+from services.protocol.convert import chunk_from_output
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.telemetry import tracing
+from services.worker.engine_client import EngineFailed
+from services.worker.outcomes import Ending, add_request, engine_failed, output_failure
+from services.worker.role import RoleCalls, RoleLoad, RoleParts, RoleState
+from services.worker.telemetry import end_span, first_token_timing
+
+
+class MixedRole:
+    name = "mixed"
+    moves_kv = False              # the whole request stays here
+
+    def __init__(self) -> None:
+        self.state = RoleState()
+        self.parts: RoleParts | None = None
+
+    def calls(self) -> RoleCalls:
+        return RoleCalls(generate=self.generate)
+
+    async def start(self, parts: RoleParts) -> None:
+        self.parts = parts
+        self.state.started = True
+
+    def stop(self) -> None:
+        self.state.stopped = True     # each open Generate ends with the server's stop
+
+    def readiness(self) -> str | None:
+        return self.state.readiness()
+
+    async def cancel(self, request_id: str) -> bool:
+        return bool(await self.parts.engine.cancel(request_id))
+
+    def load(self) -> RoleLoad:
+        return RoleLoad()
+
+    async def generate(self, request: pb.WorkRequest, context) -> AsyncIterator[pb.TokenChunk]:
+        """The request's `generate` span runs from receipt to its last token."""
+        engine, tel, worker_id = self.parts.engine, self.parts.telemetry, self.parts.config.worker_id
+        rid = request.request_id
+        parent = tracing.incoming(context) if context is not None else None
+        span = tel.start_span("generate", parent, request, engine.model, SpanKind.SERVER)
+        tel.prefilling(rid, span)
+        ending, last = Ending(), None
+        first_at: float | None = None        # time.monotonic() of the first token
+        stream = engine.stream(rid)
+        try:
+            await add_request(engine, request, context, ending)
+            async for out in stream:
+                failure = output_failure(out)
+                if failure is not None:
+                    await status.abort(context, ending.failed(failure))
+                chunk = chunk_from_output(out, worker_id)
+                if first_at is None and out.new_token_ids:
+                    first_at = time.monotonic()
+                    first_token_timing(chunk, out)
+                    tel.queued(out.queue_s)
+                    tel.prefilled(rid)
+                    span.add_event("first_token")
+                if out.finished:
+                    last = out
+                    ending.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
+                    if first_at is not None:
+                        chunk.timing.decode_s = time.monotonic() - first_at
+                yield chunk
+        except EngineFailed as e:
+            await engine_failed(context, e, ending)
+        finally:
+            engine.close_stream(rid)
+            engine.cancel_soon(rid)          # a no-op once finished
+            self.parts.capacity.freed(1)     # a sequence ended: waiting routers retry
+            tel.prefilled(rid)
+            tel.ended(ending.outcome)
+            end_span(span, output_tokens=last.num_output_tokens if last else None,
+                     finish_reason=last.finish_reason if last else None, error=ending.error)
