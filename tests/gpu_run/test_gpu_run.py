@@ -96,3 +96,17 @@ def test_a_step_that_does_not_fit_the_budget_is_skipped_not_started(tmp_path):
     assert not run.step("late", 100, ["sh", "-c", f"touch {tmp_path / 'ran'}"], min_s=5)
     assert run.steps == [{"step": "late", "skipped": "3 s left of the budget"}]
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_engine_decodes_with_cuda_graphs_off_and_on_to_the_same_greedy_tokens(result):
+    """On the CPU `on` is the padded steps run eagerly (the graphs themselves need CUDA); the run
+    records decode tok/s at batch 1 and at the burst's size for both, and the tokens agree."""
+    _, doc, _ = result
+    tiny = doc["models"]["tiny"]
+    graphs = tiny["cuda_graphs"]
+    assert graphs["greedy"]["equal"] and graphs["greedy"]["compared"] > 0, graphs
+    assert graphs["padded_steps_on"] > 0
+    for side in ("off", "on"):
+        assert [d["batch"] for d in graphs[side]] == [1, tiny["sizes"]["chats"]]
+        assert all(d["tokens_per_s"] > 0 for d in graphs[side])
+    assert all(d["speedup_over_off"] > 0 for d in graphs["on"])
