@@ -18,10 +18,11 @@ on their stdin, never inside a collective, so an idle engine hits no collective 
 rendezvous is a FileStore in a private temp dir (removed once every rank has joined) and gloo binds
 127.0.0.1 only: nothing listens outside loopback. Devices (services/engine/device.py rank_device):
 on the CPU every rank is on the CPU (gloo); on CUDA rank r is on cuda:r of the GPUs the engine's
-process sees and selects it before joining (NCCL), so N ranks need N GPUs. Each rank's KV cache holds only its KV heads; the block pool is rank 0's and
-the block ids in each Step are the same for every rank. In a worker the N caches are the N rank-major
-parts of one shared file (drive(), services/kv_transfer/base.py KVLayout), so the worker's KV
-transfer ships rank r's part of a block to the other worker's rank r.
+process sees and selects it before joining (NCCL), so N ranks need N GPUs. Each rank's KV cache
+holds only its KV heads; the block pool is rank 0's and the block ids in each Step are the same
+for every rank. In a worker on the CPU the N caches are the N rank-major parts of one shared
+file (drive(), services/kv_transfer/base.py KVLayout), so the worker's KV transfer ships rank r's
+part of a block to the other worker's rank r.
 
 Failure: rank 0 gone -> followers read EOF (or their collective fails) and exit. A follower gone ->
 rank 0's next frame or collective raises TPRankFailed naming the rank and its exit status (and the

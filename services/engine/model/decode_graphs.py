@@ -176,8 +176,9 @@ class DecodeGraphRunner:
         rows = self._rows[size]
         batch = BatchInputs(
             token_ids=s.token_ids[:size], positions=s.positions[:size],
-            slot_mapping=s.slot_mapping[:size], query_start_loc=self._starts[size], seq_lens=s.seq_lens[:size],
-            block_tables=s.block_tables[:size], logits_indices=rows, decode_rows=rows,
+            slot_mapping=s.slot_mapping[:size], query_start_loc=self._starts[size],
+            seq_lens=s.seq_lens[:size], block_tables=s.block_tables[:size], logits_indices=rows,
+            decode_rows=rows,
             host=_static_host(size, self.context_len))
         meta = self._metadata(size, width)
         with fused_kernels(runner.fused_layers):
