@@ -80,10 +80,14 @@ class ModelExecutor:
         capture = self.device.type == "cuda" and self.runner.fused_layers
         if self.device.type == "cuda" and not capture:
             log.info("cuda graphs: the torch attention backend runs padded decode steps eagerly")
-        return DecodeGraphRunner(self.runner, DecodeGraphConfig(
+        runner = DecodeGraphRunner(self.runner, DecodeGraphConfig(
             max_batch=config.scheduler.max_running,
             max_model_len=config.max_model_len or model.config.max_position_embeddings,
             capture=capture))
+        if not capture:
+            log.info("cuda graphs on %s: decode steps padded to batch sizes %s, run eagerly",
+                     self.device, ",".join(map(str, runner.sizes)))
+        return runner
 
     def bind(self, block_table) -> None:
         """The block pool's block_table(request_id) (the engine builds the pool after us)."""
