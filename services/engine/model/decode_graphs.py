@@ -211,7 +211,11 @@ class DecodeGraphRunner:
         rotary = self.runner.model.rotary
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                self._forward(size, self.static.max_blocks)          # warm-up: Triton compiles
+                warm = torch.cuda.Stream()           # warm-up on a side stream (torch's recipe):
+                warm.wait_stream(torch.cuda.current_stream())   # Triton compiles, lazy inits run
+                with torch.cuda.stream(warm):
+                    self._forward(size, self.static.max_blocks)
+                torch.cuda.current_stream().wait_stream(warm)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
