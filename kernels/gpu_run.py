@@ -270,9 +270,11 @@ def finish(doc: dict, run: Run) -> dict:
     doc["steps"] = run.steps
     doc["seconds"] = round(time.monotonic() - run.started, 1)
     models = [m for m in doc.get("models", {}).values() if m]
-    checks = [m["engine"]["greedy"]["equal"] for m in models]
-    checks += [m["cuda_graphs"]["greedy"]["equal"] for m in models]
-    checks += [f.get("greedy", {}).get("equal", False) for m in models for f in m["fleets"].values()]
+    # a serve step stopped at its limit leaves the phases it finished (gpu_serve saves each)
+    checks = [m.get(phase, {}).get("greedy", {}).get("equal", False)
+              for m in models for phase in ("engine", "cuda_graphs")]
+    checks += [f.get("greedy", {}).get("equal", False) for m in models
+               for f in m.get("fleets", {}).values()]
     doc["greedy_equal"] = bool(checks) and all(checks)
     doc["ok"] = doc["greedy_equal"] and all(s.get("rc", 0) == 0 for s in run.steps)
     return doc

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -131,6 +132,7 @@ def graphs_phase(model: str, device: str, prompts, sizes: Sizes, vocab: int) -> 
                           "decode": [decode_rate(engine, batch, sizes.output_tokens, vocab)
                                      for batch in sorted({1, sizes.chats})]}
         sides[setting]["padded_steps"] = getattr(engine.executor.runner, "padded_steps", 0)
+        sides[setting]["capture_error"] = getattr(engine.executor.runner, "capture_error", None)
         engine.close()
         del engine
         free_device_memory()
@@ -139,7 +141,8 @@ def graphs_phase(model: str, device: str, prompts, sizes: Sizes, vocab: int) -> 
                                   if on["tokens_per_s"] and off["tokens_per_s"] else None)
     return {"greedy": compare(sides["off"], sides["on"]["tokens"]),
             "off": sides["off"]["decode"], "on": sides["on"]["decode"],
-            "padded_steps_on": sides["on"]["padded_steps"]}
+            "padded_steps_on": sides["on"]["padded_steps"],
+            "capture_error": sides["on"]["capture_error"]}
 
 
 def decode_rate(engine, batch: int, output_tokens: int, vocab: int) -> dict:
@@ -220,7 +223,9 @@ def prefix_texts(engine, ref: dict) -> tuple[list[str], int]:
     return texts, total
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save=lambda doc: None) -> dict:
+    """-> the model's results; save(doc) after each phase (a step stopped at its time limit
+    keeps what it measured)."""
     from services.engine.model.config import ModelConfig  # noqa: PLC0415
     from services.engine.engine import resolve_model_dir  # noqa: PLC0415
     sizes = SMALL if args.small else Sizes()
@@ -231,13 +236,20 @@ def run(args: argparse.Namespace) -> dict:
     ref = reference(model, prompts, sizes)
     doc["reference"] = {"device": "cpu", "tokens": ref["tokens"]}
     doc["engine"] = engine_phase(model, args.device, prompts, ref, sizes, vocab)
-    doc["cuda_graphs"] = graphs_phase(model, args.device, prompts, sizes, vocab)
+    save(doc)
+    try:
+        doc["cuda_graphs"] = graphs_phase(model, args.device, prompts, sizes, vocab)
+    except Exception as e:  # noqa: BLE001 - a result; the fleets still run
+        doc["cuda_graphs"] = {"error": f"{type(e).__name__}: {e}"[-4000:],
+                              "greedy": {"equal": False}}
+    save(doc)
     doc["fleets"] = {}
     for mode in args.modes.split(","):
         try:
             doc["fleets"][mode] = fleet_phase(model, args.device, mode, prompts, ref, sizes, vocab)
         except Exception as e:  # noqa: BLE001 - one fleet failing is a result, the next still runs
             doc["fleets"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        save(doc)
     engine_rate = doc["engine"]["burst"]["output_tokens_per_s"]
     for fleet in doc["fleets"].values():
         rate = (fleet.get("burst") or {}).get("output_tokens_per_s")
@@ -255,10 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="CPU test sizes")
     p.add_argument("--out", required=True, help="the JSON file to write")
     args = p.parse_args(argv)
-    doc = run(args)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    save(args.out, run(args, save=lambda doc: save(args.out, doc)))
     return 0
+
+
+def save(path: str, doc: dict) -> None:
+    """Whole or not at all: a step stopped mid-write leaves the previous phase's file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(f"{path}.part", path)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,21 @@ def test_padded_decode_steps_on_the_triton_backend_give_the_unpadded_logits(tiny
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert graphs.padded_steps == 2
     torch.testing.assert_close(graphs.kv_cache.data, plain.kv_cache.data, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the story is a capture that fails; on the GPU it succeeds")
+def test_a_capture_that_fails_leaves_every_step_on_the_plain_runner(tiny, caplog):
+    """Here the capture fails (no CUDA): the engine still serves, every step unpadded as with
+    --cuda-graphs off, and says why once."""
+    from services.engine.model.decode_graphs import DecodeGraphConfig, DecodeGraphRunner
+    plain = ModelRunner(tiny, KVCache(tiny.config, 16, BLOCK, torch.float32, DEVICE), backend="torch")
+    with caplog.at_level("WARNING", logger="services.engine.model.decode_graphs"):
+        graphs = DecodeGraphRunner(
+            ModelRunner(tiny, KVCache(tiny.config, 16, BLOCK, torch.float32, DEVICE), backend="triton"),
+            DecodeGraphConfig(max_batch=2, max_model_len=32, capture=True))
+    assert graphs.capture_error and "capture failed, every step runs eagerly" in caplog.text
+    chunks = [SeqChunk([300, 301], 0, [3], (1,))]
+    torch.testing.assert_close(graphs.execute(chunks), plain.execute(chunks), atol=2e-4, rtol=1e-4)
+    chunks = [SeqChunk([42], 2, [3], (0,))]
+    torch.testing.assert_close(graphs.execute(chunks), plain.execute(chunks), atol=2e-4, rtol=1e-4)
+    assert graphs.padded_steps == 0

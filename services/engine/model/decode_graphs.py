@@ -19,6 +19,8 @@ past max_model_len run eagerly on the wrapped ModelRunner.
 
 Padded rows never reach the KV cache: the Triton store skips a slot < 0, and the torch path
 rewrites one slot no real row writes this step with the value it already holds (`pad_slot`).
+A capture that fails leaves the engine serving every step on the wrapped runner (`capture_error`,
+logged once), as with --cuda-graphs off.
 """
 from __future__ import annotations
 
@@ -133,8 +135,9 @@ class DecodeGraphRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.last_prepare_s = 0.0
         self.padded_steps = 0          # steps that ran padded (replayed, or eagerly off CUDA)
+        self.capture_error: str | None = None
         if config.capture:
-            self._capture_all()
+            self._capture_or_stay_eager()
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
@@ -163,7 +166,7 @@ class DecodeGraphRunner:
 
     def _size_for(self, chunks: Sequence[SeqChunk]) -> int | None:
         """The padded size a step runs at, or None for an eager step."""
-        if not chunks or len(chunks) > self.sizes[-1] or not decode_only(chunks):
+        if self.capture_error is not None or not chunks or len(chunks) > self.sizes[-1] or not decode_only(chunks):
             return None
         if max(c.start_pos + 1 for c in chunks) > self.context_len:
             return None
@@ -202,6 +205,17 @@ class DecodeGraphRunner:
             seq_lens=s.seq_lens[:size], block_tables=s.block_tables[:size], decode_rows=rows32,
             decode_seqs=rows32, max_decode_len=self.context_len,
             prefill_seqs=rows32[:0], max_prefill_q_len=0, k_scale=kv.k_scale, v_scale=kv.v_scale)
+
+    def _capture_or_stay_eager(self) -> None:
+        """Capture every size; if that fails, every step runs on the plain runner (unpadded, as
+        with --cuda-graphs off), the failure logged once and kept in `capture_error`."""
+        try:
+            self._capture_all()
+        except Exception as e:  # noqa: BLE001 - the engine still serves, eagerly, and says why
+            self._graphs.clear()
+            self.capture_error = f"{type(e).__name__}: {e}"
+            log.warning("cuda graphs: capture failed, every step runs eagerly: %s",
+                        self.capture_error, exc_info=True)
 
     def _capture_all(self) -> None:
         """Each size once, largest first, all in one memory pool (a smaller graph reuses the
