@@ -153,7 +153,7 @@ class DecodeGraphRunner:
         with torch.inference_mode():
             t0 = time.perf_counter()
             batch = prepare_inputs(chunks, self.runner.kv_cache.block_size)
-            self.runner._check_ranges(batch)
+            self.runner.check_ranges(batch)
             width = self.static.fill(batch, size)
             self.last_prepare_s = time.perf_counter() - t0
             self.padded_steps += 1
@@ -166,7 +166,9 @@ class DecodeGraphRunner:
 
     def _size_for(self, chunks: Sequence[SeqChunk]) -> int | None:
         """The padded size a step runs at, or None for an eager step."""
-        if self.capture_error is not None or not chunks or len(chunks) > self.sizes[-1] or not decode_only(chunks):
+        if self.capture_error is not None or not chunks or len(chunks) > self.sizes[-1]:
+            return None
+        if not decode_only(chunks):
             return None
         if max(c.start_pos + 1 for c in chunks) > self.context_len:
             return None
