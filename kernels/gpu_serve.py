@@ -6,6 +6,9 @@
      token's top-2 logprob margin;
   2. engine: the in-process engine on --device: the same greedy tokens, then a burst of
      --chats prompts at once (output tokens/s, as `kvfleet bench burst` counts them);
+     graphs: the in-process engine with --cuda-graphs off, then on: decode tokens/s of
+     --chats sequences decoding together (short prompts, long outputs) and greedy tokens equal
+     between the two (on CUDA: graphs replayed vs eager steps; on the CPU the padded steps);
   3. for mode in disagg (1 prefill + 1 decode, KV over tcp: on CUDA the device path, pinned host
      staging) and colocated (1 mixed worker): `kvfleet up --device DEVICE`, the same greedy
      prompts through the openai client, then `kvfleet bench burst` (tok/s, TTFT, ITL).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,11 +54,11 @@ def prompt_ids(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def make_engine(model: str, device: str, sizes: Sizes):
+def make_engine(model: str, device: str, sizes: Sizes, cuda_graphs: str = "auto"):
     from services.engine.engine import LLMEngine, engine_config  # noqa: PLC0415
     return LLMEngine(engine_config(model, device=device, kv_cache_mib=sizes.kv_cache_mib,
                                    reject_late=False, protect_itl=False, token_budget=2048,
-                                   chunk_size=512))
+                                   chunk_size=512, cuda_graphs=cuda_graphs))
 
 
 def greedy(engine, prompts: list[list[int]], n: int, logprobs: int = 0):
@@ -116,6 +120,51 @@ def engine_phase(model: str, device: str, prompts, ref: dict, sizes: Sizes, voca
                       "wall_s": round(wall, 2)}}
 
 
+def graphs_phase(model: str, device: str, prompts, sizes: Sizes, vocab: int) -> dict:
+    """--cuda-graphs off, then on: greedy tokens (on's compared with off's as `compare` does) and
+    the decode rate of a batch of short prompts with long outputs."""
+    sides: dict = {}
+    for setting in ("off", "on"):
+        engine = make_engine(model, device, sizes, cuda_graphs=setting)
+        outs = greedy(engine, prompts, sizes.greedy_tokens, logprobs=2)
+        sides[setting] = {"tokens": [list(o.token_ids) for o in outs],
+                          "margins": [[_margin(lp) for lp in o.logprobs] for o in outs],
+                          "decode": [decode_rate(engine, batch, sizes.output_tokens, vocab)
+                                     for batch in sorted({1, sizes.chats})]}
+        sides[setting]["padded_steps"] = getattr(engine.executor.runner, "padded_steps", 0)
+        sides[setting]["capture_error"] = getattr(engine.executor.runner, "capture_error", None)
+        engine.close()
+        del engine
+        free_device_memory()
+    for off, on in zip(sides["off"]["decode"], sides["on"]["decode"]):
+        on["speedup_over_off"] = (round(on["tokens_per_s"] / off["tokens_per_s"], 3)
+                                  if on["tokens_per_s"] and off["tokens_per_s"] else None)
+    return {"greedy": compare(sides["off"], sides["on"]["tokens"]),
+            "off": sides["off"]["decode"], "on": sides["on"]["decode"],
+            "padded_steps_on": sides["on"]["padded_steps"],
+            "capture_error": sides["on"]["capture_error"]}
+
+
+def decode_rate(engine, batch: int, output_tokens: int, vocab: int) -> dict:
+    """Output tokens/s of `batch` sequences decoding together: timed from the step after the
+    last prompt's prefill to the end, so the figure is decode steps only."""
+    from services.engine.sampling_params import SamplingParams  # noqa: PLC0415
+    greedy(engine, prompt_ids(2, 8, vocab, seed=3), 4)           # warm-up (Triton compiles)
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompt_ids(batch, 8, vocab, seed=2):
+        engine.add_request(p, params)
+    for _ in range(batch + 8):                                   # every prompt prefilled
+        if engine.stats().num_decoding >= batch:
+            break
+        engine.step()
+    tokens, started = 0, time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    wall = time.perf_counter() - started
+    return {"batch": batch, "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None}
+
+
 def free_device_memory() -> None:
     import gc  # noqa: PLC0415
 
@@ -174,7 +223,9 @@ def prefix_texts(engine, ref: dict) -> tuple[list[str], int]:
     return texts, total
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save=lambda doc: None) -> dict:
+    """-> the model's results; save(doc) after each phase (a step stopped at its time limit
+    keeps what it measured)."""
     from services.engine.model.config import ModelConfig  # noqa: PLC0415
     from services.engine.engine import resolve_model_dir  # noqa: PLC0415
     sizes = SMALL if args.small else Sizes()
@@ -185,12 +236,20 @@ def run(args: argparse.Namespace) -> dict:
     ref = reference(model, prompts, sizes)
     doc["reference"] = {"device": "cpu", "tokens": ref["tokens"]}
     doc["engine"] = engine_phase(model, args.device, prompts, ref, sizes, vocab)
+    save(doc)
+    try:
+        doc["cuda_graphs"] = graphs_phase(model, args.device, prompts, sizes, vocab)
+    except Exception as e:  # noqa: BLE001 - a result; the fleets still run
+        doc["cuda_graphs"] = {"error": f"{type(e).__name__}: {e}"[-4000:],
+                              "greedy": {"equal": False}}
+    save(doc)
     doc["fleets"] = {}
     for mode in args.modes.split(","):
         try:
             doc["fleets"][mode] = fleet_phase(model, args.device, mode, prompts, ref, sizes, vocab)
         except Exception as e:  # noqa: BLE001 - one fleet failing is a result, the next still runs
             doc["fleets"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        save(doc)
     engine_rate = doc["engine"]["burst"]["output_tokens_per_s"]
     for fleet in doc["fleets"].values():
         rate = (fleet.get("burst") or {}).get("output_tokens_per_s")
@@ -208,10 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="CPU test sizes")
     p.add_argument("--out", required=True, help="the JSON file to write")
     args = p.parse_args(argv)
-    doc = run(args)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    save(args.out, run(args, save=lambda doc: save(args.out, doc)))
     return 0
+
+
+def save(path: str, doc: dict) -> None:
+    """Whole or not at all: a step stopped mid-write leaves the previous phase's file."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(f"{path}.part", path)
 
 
 if __name__ == "__main__":

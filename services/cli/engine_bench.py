@@ -47,11 +47,12 @@ def _blocks_for(seqs: int, tokens: int, block_size: int = 16) -> int:
     return seqs * -(-tokens // block_size) + 1
 
 
-def decode_rate(model: str, batch: int, steps: int, device: str = "auto") -> dict:
-    """Tokens/s of pure decode iterations with `batch` running sequences."""
+def decode_rate(model: str, batch: int, steps: int, where: dict | None = None) -> dict:
+    """Tokens/s of pure decode iterations with `batch` running sequences. where: the engine's
+    device and cuda_graphs (EngineConfig fields; their defaults when absent)."""
     prompt, max_tokens = 32, steps + 64
     engine = _engine(model, token_budget=max(512, batch), max_running=max(batch, 1),
-                     num_blocks=_blocks_for(batch, prompt + max_tokens), device=device)
+                     num_blocks=_blocks_for(batch, prompt + max_tokens), **(where or {}))
     _fill(engine, batch, prompt, max_tokens)
     for _ in range(4 * batch):                  # all prefilled long before this
         if engine.stats().num_decoding >= batch:
@@ -73,8 +74,8 @@ def decode_rate(model: str, batch: int, steps: int, device: str = "auto") -> dic
             "overhead_fraction": (s_med + p_med) / med}
 
 
-def prefill_rate(model: str, prompt: int, chunk: int = 512, device: str = "auto") -> dict:
-    engine = _engine(model, token_budget=chunk, chunk_size=chunk, device=device)
+def prefill_rate(model: str, prompt: int, chunk: int = 512, where: dict | None = None) -> dict:
+    engine = _engine(model, token_budget=chunk, chunk_size=chunk, **(where or {}))
     _fill(engine, 1, prompt, 1, traffic_class="document")
     t0 = time.perf_counter()
     while engine.has_unfinished():
@@ -84,10 +85,10 @@ def prefill_rate(model: str, prompt: int, chunk: int = 512, device: str = "auto"
 
 
 def concurrent_rate(model: str, n: int = 32, prompt: int = 200, output: int = 64,
-                    dtype: str = "auto", repeats: int = 3, device: str = "auto") -> dict:
+                    dtype: str = "auto", repeats: int = 3, where: dict | None = None) -> dict:
     """n requests arriving together; output tokens/s from first add to last token (median of
     `repeats` runs on one warm engine)."""
-    engine = _engine(model, token_budget=2048, chunk_size=512, dtype=dtype, device=device)
+    engine = _engine(model, token_budget=2048, chunk_size=512, dtype=dtype, **(where or {}))
     engine.generate([[5]], _params(2))  # warm-up
     rng = random.Random(1)
     prompts = [random_prompt(rng, prompt, engine.model_config.vocab_size) for _ in range(n)]
@@ -105,16 +106,17 @@ def run_bench(args: argparse.Namespace) -> int:
     steps = 5 if quick else 30
     device = args.device or "auto"
     check_device(device, "kvfleet bench engine")
-    results: dict = {"model": args.model, "device": device}
-    results["decode"] = [decode_rate(args.model, b, steps, device) for b in (1, 32, 128)]
-    results["overhead_at_256"] = decode_rate(args.model, 256, 3 if quick else 10, device)
-    results["prefill_512"] = prefill_rate(args.model, 1024 if quick else 4096, device=device)
+    where = {"device": device, "cuda_graphs": args.cuda_graphs or "auto"}
+    results: dict = {"model": args.model, **where}
+    results["decode"] = [decode_rate(args.model, b, steps, where) for b in (1, 32, 128)]
+    results["overhead_at_256"] = decode_rate(args.model, 256, 3 if quick else 10, where)
+    results["prefill_512"] = prefill_rate(args.model, 1024 if quick else 4096, where=where)
     # a 32K-token document, or the longest the model takes (SmolLM2: 8K context)
     context = ModelConfig.from_dir(resolve_model_dir(args.model)).max_position_embeddings
     results["prefill_long"] = prefill_rate(args.model, min(2048 if quick else 32768, context - 8),
-                                           device=device)
+                                           where=where)
     results["concurrent_32x200x64"] = [concurrent_rate(args.model, 8 if quick else 32, dtype=d,
-                                                       device=device)
+                                                       where=where)
                                        for d in ("float32", "bfloat16")]
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:

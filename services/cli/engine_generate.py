@@ -47,6 +47,7 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = load_engine_config(args.config) if args.config else EngineConfig()
     cfg = replace(cfg, model=args.model or cfg.model, dtype=args.dtype or cfg.dtype,
                   device=getattr(args, "device", None) or cfg.device,
+                  cuda_graphs=getattr(args, "cuda_graphs", None) or cfg.cuda_graphs,
                   attention_backend=getattr(args, "attention_backend", None) or cfg.attention_backend,
                   tensor_parallel_size=args.tensor_parallel or cfg.tensor_parallel_size,
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or cfg.kv_cache_dtype,

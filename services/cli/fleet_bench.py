@@ -160,6 +160,8 @@ def up_args(args: argparse.Namespace, config: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvfleet up")
     add_up_args(parser)
     device = ["--device", args.device] if getattr(args, "device", None) else []
+    if getattr(args, "cuda_graphs", None):
+        device += ["--cuda-graphs", args.cuda_graphs]
     return parser.parse_args(["--model", args.model, "--mode", args.mode, "--kv-backend",
                               args.kv_backend, "--http-port", "0", "--grpc-port", "0",
                               "--config", config, *device, *sim_args(args)])
@@ -171,7 +173,8 @@ def write_config() -> str:
     return str(path)
 
 
-def bench_engine(model: str, threads: int, device: str = "auto", sim=None):
+def bench_engine(model: str, threads: int, device: str = "auto", sim=None,
+                 cuda_graphs: str = "auto"):
     """The in-process engine with the same torch threads as one fleet worker, so that the
     difference is the serving path, not the core split. It sits idle while the fleet serves.
     `sim` (a SimConfig, --engine sim): the simulated core, each step paced on the wall clock to
@@ -181,7 +184,7 @@ def bench_engine(model: str, threads: int, device: str = "auto", sim=None):
     from services.engine.engine import LLMEngine, engine_config
     torch.set_num_threads(threads)
     engine = LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False, device=device,
-                                     sim=sim))
+                                     sim=sim, cuda_graphs=cuda_graphs))
     if sim is not None:
         engine.step = paced(engine)
     return engine
@@ -221,7 +224,8 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     up = up_args(args, write_config())
     threads = worker_threads(up)
     sim = sim_config_from_args(args)
-    engine = bench_engine(args.model, threads, getattr(args, "device", None) or "auto", sim)
+    engine = bench_engine(args.model, threads, getattr(args, "device", None) or "auto", sim,
+                          getattr(args, "cuda_graphs", None) or "auto")
     prompts = Prompts.draw(args.repeats, vocab=engine.model_config.vocab_size)
     redis, launcher = _redis(), Launcher()
     try:

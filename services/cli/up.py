@@ -246,7 +246,8 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
     # split the host's cores between the workers, leaving one for the gateway and the routers
     common = ["--redis-url", redis_url, "--kv-cache-mib", str(args.kv_cache_mib),
               "--threads", str(worker_threads(args)), *config, *limit_args]
-    for flag in ("device", "attention_backend", "kv_cache_dtype", "logprobs_mode"):   # workers' flags
+    for flag in ("device", "cuda_graphs", "attention_backend", "kv_cache_dtype",
+                 "logprobs_mode"):                                                 # workers' flags
         if getattr(args, flag, None):
             common += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if getattr(args, "kv_cache_scales", None):

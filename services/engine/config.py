@@ -13,6 +13,7 @@ AdmissionPolicy = Literal["reserve", "predict"]
 WorkerRole = Literal["mixed", "prefill", "decode"]
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")   # --kv-cache-dtype
 DEVICES = ("auto", "cpu", "cuda")                                        # --device
+CUDA_GRAPHS = ("auto", "on", "off")                                      # --cuda-graphs (auto: on CUDA)
 # A worker's KV cache when nothing names one (--kv-cache-mib of kvfleet serve / up, the benches,
 # the simulator): the one default, defined here.
 KV_CACHE_MIB = 256
@@ -27,10 +28,16 @@ def parse_kv_cache_scales(text: str) -> tuple[float, float]:
 
 
 def add_device_arg(p: argparse.ArgumentParser, whose: str = "the engine's") -> None:
-    """--device: the one definition (add_engine_args, and the benches that take only it)."""
+    """--device and --cuda-graphs: the one definition (add_engine_args, and the benches that take
+    only these)."""
     p.add_argument("--device", default=None, choices=list(DEVICES),
                    help=f"where {whose} model, KV cache and sampling live: auto (default: cuda when "
                         "torch sees a GPU, else cpu) | cpu | cuda (refused at start without CUDA)")
+    p.add_argument("--cuda-graphs", default=None, choices=["on", "off"],
+                   help=f"{whose} decode steps padded to fixed batch sizes (1, 2, 4, ...) and "
+                        "replayed as CUDA graphs (vLLM's pattern; off = its --enforce-eager). "
+                        "Default: on when the device is CUDA, off otherwise; on off CUDA runs the "
+                        "same padded steps eagerly")
 
 
 def add_engine_args(p: argparse.ArgumentParser, whose: str = "the engine's") -> None:
@@ -293,6 +300,9 @@ class EngineConfig:
     # auto | cpu | cuda (services/engine/device.py): the model, its KV cache and the sampler's
     # tensors live there; auto is cuda when torch sees a GPU
     device: str = "auto"
+    # auto | on | off (services/engine/model/decode_graphs.py): decode-only steps padded to a
+    # captured batch size and replayed as CUDA graphs; auto is on when the device is CUDA
+    cuda_graphs: str = "auto"
     # ranks the model is sharded over (services/engine/tp_ranks.py): this process is rank 0 and
     # starts the other N - 1; heads, KV heads and MLP width must divide by it
     tensor_parallel_size: int = 1
@@ -307,6 +317,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"unknown device {self.device!r} ({'|'.join(DEVICES)})")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"unknown cuda_graphs {self.cuda_graphs!r} ({'|'.join(CUDA_GRAPHS)})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} ({'|'.join(KV_CACHE_DTYPES)})")
         if len(self.kv_cache_scales) != 2 or not all(0 < float(x) < float("inf") for x in self.kv_cache_scales):

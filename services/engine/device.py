@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.config import DEVICES
+from services.engine.config import CUDA_GRAPHS, DEVICES
 
 
 class DeviceUnavailable(ValueError):
@@ -38,6 +38,39 @@ def resolve_device(name: str) -> torch.device:
                 f"(built with CUDA {torch.version.cuda or 'none'}); use --device cpu or auto")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def use_cuda_graphs(setting: str, device: torch.device) -> bool:
+    """--cuda-graphs auto | on | off on `device` -> whether decode steps run padded to fixed batch
+    sizes (services/engine/model/decode_graphs.py): auto is on where the device is CUDA. On CUDA
+    they are captured and replayed as graphs; elsewhere `on` runs the same padded steps eagerly."""
+    if setting not in CUDA_GRAPHS:
+        raise ValueError(f"unknown cuda_graphs {setting!r} ({'|'.join(CUDA_GRAPHS)})")
+    return device.type == "cuda" if setting == "auto" else setting == "on"
+
+
+def rank_device(kind: str, rank: int) -> torch.device:
+    """The device of tensor-parallel rank `rank` when the engine runs on `kind` (cpu | cuda):
+    rank r on cuda:r of the GPUs the process sees (CUDA_VISIBLE_DEVICES), NCCL between them;
+    every rank on the CPU, gloo between them."""
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        return torch.device("cuda", rank)
+    raise ValueError(f"a tensor-parallel rank runs on cpu or cuda, not {kind!r}")
+
+
+def check_rank_devices(kind: str, world_size: int, gpus: int | None = None) -> None:
+    """Refuses tensor parallelism over more CUDA ranks than GPUs (`gpus`: how many the process
+    sees; torch's count by default), naming both."""
+    if kind != "cuda":
+        return
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if world_size > gpus:
+        raise DeviceUnavailable(f"tensor parallel size {world_size} on cuda needs {world_size} GPUs "
+                                f"(rank r on cuda:r); this process sees {gpus}")
 
 
 def check_device(name: str | None, prog: str) -> None:

@@ -2,12 +2,14 @@
 cache, runs each planned batch through the ModelRunner and samples with the Sampler."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 from services.engine.config import EngineConfig
-from services.engine.device import resolve_device
+from services.engine.device import check_rank_devices, rank_device, resolve_device, use_cuda_graphs
 from services.engine.model.batch import SeqChunk
+from services.engine.model.decode_graphs import DecodeGraphConfig, DecodeGraphRunner
 from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape, resolve_kv_dtype
 from services.engine.model.loader import load_model
 from services.engine.model.runner import ModelRunner
@@ -15,6 +17,8 @@ from services.engine.request import Request
 from services.engine.sampler import Sampler, TokenLogprob, prompt_logprobs
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.tp_ranks import TPLeader, drive, start_rank0
+
+log = logging.getLogger(__name__)
 
 
 class ModelExecutor:
@@ -27,6 +31,8 @@ class ModelExecutor:
         tp = config.tensor_parallel_size
         self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
         if tp > 1:                                # model.config is the rank's (its KV heads)
+            check_rank_devices(self.device.type, tp)
+            self.device = rank_device(self.device.type, 0)
             model, self.tp_leader = start_rank0(model_dir, config.dtype, tp, self.device)
         else:
             model = load_model(model_dir, dtype=config.dtype, device=self.device)
@@ -55,12 +61,33 @@ class ModelExecutor:
                                 device=self.device, data=kv_data, k_scale=k_scale, v_scale=v_scale)
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
         self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
+        if use_cuda_graphs(config.cuda_graphs, self.device):
+            self.runner = self._padded_decodes(config, model)
         if self.tp_leader is not None:
             self.runner = drive(self.runner, self.tp_leader, model_dir, config,
                                 getattr(kv_alloc, "path", "") if kv_alloc is not None else "")
         self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.last_prepare_s = 0.0
         self._table = None
+
+    def _padded_decodes(self, config: EngineConfig, model) -> ModelRunner | DecodeGraphRunner:
+        """The runner whose decode-only steps run at fixed batch sizes (graphs on CUDA with the
+        Triton backend); the plain runner under tensor parallelism, whose followers' forwards
+        must match rank 0's shapes step by step."""
+        if config.tensor_parallel_size > 1:
+            log.info("cuda graphs: off under tensor parallelism (each step runs eagerly)")
+            return self.runner
+        capture = self.device.type == "cuda" and self.runner.fused_layers
+        if self.device.type == "cuda" and not capture:
+            log.info("cuda graphs: the torch attention backend runs padded decode steps eagerly")
+        runner = DecodeGraphRunner(self.runner, DecodeGraphConfig(
+            max_batch=config.scheduler.max_running,
+            max_model_len=config.max_model_len or model.config.max_position_embeddings,
+            capture=capture))
+        if not capture:
+            log.info("cuda graphs on %s: decode steps padded to batch sizes %s, run eagerly",
+                     self.device, ",".join(map(str, runner.sizes)))
+        return runner
 
     def bind(self, block_table) -> None:
         """The block pool's block_table(request_id) (the engine builds the pool after us)."""

@@ -16,10 +16,13 @@ on their shard of the model (services/engine/model/tensor_parallel.py) every ste
 Frames are a 4-byte little-endian length + msgpack (typed msgspec structs). Followers wait for work
 on their stdin, never inside a collective, so an idle engine hits no collective timeout. The
 rendezvous is a FileStore in a private temp dir (removed once every rank has joined) and gloo binds
-127.0.0.1 only: nothing listens outside loopback. Each rank's KV cache holds only its KV heads; the block pool is rank 0's and
-the block ids in each Step are the same for every rank. In a worker the N caches are the N rank-major
-parts of one shared file (drive(), services/kv_transfer/base.py KVLayout), so the worker's KV
-transfer ships rank r's part of a block to the other worker's rank r.
+127.0.0.1 only: nothing listens outside loopback. Devices (services/engine/device.py rank_device):
+on the CPU every rank is on the CPU (gloo); on CUDA rank r is on cuda:r of the GPUs the engine's
+process sees and selects it before joining (NCCL), so N ranks need N GPUs. Each rank's KV cache
+holds only its KV heads; the block pool is rank 0's and the block ids in each Step are the same
+for every rank. In a worker on the CPU the N caches are the N rank-major parts of one shared
+file (drive(), services/kv_transfer/base.py KVLayout), so the worker's KV transfer ships rank r's
+part of a block to the other worker's rank r.
 
 Failure: rank 0 gone -> followers read EOF (or their collective fails) and exit. A follower gone ->
 rank 0's next frame or collective raises TPRankFailed naming the rank and its exit status (and the
@@ -44,6 +47,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from services.engine.device import rank_device
 from services.engine.model.batch import SeqChunk
 from services.engine.model.kv_cache import KVCache, kv_cache_shape
 from services.engine.model.config import ModelConfig
@@ -123,7 +127,9 @@ class TPLeader:
         self.closed = False
 
     @classmethod
-    def start(cls, world_size: int, threads: int = 0, backend: str = "gloo") -> TPLeader:
+    def start(cls, world_size: int, threads: int = 0, backend: str = "gloo",
+              device_kind: str = "cpu") -> TPLeader:
+        """device_kind: cpu | cuda, where every rank runs (rank r on rank_device(kind, r))."""
         if world_size < 2:
             raise ValueError(f"a tensor-parallel leader needs world size >= 2, got {world_size}")
         if dist.is_initialized():
@@ -134,7 +140,7 @@ class TPLeader:
         threads = threads or torch.get_num_threads()
         procs = [subprocess.Popen(
             [sys.executable, "-m", "services.engine.tp_ranks", str(rank), str(world_size), store_path,
-             "--threads", str(threads), "--backend", backend],
+             "--threads", str(threads), "--backend", backend, "--device", device_kind],
             stdin=subprocess.PIPE, stdout=2, env=_follower_env())   # stdout: ours is data
             for rank in range(1, world_size)]
         leader = cls(world_size, procs, run_dir, TPGroup(0, world_size))
@@ -252,7 +258,11 @@ def start_rank0(model_dir: str, dtype: str, world_size: int,
     """Rank 0's start (LLMEngine): check the model shards, start the followers, load rank 0's
     shard (only its slices of the checkpoint are read; the followers read theirs)."""
     check_shardable(ModelConfig.from_dir(model_dir), world_size)
-    leader = TPLeader.start(world_size, backend=backend_for(device))
+    device = torch.device(device)
+    if device != rank_device(device.type, 0):
+        raise ValueError(f"tensor-parallel rank 0 runs on {rank_device(device.type, 0)}, not {device}")
+    select(device)
+    leader = TPLeader.start(world_size, backend=backend_for(device), device_kind=device.type)
     try:
         return load_model(model_dir, dtype=dtype, device=device, tp=leader.tp), leader
     except BaseException:
@@ -309,14 +319,26 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
     return data
 
 
-def follow(tp: TPGroup, fd: int) -> None:
-    """A follower's life after joining: Setup, then one forward per Step until EOF."""
+def select(device: torch.device) -> None:
+    """Make `device` this process's current GPU (NCCL's communicator binds to it); a CPU rank has
+    nothing to select."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def follow(tp: TPGroup, fd: int, device: torch.device | None = None) -> None:
+    """A follower's life after joining: Setup, then one forward per Step until EOF. device: this
+    rank's (rank_device), the CPU by default."""
+    device = device or torch.device("cpu")
     setup = _read_frame(fd)
     if setup is None:
         return
     if not isinstance(setup, Setup):
         raise RuntimeError(f"tensor-parallel rank {tp.rank}: expected Setup first, got {type(setup).__name__}")
-    model = load_model(setup.model_dir, dtype=setup.dtype, tp=tp)
+    if setup.kv_path and device.type != "cpu":
+        raise ValueError(f"tensor-parallel rank {tp.rank} on {device}: a shared KV file is host "
+                         "memory; a GPU rank keeps its cache in its own device memory")
+    model = load_model(setup.model_dir, dtype=setup.dtype, device=device, tp=tp)
     shape = kv_cache_shape(model.config, setup.num_blocks, setup.block_size)
     dtype = getattr(torch, setup.kv_dtype)
     if setup.kv_path:
@@ -349,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("store_path")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where every rank runs: this one on rank_device(DEVICE, rank)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
@@ -357,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        device = rank_device(args.device, args.rank)
+        select(device)                  # before joining: NCCL binds to the current GPU
         tp = join(args.rank, args.world_size, dist.FileStore(args.store_path, args.world_size), args.backend)
-        follow(tp, sys.stdin.fileno())
+        follow(tp, sys.stdin.fileno(), device)
     except BaseException:  # noqa: BLE001 - a follower failure is reported, never silent
         log.critical("tensor-parallel rank %d failed", args.rank, exc_info=True)
         return 1

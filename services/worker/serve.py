@@ -108,6 +108,8 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     if getattr(args, "device", None):
         check_device(args.device, f"kvfleet serve {args.role}")
         cfg = replace(cfg, device=args.device)
+    if getattr(args, "cuda_graphs", None):
+        cfg = replace(cfg, cuda_graphs=args.cuda_graphs)
     if getattr(args, "attention_backend", None):
         cfg = replace(cfg, attention_backend=args.attention_backend)
     if getattr(args, "kv_cache_dtype", None):

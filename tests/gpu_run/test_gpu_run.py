@@ -96,3 +96,31 @@ def test_a_step_that_does_not_fit_the_budget_is_skipped_not_started(tmp_path):
     assert not run.step("late", 100, ["sh", "-c", f"touch {tmp_path / 'ran'}"], min_s=5)
     assert run.steps == [{"step": "late", "skipped": "3 s left of the budget"}]
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_engine_decodes_with_cuda_graphs_off_and_on_to_the_same_greedy_tokens(result):
+    """On the CPU `on` is the padded steps run eagerly (the graphs themselves need CUDA); the run
+    records decode tok/s at batch 1 and at the burst's size for both, and the tokens agree."""
+    _, doc, _ = result
+    tiny = doc["models"]["tiny"]
+    graphs = tiny["cuda_graphs"]
+    assert graphs["greedy"]["equal"] and graphs["greedy"]["compared"] > 0, graphs
+    assert graphs["padded_steps_on"] > 0
+    for side in ("off", "on"):
+        assert [d["batch"] for d in graphs[side]] == [1, tiny["sizes"]["chats"]]
+        assert all(d["tokens_per_s"] > 0 for d in graphs[side])
+    assert all(d["speedup_over_off"] > 0 for d in graphs["on"])
+
+
+def test_a_serve_step_stopped_early_keeps_the_phases_it_finished(tmp_path):
+    """gpu_serve saves its file after each phase; the run's verdict reads whatever is there."""
+    from kernels.gpu_run import Run, finish
+    from kernels.gpu_serve import save
+    partial = {"engine": {"greedy": {"equal": True}}}
+    save(str(tmp_path / "serve.json"), partial)
+    assert json.loads((tmp_path / "serve.json").read_text()) == partial
+    assert not (tmp_path / "serve.json.part").exists()
+    run = Run(tmp_path, budget_s=60)
+    run.steps.append({"step": "serve:tiny", "rc": "timeout"})
+    doc = finish({"models": {"tiny": partial}}, run)
+    assert doc["greedy_equal"] is False and doc["ok"] is False    # no cuda_graphs phase: not proven

@@ -84,3 +84,45 @@ def test_generate_gives_the_same_greedy_tokens(capsys):
         outputs[backend] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(outputs["torch"]["token_ids"]) == 3
     assert outputs["triton"]["token_ids"] == outputs["torch"]["token_ids"]
+
+
+def test_padded_decode_steps_on_the_triton_backend_give_the_unpadded_logits(tiny):
+    """Decode steps padded to fixed sizes (services/engine/model/decode_graphs.py) through the
+    Triton kernels: three sequences run at size 4 (one padding row, slot -1, which the KV store
+    skips), then one alone at size 1. Interpreted here; on the GPU (gpu_check.sh, the prepared
+    run's kernel tests) each size is captured as a CUDA graph and replayed."""
+    from services.engine.model.decode_graphs import DecodeGraphConfig, DecodeGraphRunner
+    plain = ModelRunner(tiny, KVCache(tiny.config, 16, BLOCK, torch.float32, DEVICE), backend="torch")
+    graphs = DecodeGraphRunner(
+        ModelRunner(tiny, KVCache(tiny.config, 16, BLOCK, torch.float32, DEVICE), backend="triton"),
+        DecodeGraphConfig(max_batch=4, max_model_len=64, capture=ON_GPU))
+    tables = [[7, 3], [11], [2]]
+    prompts = [SeqChunk(list(range(300, 317)), 0, tables[0], (16,)), SeqChunk([400, 401], 0, tables[1], (1,)),
+               SeqChunk([500], 0, tables[2], (0,))]
+    steps = [prompts,
+             [SeqChunk([42], 17, tables[0], (0,)), SeqChunk([43], 2, tables[1], (0,)), SeqChunk([44], 1, tables[2], (0,))],
+             [SeqChunk([45], 18, tables[0], (0,))]]
+    for chunks in steps:
+        got, expected = graphs.execute(chunks), plain.execute(chunks)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert graphs.padded_steps == 2
+    torch.testing.assert_close(graphs.kv_cache.data, plain.kv_cache.data, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the story is a capture that fails; on the GPU it succeeds")
+def test_a_capture_that_fails_leaves_every_step_on_the_plain_runner(tiny, caplog):
+    """Here the capture fails (no CUDA): the engine still serves, every step unpadded as with
+    --cuda-graphs off, and says why once."""
+    from services.engine.model.decode_graphs import DecodeGraphConfig, DecodeGraphRunner
+    plain = ModelRunner(tiny, KVCache(tiny.config, 16, BLOCK, torch.float32, DEVICE), backend="torch")
+    with caplog.at_level("WARNING", logger="services.engine.model.decode_graphs"):
+        graphs = DecodeGraphRunner(
+            ModelRunner(tiny, KVCache(tiny.config, 16, BLOCK, torch.float32, DEVICE), backend="triton"),
+            DecodeGraphConfig(max_batch=2, max_model_len=32, capture=True))
+    assert graphs.capture_error and "capture failed, every step runs eagerly" in caplog.text
+    chunks = [SeqChunk([300, 301], 0, [3], (1,))]
+    torch.testing.assert_close(graphs.execute(chunks), plain.execute(chunks), atol=2e-4, rtol=1e-4)
+    chunks = [SeqChunk([42], 2, [3], (0,))]
+    torch.testing.assert_close(graphs.execute(chunks), plain.execute(chunks), atol=2e-4, rtol=1e-4)
+    assert graphs.padded_steps == 0

@@ -75,6 +75,9 @@ class TorchAttentionMetadata:
     prefills: tuple[PrefillSlice, ...]
     k_scale: float = 1.0               # fp8 cache: stored = k / k_scale, read = stored * k_scale
     v_scale: float = 1.0
+    # padded decode steps (decode_graphs.py): rows whose slot is < 0 write nothing; this [1] slot,
+    # which no real row writes, is rewritten with what it holds in their place
+    pad_slot: torch.Tensor | None = None
 
     @property
     def only_decodes(self) -> bool:
@@ -136,7 +139,10 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
         ks, vs = meta.k_scale, meta.v_scale
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        if meta.pad_slot is None:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        else:
+            write_kv_padded(k, v, k_cache, v_cache, meta.slot_mapping, meta.pad_slot, ks, vs)
         if meta.only_decodes and len(meta.decode_groups) == 1:
             return self._decode(q, k_cache, v_cache, meta.decode_groups[0], ks, vs)
         out = torch.empty_like(q)  # [T, heads, d]
@@ -181,6 +187,18 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         rows = byte_copyable(quantize(x, cache.dtype, scale))
         byte_copyable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+
+
+def write_kv_padded(k, v, k_cache, v_cache, slot_mapping, pad_slot, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
+    """write_kv where a slot < 0 writes nothing (a padded row): such rows write `pad_slot` [1] (a
+    slot no other row writes) with the value it holds. Fixed shapes, no host sync."""
+    valid = slot_mapping >= 0
+    slots = torch.where(valid, slot_mapping, pad_slot)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = byte_copyable(cache).view(-1, *cache.shape[2:])
+        rows = byte_copyable(quantize(x, cache.dtype, scale))
+        flat.index_copy_(0, slots, torch.where(valid[:, None, None], rows, flat.index_select(0, slots)))
 
 
 def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

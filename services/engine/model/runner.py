@@ -63,7 +63,7 @@ class ModelRunner:
         with torch.inference_mode():
             t0 = time.perf_counter()
             batch = prepare_inputs(chunks, self.kv_cache.block_size)
-            self._check_ranges(batch)
+            self.check_ranges(batch)
             batch = batch.to(self.model.device)
             kv = self.kv_cache
             meta = self.backend.build_metadata(batch, kv.block_size, self.model.dtype,
@@ -72,7 +72,7 @@ class ModelRunner:
             with fused_kernels(self.fused_layers):
                 return self.model(batch, self.kv_cache, self.backend, meta)
 
-    def _check_ranges(self, batch: BatchInputs) -> None:
+    def check_ranges(self, batch: BatchInputs) -> None:
         """Out-of-range ids would be silent garbage (or a device assert) deeper down."""
         if batch.host.max_block_id >= self.kv_cache.num_blocks:
             raise ValueError(f"block id {batch.host.max_block_id} >= num_blocks {self.kv_cache.num_blocks}")
