@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import re
 import signal
 import sys
@@ -237,10 +236,8 @@ class OrderDesk:
             return OrderResult(order.order_id, False, None,
                                f"{name} is the last {order.role} worker: not drained")
         self.supervisor.retire(name)
-        try:
-            os.kill(self.launcher.children[name].proc.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass                           # it died meanwhile: retired, it is not restarted
+        # it may have died meanwhile: retired, it is not restarted
+        self.launcher.signal(name, signal.SIGUSR1)
         self.announce(f"  draining     {name} (order {order.order_id})")
         return OrderResult(order.order_id, True, name, f"draining {name}")
 
