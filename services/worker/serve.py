@@ -38,8 +38,8 @@ from services.engine.config_file import load_engine_config
 from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
 from services.kv_transfer import PROCESS_BACKENDS
-from services.protocol import fleet_token, timeouts
-from services.protocol.aio import LOOPBACK, run, setup_logging
+from services.protocol import bind, fleet_token, timeouts
+from services.protocol.aio import run, setup_logging
 from services.protocol.standard_health import StandardHealth, add_standard_health
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -78,6 +78,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--model", default="tiny")
     p.add_argument("--config", help="engine config YAML (classes, tenants, budgets)")
     p.add_argument("--host", default="127.0.0.1")
+    bind.add_args(p)
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--kv-port", type=int, default=0,
                    help="the tcp KV backend's receiver on 127.0.0.1 (0 picks a free port)")
@@ -246,8 +247,7 @@ def _stall_changed(config: WorkerConfig, stalled: bool, fresh: bool, silent_befo
 
 async def serve(args: argparse.Namespace) -> int:
     setup_logging(args.role)
-    if args.host not in LOOPBACK:
-        raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
+    bind.check(args.host, args.allow_external_bind, "a worker")
     auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -272,7 +272,9 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         # its thread (a daemon) serves until the process exits: closing it would wait out its
         # poll interval inside the stop budget
-        metrics = exposition.serve(telemetry.metrics.registry, args.metrics_port)
+        metrics = exposition.serve(telemetry.metrics.registry, args.metrics_port,
+                                   bind.metrics_host(args.host, args.allow_external_bind),
+                                   external=args.allow_external_bind)
         if metrics is not None:
             telemetry.metrics_url = metrics.url
         return await _serve(args, auth, config, engine, stop, telemetry)
