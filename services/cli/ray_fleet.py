@@ -395,7 +395,7 @@ class RayLauncher:
             with self._lock:
                 children = list(self.children.values())
             for child in children:
-                if child.address and child.proc.status is None:
+                if child.proc.status is None:
                     self._look(child)
 
     def _look(self, child: RayChild) -> None:
@@ -418,12 +418,22 @@ class RayLauncher:
             _quietly(lambda: ray.kill(child.actor, no_restart=True))
             child.proc.status = info["status"]
 
+    def _restarted(self, child: RayChild, pid: int) -> RayChild:
+        """Ray restarted `child`'s actor: a new child under its name, not READY until its new
+        service says so (the health watch and the banner start over, as for a restarted
+        process)."""
+        fresh = RayChild(child.name, child.actor, child.module_args, restarts=child.restarts + 1)
+        with self._lock:
+            if self.children.get(child.name) is child:
+                self.children[child.name] = fresh
+        self.say(f"kvfleet up: {child.name} was restarted by Ray: its service (pid "
+                 f"{child.proc.pid}) died, pid {pid} runs now (restart {fresh.restarts})")
+        return fresh
+
     def _update(self, child: RayChild, info: dict) -> None:
         old = child.proc.pid
         if old is not None and info["pid"] != old:
-            child.restarts += 1
-            self.say(f"kvfleet up: {child.name} was restarted by Ray: its service (pid {old}) "
-                     f"died, pid {info['pid']} serves now (restart {child.restarts})")
+            child = self._restarted(child, info["pid"])
         child.proc.pid = info["pid"]
         if info["address"]:
             child.address = info["address"]

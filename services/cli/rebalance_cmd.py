@@ -460,13 +460,14 @@ def _once(args: argparse.Namespace, sizes: dict[str, int]) -> int:
     applied, ok, requests = None, True, None
     if args.target == "kubernetes":
         requests, api = kube_requests(args, outcome)
-        if args.apply and requests:
-            try:
+        try:
+            if args.apply and requests:
                 applied, ok = rebalance_k8s.apply(api, requests)
-            finally:
+        finally:
+            if api is not None:
                 api.close()
-            if any(o["accepted"] for o in applied):
-                mark_change_in(args.redis_url)
+        if applied and any(o["accepted"] for o in applied):
+            mark_change_in(args.redis_url)
     elif args.apply and outcome.changed:
         check_launcher(args.redis_url, args.target)
         applied, ok = apply_local(args.redis_url, outcome, args.wait_s)
