@@ -189,8 +189,12 @@ class ServiceHost:
             pass
 
     def kill(self) -> None:
-        """SIGKILL the service, as a crash would; the actor then exits and Ray restarts it."""
-        self.launcher.kill(self.name)
+        """SIGKILL the service's process group, as a crash would; the actor then exits (its
+        watcher sees the death) and Ray restarts it. Returns before that exit."""
+        try:
+            os.killpg(self.child.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def stop(self, grace_s: float) -> None:
         self.launcher.stopping.set()
