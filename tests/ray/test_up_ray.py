@@ -2,7 +2,8 @@
 the tiny model in its workers (the greedy-text claim is about tokens). Through that fleet:
 the official client gets the in-process engine's greedy text; a client that hangs up mid-decode
 leaves both workers and the tenant's stream slots at zero; a decode worker killed mid-stream is
-heard by every client and comes back through Ray's actor restart, on its port; `kvfleet
+heard by every client and comes back through Ray's actor restart, on its port, and a frozen one is
+killed by kvfleet up's health watch and comes back the same way; `kvfleet
 rebalance --apply --target ray` adds a decode actor and drains it again; nothing listens beyond
 127.0.0.1 (`ss -ltnp`); SIGTERM leaves no process and no port. One fleet for the module: a Ray
 cluster and two model loads are its cost."""
@@ -36,13 +37,14 @@ TOKEN = "ray-fleet-token-0123456789abcdef"
 PROMPT = "A fleet of Ray actors serves the prompt"
 LONG = 2000                  # tokens a stream asks for: it outlasts what the test does meanwhile
 DEADLINE_S = 120
+UNRESPONSIVE_15S = ("--timeout-unresponsive-s", "15")   # a frozen service is killed this late
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("ray-home")        # Ray's token and caches, not the user's
-    with up_fleet(tiny_model_dir, "--ray", *LEASE_3S, mode="disagg", engine="real", token=TOKEN,
-                  env={"HOME": str(home)}) as up:
+    with up_fleet(tiny_model_dir, "--ray", *LEASE_3S, *UNRESPONSIVE_15S, mode="disagg",
+                  engine="real", token=TOKEN, env={"HOME": str(home)}) as up:
         yield up
 
 
@@ -137,6 +139,17 @@ def test_a_decode_worker_killed_mid_stream_is_heard_and_ray_restarts_it_on_its_p
     # holds_nothing asks every worker at its banner address: the restarted one answers on its port
     assert wait_until(lambda: holds_nothing(fleet), 30)          # blocks and reservations back
     assert wait_until(lambda: open_streams(fleet.redis_url) == 0, 10)   # ... and stream slots
+
+
+def test_a_frozen_decode_worker_is_killed_by_the_health_watch_and_restarted_by_ray(healthy):
+    fleet, victim = healthy, "decode-0"
+    old_pid = fleet.pid(victim)
+    fleet.signal(victim, signal.SIGSTOP)          # alive, answering nothing
+    assert wait_until(lambda: fleet.pid(victim) not in (None, old_pid), DEADLINE_S), \
+        "\n".join(fleet.lines[-20:])
+    assert any(f"{victim} has not answered its health check" in line for line in fleet.lines)
+    assert serves(fleet, DEADLINE_S), "\n".join(fleet.lines[-30:])
+    assert wait_until(lambda: holds_nothing(fleet), 30)
 
 
 def rebalance(fleet, tmp_path, *args: str) -> subprocess.CompletedProcess:
