@@ -1,8 +1,8 @@
 """`kvfleet up --ray [ADDRESS]`: the same services, each hosted by a Ray actor.
 
 Every service `kvfleet up` starts as a child process (gateway, routers, workers) is started here by
-a `ServiceHost` actor instead: the actor is a process of its own on a Ray node, and it runs the
-very command `kvfleet up` would (`python -m services.cli.lifeline <module> <args...>`, through a
+a `ServiceHost` actor (services/cli/ray_host.py) instead: the actor is a process of its own on a
+Ray node, and it runs the very command `kvfleet up` would (`python -m services.cli.lifeline <module> <args...>`, through a
 `Launcher` of its own), so the service, its flags, its READY line, its ports and its health checks
 are the ones of the plain fleet. What Ray adds:
 
@@ -37,24 +37,21 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
-import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.cli import ports
-from services.cli.launcher import LaunchError, Launcher, STOP_GRACE_S
+from services.cli.launcher import LaunchError, STOP_GRACE_S
+from services.cli.ray_host import RESTART_STATUS, ServiceHost, say
 from services.protocol import fleet_token
 
 LOCAL = "local"                 # `--ray` without an address: a local cluster on 127.0.0.1
 NAMESPACE = "kvfleet"
 ACTOR_CPUS = 0.01               # what an actor claims: its service's threads are its own business
 MAX_RESTARTS = 20               # Ray's restarts of one actor before the supervisor's take over
-RESTART_STATUS = 1              # an actor whose service died exits with this
 GONE_AFTER = 3                  # refused calls in a row: Ray gave the actor up
 WATCH_EVERY_S = 1.0             # how often kvfleet up asks each actor about its service
 CALL_TIMEOUT_S = 5.0            # one call to an actor (a restarting one does not answer)
@@ -139,80 +136,6 @@ def passed_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in NOT_PASSED}
 
 
-# ------------------------------------------------------------------ the actor
-
-class ServiceHost:
-    """A Ray actor hosting one service: runs it as `kvfleet up` runs a child, exits when it dies
-    (so that Ray restarts the actor), and answers about it."""
-
-    def __init__(self, name: str, module_args: list[str], env: dict[str, str],
-                 log_dir: str) -> None:
-        import ray  # noqa: PLC0415
-        os.makedirs(log_dir, exist_ok=True)
-        self.name = name
-        self.draining = False
-        self.launcher = Launcher(env=env, log_dir=log_dir)
-        with warnings.catch_warnings():        # deprecated in 2.60, with no replacement yet
-            warnings.simplefilter("ignore")
-            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        if self.restarted:
-            _say(f"kvfleet ray: {name}'s actor was restarted by Ray; starting {name} again")
-        self.child = self.launcher.spawn(name, module_args)
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def _watch(self) -> None:
-        status = self.child.proc.wait()
-        if self.draining or self.launcher.stopping.is_set():
-            return
-        _say(f"kvfleet ray: {self.name} exited with status {status}; its actor exits so that "
-             f"Ray restarts it (log {self.launcher.log_path(self.name)})")
-        os._exit(RESTART_STATUS)
-
-    def ready(self, timeout_s: float) -> dict:
-        """Once the service printed READY (or exited, or `timeout_s` passed): `info()`."""
-        self.child.ready.wait(timeout_s)
-        return self.info()
-
-    def info(self) -> dict:
-        return {"address": self.child.address, "lines": list(self.child.lines),
-                "pid": self.child.proc.pid, "status": self.child.proc.poll(),
-                "draining": self.draining, "restarted": self.restarted,
-                "log_tail": _tail(self.launcher.log_path(self.name))}
-
-    def signal(self, sig: int) -> None:
-        """Pass `sig` to the service; SIGUSR1 (drain) makes its exit the actor's end."""
-        if sig == signal.SIGUSR1:
-            self.draining = True
-        try:
-            os.kill(self.child.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def kill(self) -> None:
-        """SIGKILL the service's process group, as a crash would; the actor then exits (its
-        watcher sees the death) and Ray restarts it. Returns before that exit."""
-        try:
-            os.killpg(self.child.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def stop(self, grace_s: float) -> None:
-        self.launcher.stopping.set()
-        self.launcher.stop_all(grace_s)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, "rb") as f:
-            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
-    except OSError:
-        return ""
-
-
 # ------------------------------------------------------------------ kvfleet up's side
 
 @dataclass
@@ -251,7 +174,7 @@ class RayLauncher:
 
     def __init__(self, cluster: RayCluster, env: dict[str, str] | None = None,
                  log_dir: str | None = None, worker_gpus: int = 0,
-                 say: Callable[[str], None] = _say) -> None:
+                 say: Callable[[str], None] = say) -> None:
         self.cluster = cluster
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env = {**env, **fleet_token.child_env(env)}     # one token, as Launcher's
