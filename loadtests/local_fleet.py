@@ -77,7 +77,8 @@ class UpFleet:
         return f"http://{self.http}"
 
     def children(self) -> dict[int, str]:
-        """pid -> command line of each live child of `kvfleet up` (read from /proc)."""
+        """pid -> command line of each live service `kvfleet up` started (its children; under
+        --ray, its Ray actors' children), read from /proc."""
         return _children(self.proc.pid)
 
     def pid(self, name: str) -> int | None:
@@ -99,14 +100,18 @@ class UpFleet:
 
 
 def _children(pid: int) -> dict[int, str]:
-    from services.cli.launcher import children  # noqa: PLC0415
+    """The services under `pid`: every live process of its tree that runs the launcher's command
+    (`python -m services.cli.lifeline ...`, services/cli/lifeline.py)."""
+    from services.cli.launcher import descendants  # noqa: PLC0415
     found = {}
-    for child in children(pid):
+    for child in descendants(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                found[child] = f.read().replace(b"\0", b" ").decode()
+                args = f.read().replace(b"\0", b" ").decode()
         except OSError:
             continue                       # gone meanwhile
+        if " services.cli.lifeline " in args:
+            found[child] = args
     return found
 
 

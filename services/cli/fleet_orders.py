@@ -8,6 +8,7 @@ The channel is the fleet's Redis:
 | `{ns}fleet:orders`               | list of sealed `FleetOrder`s (RPUSH by the giver, LPOP by up)  |
 | `{ns}fleet:order:<order_id>`     | the sealed `OrderResult` `kvfleet up` wrote (TTL RESULT_TTL_S) |
 | `{ns}rebalance:last_change_s`    | unix seconds of the last applied change (the cool-down's)      |
+| `{ns}fleet:launcher`             | `local` or `ray`: how the kvfleet up taking orders runs workers |
 
 Orders and results are JSON sealed as the worker records are (services/state/records.py: an HMAC
 keyed by the fleet token), so only a holder of the token can order the fleet about; an order that
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import re
 import signal
 import sys
@@ -39,6 +39,7 @@ from services.state.records import RecordSeal, RejectedRecord
 ORDERS_KEY = "fleet:orders"
 RESULT_KEY = "fleet:order:"
 LAST_CHANGE_KEY = "rebalance:last_change_s"
+LAUNCHER_KEY = "fleet:launcher"         # what carries orders out: "local" or "ray" (kvfleet up --ray)
 RESULT_TTL_S = 3600
 MAX_ORDERS_A_POLL = 8
 ROLES = ("prefill", "decode", "mixed")
@@ -180,6 +181,7 @@ class OrderDesk:
                     self.templates[role] = (name, list(child.module_args))
         self._pending: set[str] = set()     # added workers not yet pinned to their port
         self._redis_down = False
+        self._announced = False             # the launcher's kind is in Redis (said again after an outage)
 
     def poll(self) -> list[OrderResult]:
         self._pin_ready()
@@ -190,6 +192,8 @@ class OrderDesk:
                 self.say(f"kvfleet up: cannot read fleet orders from Redis ({e}); retrying")
             self._redis_down = True
             return []
+        if self._redis_down or not self._announced:
+            self._announce_launcher()
         self._redis_down = False
         results = []
         for raw in filter(None, raws):
@@ -206,6 +210,13 @@ class OrderDesk:
             except Exception as e:  # noqa: BLE001 - the giver then sees no result
                 self.say(f"kvfleet up: could not write the result of order {order.order_id}: {e}")
         return results
+
+    def _announce_launcher(self) -> None:
+        try:
+            self.redis.set(self.ns + LAUNCHER_KEY, getattr(self.launcher, "kind", "local"))
+            self._announced = True
+        except Exception as e:  # noqa: BLE001 - said again once Redis answers
+            self.say(f"kvfleet up: could not say in Redis how it runs workers: {e}")
 
     def carry_out(self, order: FleetOrder) -> OrderResult:
         if order.action is Action.ADD:
@@ -237,10 +248,8 @@ class OrderDesk:
             return OrderResult(order.order_id, False, None,
                                f"{name} is the last {order.role} worker: not drained")
         self.supervisor.retire(name)
-        try:
-            os.kill(self.launcher.children[name].proc.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass                           # it died meanwhile: retired, it is not restarted
+        # it may have died meanwhile: retired, it is not restarted
+        self.launcher.signal(name, signal.SIGUSR1)
         self.announce(f"  draining     {name} (order {order.order_id})")
         return OrderResult(order.order_id, True, name, f"draining {name}")
 
@@ -257,6 +266,12 @@ class OrderDesk:
             elif child.address:
                 self.supervisor.pinned[name] = ["--port", child.address.rsplit(":", 1)[1]]
                 self._pending.discard(name)
+
+
+def launcher_kind(redis, ns: str) -> str | None:
+    """How the kvfleet up taking this Redis's orders runs its workers (None: no such fleet)."""
+    raw = redis.get(ns + LAUNCHER_KEY)
+    return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def mark_change(redis, ns: str, now_unix_s: float | None = None) -> None:

@@ -58,8 +58,20 @@ class FleetProbe:
             answer = pb_grpc.WorkerStub(self._channel(address)).Health(
                 pb.HealthRequest(), timeout=self._timeout_s, metadata=self._metadata)
             return answer.status == pb.HealthResponse.SERVING
-        except (grpc.RpcError, httpx.HTTPError):
+        except grpc.RpcError:
+            self._forget(address)
             return False
+        except httpx.HTTPError:
+            return False
+
+    def _forget(self, address: str) -> None:
+        """A failed probe's channel is dropped: a channel that failed to connect waits out a
+        growing reconnect backoff (grpc's, up to 120 s), during which a service restarted on the
+        same port would look silent; the next probe connects afresh."""
+        with self._lock:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -116,6 +116,10 @@ class Launcher:
         _signal_group(child.proc.pid, signal.SIGKILL)
         child.proc.wait(timeout=10)
 
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` to the child (SIGUSR1: drain); nothing if it exited meanwhile."""
+        _signal_pid(self.children[name].proc.pid, sig)
+
     def stop(self, name: str, grace_s: float = STOP_GRACE_S) -> None:
         child = self.children.get(name)
         if child is not None:

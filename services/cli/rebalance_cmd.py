@@ -28,7 +28,14 @@ Every decision, in every mode, is appended to the JSONL audit log (`--audit-log`
 `--replicas POOL=N` (repeatable) sets a pool's size by hand instead of the policy (reason
 `manual`): the budget, the step limit and the audit log still apply.
 
-`--target kubernetes` and `--target ray` are not available yet: exit 2 with a message.
+Targets of --apply:
+  local        a running `kvfleet up` (orders through its Redis, services/cli/fleet_orders.py)
+  ray          a running `kvfleet up --ray`: the same orders; it adds a worker actor, or drains
+               one (SIGUSR1: NOT_SERVING, out of Redis, finishes what it holds) then kills it
+               (services/cli/ray_fleet.py). Each refuses a fleet that runs its workers the
+               other way
+  kubernetes   the chart's pools: a JSON merge patch of each changed pool's `spec.replicas`
+               (services/planner/rebalance_k8s.py); `--dry-run` prints the requests it would send
 Exit status: 0 done (whatever was recommended), 1 an order was refused or not taken in time,
 2 bad arguments or an unreachable fleet.
 """
@@ -47,6 +54,7 @@ from dataclasses import dataclass, replace
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.planner import rebalance_k8s
 from services.planner.rebalance import (POOLS, Decision, Outcome, PoolWindow, RebalanceConfig,
                                         RebalanceState, Reason, decide, decode_work_s)
 
@@ -65,8 +73,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--advisory", action="store_true",
                       help="decide every window until stopped; export it as metrics only")
     p.add_argument("--target", choices=["local", "kubernetes", "ray"], default="local",
-                   help="where --apply acts: local (a running kvfleet up); kubernetes and ray are "
-                        "not available yet")
+                   help="where --apply acts: local (a running kvfleet up), ray (a running "
+                        "kvfleet up --ray: actors added or drained), kubernetes (the chart's "
+                        "pool workloads' spec.replicas, through the API server)")
+    kube = p.add_argument_group("--target kubernetes")
+    kube.add_argument("--release", default=None,
+                      help="the Helm release the fleet was installed as (its workloads are "
+                           "<release>-kvfleet-<pool>)")
+    kube.add_argument("--namespace", default=None,
+                      help="the release's namespace (default: the pod's own, else the "
+                           "kubeconfig context's, else default)")
+    kube.add_argument("--kubeconfig", default=None,
+                      help="credentials (default: the pod's service account, else $KUBECONFIG, "
+                           "else ~/.kube/config)")
+    kube.add_argument("--kube-kind", choices=sorted(rebalance_k8s.KINDS), default="Deployment",
+                      help="the pools' workload kind: Deployment (default), or LeaderWorkerSet "
+                           "when the chart spans a worker's tensor parallelism over nodes")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379",
                    help="the fleet's Redis (kvfleet up prints it); credentials as kvfleet status")
     p.add_argument("--json", action="store_true", help="print each decision as one JSON object")
@@ -398,19 +420,17 @@ class Exported:
 
 # ------------------------------------------------------------------------------ entry
 def run(args: argparse.Namespace) -> int:
-    if args.target != "local":
-        print(f"kvfleet rebalance: --target {args.target} is not available yet (it comes with "
-              "the Kubernetes and Ray deployments); --target local acts on a running kvfleet up",
-              file=sys.stderr)
-        return 2
     try:
         sizes = manual_sizes(args.replicas)
+        if args.target == "kubernetes" and not args.release:
+            raise ValueError("--target kubernetes needs --release: the Helm release whose pools "
+                             "it scales")
         if not args.window_s > 0:
             raise ValueError(f"--window-s must be > 0, got {args.window_s}")
         if args.advisory:
             return _advisory(args, sizes)
         return _once(args, sizes)
-    except ValueError as e:
+    except ValueError as e:           # rebalance_k8s.KubeError too
         print(f"kvfleet rebalance: {e}", file=sys.stderr)
         return 2
     except (OSError, ConnectionError) as e:
@@ -437,14 +457,83 @@ def _once(args: argparse.Namespace, sizes: dict[str, int]) -> int:
     windows = asyncio.run(measure(args.redis_url, args.window_s, targets_of(args)))
     state = RebalanceState(last_change_s(args.redis_url))
     outcome, cfg = _decide(args, sizes, windows, state)
-    applied, ok = None, True
-    if args.apply and outcome.changed:
+    applied, ok, requests = None, True, None
+    if args.target == "kubernetes":
+        requests, api = kube_requests(args, outcome)
+        try:
+            if args.apply and requests:
+                applied, ok = rebalance_k8s.apply(api, requests)
+        finally:
+            if api is not None:
+                api.close()
+        if applied and any(o["accepted"] for o in applied):
+            mark_change_in(args.redis_url)
+    elif args.apply and outcome.changed:
+        check_launcher(args.redis_url, args.target)
         applied, ok = apply_local(args.redis_url, outcome, args.wait_s)
     mode = "apply" if args.apply else "dry-run"
     line = record(outcome, mode, cfg, windows, applied)
+    if requests is not None and not args.apply:
+        line["requests"] = [r.as_dict() for r in requests]     # what --apply would send
     append_audit(args.audit_log, line)
     show(line, args.json)
+    if requests and not args.apply and not args.json:
+        for r in requests:
+            print("would send:\n" + r.show())
     return 0 if ok else 1
+
+
+def kube_requests(args: argparse.Namespace, outcome: Outcome):
+    """The merge patches of the change (none without one), and the API they would go to (None
+    on a dry run: nothing is sent, no credentials are read unless no --namespace is given)."""
+    api = None
+    if args.apply:
+        api = rebalance_k8s.KubeApi.discover(args.kubeconfig)
+    namespace = args.namespace or (api.namespace if api else _default_namespace(args.kubeconfig))
+    return (rebalance_k8s.scale_requests(outcome, args.release, namespace, args.kube_kind), api)
+
+
+def _default_namespace(kubeconfig: str | None) -> str:
+    try:
+        api = rebalance_k8s.KubeApi.discover(kubeconfig)
+    except (rebalance_k8s.KubeError, KeyError):
+        return "default"
+    api.close()
+    return api.namespace
+
+
+def check_launcher(redis_url: str, target: str) -> None:
+    """--apply --target local|ray only to a kvfleet up that runs its workers so (ValueError)."""
+    import redis as redis_sync  # noqa: PLC0415
+
+    from services.cli import fleet_orders as fo  # noqa: PLC0415
+    from services.state.redis_auth import RedisCredentials  # noqa: PLC0415
+    client = redis_sync.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                       **RedisCredentials.from_env().client_kwargs())
+    try:
+        kind = fo.launcher_kind(client, NAMESPACE)
+    finally:
+        client.close()
+    if kind is None and target == "ray":
+        raise ValueError("no kvfleet up --ray takes orders from this Redis (--target ray adds "
+                         "and drains the actors of one)")
+    if kind is not None and kind != target:
+        raise ValueError(f"the kvfleet up serving this Redis runs its workers as {kind}: use "
+                         f"--target {kind}")
+
+
+def mark_change_in(redis_url: str) -> None:
+    """The cool-down's clock, as --target local keeps it."""
+    import redis as redis_sync  # noqa: PLC0415
+
+    from services.cli import fleet_orders as fo  # noqa: PLC0415
+    from services.state.redis_auth import RedisCredentials  # noqa: PLC0415
+    client = redis_sync.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                       **RedisCredentials.from_env().client_kwargs())
+    try:
+        fo.mark_change(client, NAMESPACE)
+    finally:
+        client.close()
 
 
 def _advisory(args: argparse.Namespace, sizes: dict[str, int]) -> int:

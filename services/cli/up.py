@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from services.cli import ports
+from services.cli import ports, ray_fleet
 from services.cli.launcher import LaunchError, Launcher
 from services.cli.health_watch import FleetProbe, HealthWatch
 from services.cli.supervisor import RestartPolicy, Supervisor
@@ -111,6 +111,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, "the workers'")
     add_sim_args(p)
     p.add_argument("--insecure", action="store_true")
+    ray_fleet.add_args(p)
     p.add_argument("--config", default=None,
                    help="engine config YAML (classes, tenants, budgets) for workers and gateway")
     timeouts.add_args(p)
@@ -434,8 +435,12 @@ def _up(args: argparse.Namespace) -> int:
     check_fallback(args)
     check_device(args)
     check_tensor_parallel(args)
+    if getattr(args, "ray", None):
+        ray_fleet.pin_ports(args, lambda base: port_plan(
+            argparse.Namespace(**{**vars(args), "port_base": base}), not args.redis_url))
     plan = check_ports(args)
-    launcher = Launcher(env=allowed_networks_env(args))
+    launcher = (ray_fleet.launcher_for(args, allowed_networks_env(args))
+                if getattr(args, "ray", None) else Launcher(env=allowed_networks_env(args)))
     password, redis_env, redis_origin = redis_credentials(args, launcher.log_dir)
     launcher.env.update(redis_env)          # the children's Redis credentials: never on argv
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -452,6 +457,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"  redis-auth   {redis_origin}")           # where from; never the password
         print(f"  fleet token  {fleet_token.origin()}")   # where from; the token is never shown
         print(f"  status       kvfleet status --redis-url {redis_url}")
+        for line in ray_fleet.banner(launcher):
+            print(line)
         for name, addr in endpoints.items():
             if name not in ("gateway", "gateway-grpc"):
                 print(f"  {name:<12} {addr}")

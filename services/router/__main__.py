@@ -22,8 +22,8 @@ import logging
 
 import grpc
 
-from services.protocol import fleet_token, timeouts
-from services.protocol.aio import LOOPBACK, run, setup_logging
+from services.protocol import bind, fleet_token, timeouts
+from services.protocol.aio import run, setup_logging
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.standard_health import add_standard_health
 
@@ -43,8 +43,7 @@ log = logging.getLogger("services.router")
 
 
 async def serve(args: argparse.Namespace) -> int:
-    if args.host not in LOOPBACK:
-        raise SystemExit(f"the router binds to loopback only in this build; got --host {args.host}")
+    bind.check(args.host, args.allow_external_bind, "the router")
     setup_logging("router")
     limits = timeouts.from_args(args)
     auth = fleet_token.configure(args, "router")
@@ -56,7 +55,8 @@ async def serve(args: argparse.Namespace) -> int:
                               hybrid_threshold_tokens=args.hybrid_threshold_tokens)
     servicer.start()
     feed = asyncio.create_task(KVEventFeed(state, index).run()) if index is not None else None
-    metrics = exposition.serve(servicer.metrics.registry, args.metrics_port, args.host)
+    metrics = exposition.serve(servicer.metrics.registry, args.metrics_port, args.host,
+                               external=args.allow_external_bind)
     server = grpc.aio.server(interceptors=fleet_token.server_interceptors(auth))
     pb_grpc.add_RouterServicer_to_server(servicer, server)
     probe = add_standard_health(server, pb.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -102,6 +102,7 @@ def main(argv=None) -> int:
                    metavar="N", help="hybrid: the longest prompt served co-located (default "
                    f"{DEFAULT_THRESHOLD_TOKENS}; `kvfleet up` sets it from the capacity model)")
     p.add_argument("--host", default="127.0.0.1")
+    bind.add_args(p)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--router-id", default="router")
     p.add_argument("--placement", choices=["prefix", "load"], default="prefix",

@@ -26,11 +26,13 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def serve(registry: CollectorRegistry, port: int = 0, host: str = "127.0.0.1") -> MetricsServer | None:
-    """Serve `registry` at http://host:port/metrics; None when port is -1 (metrics off)."""
+def serve(registry: CollectorRegistry, port: int = 0, host: str = "127.0.0.1",
+          external: bool = False) -> MetricsServer | None:
+    """Serve `registry` at http://host:port/metrics; None when port is -1 (metrics off).
+    `host` is loopback unless `external` (the service's --allow-external-bind)."""
     if port < 0:
         return None
-    if host not in LOOPBACK:
-        raise ValueError(f"metrics bind to loopback only in this build; got {host}")
+    if host not in LOOPBACK and not external:
+        raise ValueError(f"metrics bind to loopback only without --allow-external-bind; got {host}")
     httpd, _ = start_http_server(port, addr=host, registry=registry)
     return MetricsServer(f"http://{host}:{httpd.server_port}/metrics", httpd)

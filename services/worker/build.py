@@ -23,7 +23,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from services.engine.config import EngineConfig
-from services.protocol import fleet_token
+from services.protocol import bind, fleet_token
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -87,7 +87,10 @@ class Worker:
         config, telemetry = self.config, self.telemetry
         await self.engine.start()
         telemetry.rates = _rates(config, self.engine)
-        self.metrics = exposition.serve(telemetry.metrics.registry, config.metrics_port)
+        self.metrics = exposition.serve(
+            telemetry.metrics.registry, config.metrics_port,
+            bind.metrics_host(config.host, config.allow_external_bind),
+            external=config.allow_external_bind)
         if self.metrics is not None:
             telemetry.metrics_url = self.metrics.url
         if self.role.moves_kv:

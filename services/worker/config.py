@@ -23,6 +23,7 @@ class WorkerConfig:
     # how the process serves (build.py); the defaults: loopback, free ports, no Redis, no /metrics
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
+    allow_external_bind: bool = False  # a non-loopback host (and /metrics beside it) only when opted in
     port: int = 0                      # gRPC; 0 picks a free port
     kv_port: int = 0                   # the tcp KV backend's receiver; 0 picks a free port
     redis_url: str | None = None       # heartbeat capacity here; None: not in a fleet's Redis

@@ -36,8 +36,8 @@ from services.engine.config_file import load_engine_config
 from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
 from services.kv_transfer import PROCESS_BACKENDS
-from services.protocol import fleet_token, timeouts
-from services.protocol.aio import LOOPBACK, setup_logging
+from services.protocol import bind, fleet_token, timeouts
+from services.protocol.aio import setup_logging
 from services.protocol.shutdown import wait_for_stop_signal
 from services.telemetry import exposition, tracing
 from services.worker.build import Worker, build_worker
@@ -56,6 +56,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--model", default="tiny")
     p.add_argument("--config", help="engine config YAML (classes, tenants, budgets)")
     p.add_argument("--host", default="127.0.0.1")
+    bind.add_args(p)
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--kv-port", type=int, default=0,
                    help="the tcp KV backend's receiver on 127.0.0.1 (0 picks a free port)")
@@ -130,8 +131,7 @@ async def serve(args: argparse.Namespace, role: Role) -> int:
     """Serve `role` (the entry's choice, services/cli/serve_cmd.py) as `args` configure it, until
     SIGTERM / SIGINT, a drain's end, or the engine core's death; the exit status."""
     setup_logging(args.role)
-    if args.host not in LOOPBACK:
-        raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
+    bind.check(args.host, args.allow_external_bind, "a worker")
     auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,7 +153,8 @@ def worker_config_for(args: argparse.Namespace) -> WorkerConfig:
         args.worker_id or f"{args.role}-{os.getpid()}", args.role, args.kv_backend,
         timeouts.from_args(args), tensor_parallel_size=engine_config.tensor_parallel_size,
         pool=args.pool, quality_version=worker_quality_version(engine_config),
-        engine=engine_config, host=args.host, port=args.port, kv_port=args.kv_port,
+        engine=engine_config, host=args.host, allow_external_bind=args.allow_external_bind,
+        port=args.port, kv_port=args.kv_port,
         redis_url=args.redis_url, metrics_port=args.metrics_port,
         step_profile=args.step_profile, torch_threads=args.threads)
 

@@ -162,9 +162,25 @@ def advisory(up, audit: str) -> str:
             proc.wait()
 
 
-def test_kubernetes_and_ray_are_refused_with_a_message(tmp_path):
-    for target in ("kubernetes", "ray"):
-        out = subprocess.run([sys.executable, "-m", "services.cli.cli", "rebalance", "--target",
-                              target, "--audit-log", str(tmp_path / "a.jsonl")],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and "not available yet" in out.stderr
+def test_orders_go_only_to_a_fleet_that_runs_its_workers_the_targets_way(redis_url):
+    import redis as redis_sync
+
+    from services.cli import fleet_orders as fo
+    from services.cli.rebalance_cmd import NAMESPACE, check_launcher
+    client = redis_sync.Redis.from_url(redis_url)
+    key = NAMESPACE + fo.LAUNCHER_KEY
+    try:
+        client.delete(key)
+        check_launcher(redis_url, "local")            # a fleet from before the key: local
+        with pytest.raises(ValueError, match="no kvfleet up --ray"):
+            check_launcher(redis_url, "ray")
+        client.set(key, "local")
+        with pytest.raises(ValueError, match="use --target local"):
+            check_launcher(redis_url, "ray")
+        client.set(key, "ray")
+        check_launcher(redis_url, "ray")
+        with pytest.raises(ValueError, match="use --target ray"):
+            check_launcher(redis_url, "local")
+    finally:
+        client.delete(key)
+        client.close()

@@ -116,3 +116,15 @@ def test_a_renamed_flag_fails_the_parse(parse_only):
     renamed = {**worker, "args": [a.replace("--tensor-parallel=", "--tp=") for a in worker["args"]]}
     with pytest.raises(SystemExit):
         parse(renamed)
+
+
+def test_routers_and_workers_opt_in_to_their_pod_ip_which_a_default_start_refuses(parse_only):
+    from services.protocol import bind
+    opted = {w: parse(c) for w, c in kvfleet_containers("disaggregated")
+             if w.endswith(("/worker", "/router"))}
+    assert len(opted) == 3                                  # router, prefill, decode
+    for where, args in opted.items():
+        assert args.host == SAMPLE["POD_IP"] and args.allow_external_bind, where
+        bind.check(args.host, args.allow_external_bind, where)          # the pod may bind it
+        with pytest.raises(SystemExit, match="--allow-external-bind"):
+            bind.check(args.host, False, where)                         # without the opt-in: no

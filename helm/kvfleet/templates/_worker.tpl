@@ -30,6 +30,7 @@ kvfleet.io/slice: {{ .root.Values.topology.slice | toString | quote }}
 - {{ .role }}
 - --model={{ $v.model.path }}
 - --host=$(POD_IP)
+- --allow-external-bind
 - --port={{ $v.ports.worker }}
 - --kv-port={{ $v.ports.kv }}
 - --kv-backend={{ $v.engine.kvBackend }}
