@@ -1,5 +1,6 @@
-"""What making the text costs the gateway: the output processor (services/gateway/output_processor.py)
-on one token per chunk, as a decode worker streams them, for a greedy completion of the model.
+"""What making the text costs the gateway: the output processor
+(services/gateway/output_processor.py) on one token per chunk, as a decode worker streams them,
+for a greedy completion of the model.
 
     python -m loadtests.bench_output_processor [--model tiny] [--tokens 256] [--runs 30]
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, stop in STOPS.items():
         runs = [per_token_us(engine, prompt, ref.token_ids, stop) for _ in range(args.runs)]
         print(json.dumps({"model": args.model, "stop": name, "tokens": len(ref.token_ids),
-                          "runs": args.runs, "us_per_token_median": round(statistics.median(runs), 1),
+                          "runs": args.runs,
+                          "us_per_token_median": round(statistics.median(runs), 1),
                           "us_per_token_min": round(min(runs), 1)}))
     return 0
 
