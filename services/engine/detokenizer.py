@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import tokenizers
 
+    from services.engine.sampling_params import SamplingParams
+
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output token
 
@@ -146,6 +148,16 @@ class SampleText:
         self.stop_string: str | None = None   # the stop string that ended it, once one did
         self._sent = 0                        # chars of `text` handed out by take()
         self._flushed = False
+
+    @classmethod
+    def for_params(cls, tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int],
+                   params: SamplingParams) -> SampleText:
+        """A sample of a request with these sampling parameters (their text-shaping ones)."""
+        return cls(tokenizer, prompt_ids, stop=params.stop,
+                   include_stop_str_in_output=params.include_stop_str_in_output,
+                   skip_special_tokens=params.skip_special_tokens,
+                   spaces_between_special_tokens=params.spaces_between_special_tokens,
+                   min_tokens=params.min_tokens)
 
     def push(self, token_id: int, num_output_tokens: int) -> str | None:
         """Append the sample's `num_output_tokens`-th token; returns the stop string if one just

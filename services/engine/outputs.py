@@ -80,12 +80,7 @@ class OutputState:
 
     def __init__(self, req: Request, tokenizer) -> None:
         self.req = req
-        p = req.params
-        self.text = (SampleText(tokenizer.raw, req.prompt_token_ids, stop=p.stop,
-                                include_stop_str_in_output=p.include_stop_str_in_output,
-                                skip_special_tokens=p.skip_special_tokens,
-                                spaces_between_special_tokens=p.spaces_between_special_tokens,
-                                min_tokens=p.min_tokens)
+        self.text = (SampleText.for_params(tokenizer.raw, req.prompt_token_ids, req.params)
                      if tokenizer is not None else None)
         self.emitted_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []

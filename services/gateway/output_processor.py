@@ -81,12 +81,7 @@ class OutputProcessor:
     def _sample(self, index: int) -> _Sample:
         sample = self._samples.get(index)
         if sample is None:
-            p = self._params
-            text = (SampleText(self._tokenizer.raw, self._prompt_ids, stop=p.stop,
-                               include_stop_str_in_output=p.include_stop_str_in_output,
-                               skip_special_tokens=p.skip_special_tokens,
-                               spaces_between_special_tokens=p.spaces_between_special_tokens,
-                               min_tokens=p.min_tokens)
+            text = (SampleText.for_params(self._tokenizer.raw, self._prompt_ids, self._params)
                     if self._tokenizer is not None else None)
             sample = self._samples[index] = _Sample(text)
         return sample
