@@ -313,6 +313,10 @@ class EngineConfig:
     # None: the real engine (the model runs). Set: the simulated core (services/engine/
     # sim_engine.py): same scheduler and KV accounting, no weights, tokens and step times modelled
     sim: SimConfig | None = None
+    # False: outputs carry token ids and logprobs only (new_text ""), and stop strings are not
+    # matched: the fleet's engine cores, whose text the gateway makes once
+    # (services/gateway/output_processor.py). The tokenizer still names the EOS ids.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

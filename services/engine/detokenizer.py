@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import tokenizers
 
+    from services.engine.sampling_params import SamplingParams
+
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output token
 
@@ -119,3 +121,72 @@ class StopChecker:
                     longest = n
                     break
         return longest
+
+
+class SampleText:
+    """One sample's output text as it streams: the incremental detokenizer, its stop strings,
+    and how much of the text is final. The in-process engine (outputs.OutputState) and the
+    gateway's output processor (services/gateway/output_processor.py) each keep one per sample.
+
+    Text that might be the beginning of a stop string is held back (unless the stop string is
+    to be included) until it is known not to be. Stop strings are matched only once the sample
+    has more than `min_tokens` output tokens, as vLLM matches them."""
+
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], *,
+        stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens,
+                                             spaces_between_special_tokens)
+        self._stop = tuple(stop)
+        self._stops = StopChecker(stop) if any(stop) else None
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self.text = ""
+        self.stop_string: str | None = None   # the stop string that ended it, once one did
+        self._sent = 0                        # chars of `text` handed out by take()
+        self._flushed = False
+
+    @classmethod
+    def for_params(cls, tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int],
+                   params: SamplingParams) -> SampleText:
+        """A sample of a request with these sampling parameters (their text-shaping ones)."""
+        return cls(tokenizer, prompt_ids, stop=params.stop,
+                   include_stop_str_in_output=params.include_stop_str_in_output,
+                   skip_special_tokens=params.skip_special_tokens,
+                   spaces_between_special_tokens=params.spaces_between_special_tokens,
+                   min_tokens=params.min_tokens)
+
+    def push(self, token_id: int, num_output_tokens: int) -> str | None:
+        """Append the sample's `num_output_tokens`-th token; returns the stop string if one just
+        completed (the text then ends before it, or after it when it is included)."""
+        new = self._detok.push(token_id)
+        self.text += new
+        if self._stops is None or not new or num_output_tokens <= self._min_tokens:
+            return None
+        cut = self._stops.find(self.text, len(new))
+        if cut is None:
+            return None
+        stop = next(s for s in self._stop if s and self.text.startswith(s, cut))
+        self.text = self.text[:cut + len(stop) if self._include_stop else cut]
+        self.stop_string = stop
+        return stop
+
+    def mark_sent(self) -> None:
+        """All the text so far counts as handed out (another process sent it)."""
+        self._sent = len(self.text)
+
+    def take(self, finished: bool) -> str:
+        """The text that became final since the last take. `finished`: the sample has ended, so
+        nothing is held back (the detokenizer's complete characters are flushed, unless a stop
+        string ended it; bytes that never completed a character are left out)."""
+        if finished and self.stop_string is None and not self._flushed:
+            self.text += self._detok.flush()
+            self._flushed = True
+        visible = len(self.text)
+        if not finished and self._stops is not None and not self._include_stop:
+            visible -= self._stops.holdback(self.text)
+        start, self._sent = self._sent, max(visible, self._sent)
+        return self.text[start:self._sent]

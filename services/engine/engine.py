@@ -6,7 +6,8 @@ One `step()` is one model iteration:
                               prompt logprobs (executor.py: the model and the sampler, or the
                               simulated core's deterministic tokens, config.sim)
   3. scheduler.update()    -> counters advance, EOS / length finish and free pages
-  4. output states         -> text deltas, stop strings (finish + free in this same step)
+  4. output states         -> text deltas, stop strings (finish + free in this same step);
+                              none with config.detokenize off (the fleet: the gateway's text)
 The engine is single-threaded: callers (a worker's event loop, the CLI) drive `step()`.
 """
 from __future__ import annotations
@@ -121,6 +122,8 @@ class LLMEngine:
         self.executor.bind(self.pool.block_table)
         self.clock = clock
         self._states: dict[str, OutputState] = {}
+        # what turns output tokens into text: None when this engine makes no text
+        self._text_tokenizer = self.tokenizer if config.detokenize else None
         self._generators: dict[str, torch.Generator | None] = {}
         # n > 1: a request's forked samples (internal ids), and per request id how many of its
         # samples have not sent their last output (the output that brings it to 0 is `finished`)
@@ -289,7 +292,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         req = Request(rid, tenant_cfg.name, cls, params, ids, self.clock(), eos_token_ids=eos)
-        self._states[rid] = OutputState(req, self.tokenizer)
+        self._states[rid] = OutputState(req, self._text_tokenizer)
         self._generators[rid] = make_generator(params.seed)
         self._left[rid] = 1                       # its samples join at the fork
         return req
@@ -334,7 +337,7 @@ class LLMEngine:
                             index=i, parent_id=req.request_id,
                             first_scheduled_time=req.first_scheduled_time,
                             num_cached_tokens=req.num_cached_tokens)
-            self._states[child.request_id] = OutputState(child, self.tokenizer)
+            self._states[child.request_id] = OutputState(child, self._text_tokenizer)
             self._generators[child.request_id] = make_generator(params.seed)
             samples.append(child)
         self._samples[req.request_id] = [c.request_id for c in samples]

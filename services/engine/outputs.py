@@ -1,10 +1,12 @@
 """What the engine hands back: per-step deltas (streaming) and finished completions, plus the
-per-request output state that turns sampled tokens into text (detokenizer + stop strings)."""
+per-request output state that turns sampled tokens into text (detokenizer + stop strings) for
+in-process use. An engine that makes no text (EngineConfig.detokenize False: the fleet's engine
+cores) hands back token ids and logprobs, and new_text is always ""."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.engine.detokenizer import SampleText
 from services.engine.request import Request, Status
 from services.engine.sampler import TokenLogprob
 
@@ -72,20 +74,14 @@ class CompletionOutput:
 
 
 class OutputState:
-    """Per-request text state: incremental detokenizing, stop strings, and what has been emitted.
-
-    Text that might be the beginning of a stop string is held back until it is known not to be.
-    """
+    """Per-request output state: its text (SampleText: incremental detokenizing, stop strings,
+    what is final), pending logprobs, and what has been emitted. `tokenizer` None (a checkpoint
+    without one, or an engine that makes no text, EngineConfig.detokenize): token ids only."""
 
     def __init__(self, req: Request, tokenizer) -> None:
         self.req = req
-        p = req.params
-        self.detok = (IncrementalDetokenizer(tokenizer.raw, req.prompt_token_ids,
-                                             p.skip_special_tokens, p.spaces_between_special_tokens)
-                      if tokenizer is not None else None)
-        self.stops = StopChecker(req.params.stop) if req.params.stop else None
-        self.text = ""
-        self.emitted_chars = 0
+        self.text = (SampleText.for_params(tokenizer.raw, req.prompt_token_ids, req.params)
+                     if tokenizer is not None else None)
         self.emitted_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
@@ -96,20 +92,9 @@ class OutputState:
         """Record one sampled token; returns the stop string if one just completed."""
         if self.req.params.logprobs is not None:
             self.pending_logprobs.append(logprob)
-        if self.detok is None or self._is_stop_token(token):
+        if self.text is None or self._is_stop_token(token):
             return None
-        new = self.detok.push(token)
-        self.text += new
-        p = self.req.params
-        # vLLM checks stop strings once there are more than min_tokens output tokens
-        if self.stops is None or not new or self.req.num_output_tokens <= p.min_tokens:
-            return None
-        cut = self.stops.find(self.text, len(new))
-        if cut is None:
-            return None
-        stop = next(s for s in p.stop if self.text.startswith(s, cut))
-        self.text = self.text[:cut + len(stop) if p.include_stop_str_in_output else cut]
-        return stop
+        return self.text.push(token, self.req.num_output_tokens)
 
     def _is_stop_token(self, token: int) -> bool:
         """The EOS / stop token that just ended the request: as in vLLM, its text is left out
@@ -120,23 +105,20 @@ class OutputState:
                 and not req.params.include_stop_str_in_output)
 
     def seed_first_token(self, token: int) -> None:
-        """Decode role: the first token was sampled and streamed by the prefill worker."""
-        if self.detok is not None and not self._is_stop_token(token):
-            self.text += self.detok.push(token)
-        self.emitted_tokens, self.emitted_chars = 1, len(self.text)
+        """Decode role: the first token was sampled and streamed by the prefill worker (which
+        matched stop strings on it): its text is context here, not sent again."""
+        if self.text is not None and not self._is_stop_token(token):
+            self.text.push(token, 0)     # output token 0: no stop string is matched on it
+            self.text.mark_sent()
+        self.emitted_tokens = 1
 
     def delta(self) -> RequestOutput:
         req = self.req
         finished = req.is_finished
-        if finished and self.detok is not None and req.stop_reason not in req.params.stop:
-            self.text += self.detok.flush()
-        visible = len(self.text)
-        if not finished and self.stops is not None and not req.params.include_stop_str_in_output:
-            visible -= self.stops.holdback(self.text)
         out = RequestOutput(
             request_id=req.external_id, index=req.index, num_cached_tokens=req.num_cached_tokens,
             new_token_ids=req.output_token_ids[self.emitted_tokens:],
-            new_text=self.text[self.emitted_chars:max(visible, self.emitted_chars)],
+            new_text=self.text.take(finished) if self.text is not None else "",
             new_logprobs=self.pending_logprobs, finished=finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             error=req.reject_reason, retry_after_s=req.retry_after_s,
@@ -148,7 +130,6 @@ class OutputState:
                 req.num_output_tokens > 0 or finished):
             out.prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         self.emitted_tokens = req.num_output_tokens
-        self.emitted_chars = max(visible, self.emitted_chars)
         self.pending_logprobs = []
         return out
 

@@ -4,7 +4,8 @@ A `Session` is one live generation:
   1. `GatewayCore.open(gen)`: quota admitted (slot + request + prompt tokens), then a `FleetRun`
      (fleet_run.py): a router's Admit answers with the plan, and the run streams from the workers it
      names; the session is registered under its request id;
-  2. `first()`, then `next()` until None: the workers' TokenChunks; typed failures
+  2. `first()`, then `next()` until None: the workers' TokenChunks, their text made here
+     (output_processor.py: detokenizing, stop strings); typed failures
      (services/protocol/status.py) become GatewayErrors;
   3. the front end calls `sent(chunk)` once a chunk is on its way to the client: those tokens,
      and only those, are charged to the tenant (usage accounting, below);
@@ -34,6 +35,7 @@ from services.gateway import errors
 from services.gateway.auth import KeyRing
 from services.gateway.config import ANONYMOUS_KEY, ApiKey, GatewayConfig
 from services.gateway.model import ServedModel
+from services.gateway.output_processor import OutputProcessor
 from services.gateway.fleet_run import Channels, FleetRun, Routers
 from services.gateway.quota import Quotas
 from services.gateway.telemetry import GatewayTelemetry, RequestTelemetry
@@ -82,6 +84,8 @@ class Session:
         self.shutting_down = False       # ... by shutdown: the client gets an error, not a finish
         self.error: errors.GatewayError | None = None   # what ended it, when a failure did
         self.finished = False            # its last chunk (stop | length) was sent
+        # the text of the fleet's token ids, made here once
+        self.output = OutputProcessor(core.model.tokenizer, gen.prompt_ids, gen.params)
         self._closed = False
         self._ended = False
 
@@ -108,7 +112,7 @@ class Session:
         try:
             if self.aborted:             # stopped before it asked: nothing more will come
                 raise asyncio.CancelledError()
-            chunk = await self.run.next()
+            chunk = await self._fleet_chunk()
         except status.CallFailed as e:
             self._ended = True
             raise errors.from_status(e.status) from None
@@ -131,6 +135,18 @@ class Session:
                                       f"{chunk.finish_reason or 'no reason'}: {chunk.error}",
                                       code="upstream_error").tagged("WORKER_ENDED")
         return chunk
+
+    async def _fleet_chunk(self) -> pb.TokenChunk | None:
+        """The fleet's next chunk with its text (output_processor.py). A stop string that ends
+        the request here ends the run too: the workers cancel it and free what it holds."""
+        while (chunk := await self.run.next()) is not None:
+            ended_by_fleet = chunk.finished
+            if (chunk := self.output.process(chunk)) is None:
+                continue          # a sample stopped here: what the workers still send is dropped
+            if chunk.finished and not ended_by_fleet:
+                self.run.close()
+            return chunk
+        return None
 
     def sent(self, chunk: pb.TokenChunk) -> None:
         """`chunk` is on its way to the client (written to its connection, or collected for its

@@ -15,8 +15,9 @@ def logprob_to_pb(lp: TokenLogprob | None, token_id: int = 0) -> pb.TokenLogprob
 
 
 def chunk_from_output(out: RequestOutput, served_by: str = "") -> pb.TokenChunk:
+    """A worker's chunk: token ids and logprobs, no text (the gateway makes it)."""
     chunk = pb.TokenChunk(
-        request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
+        request_id=out.request_id, token_ids=out.new_token_ids,
         logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs], finished=out.finished and not out.prefilled,
         finish_reason=out.finish_reason or "", error=out.error or "",
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),

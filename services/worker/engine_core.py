@@ -40,6 +40,7 @@ the socket round trip orders the memory accesses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -164,7 +165,8 @@ class StepStats(msgspec.Struct, array_like=True):
 
 class StepOutputs(msgspec.Struct, tag=21, array_like=True):
     """Everything one step() produced, for every request, in one message. Sent for every step
-    that produced outputs or ran the model (a mid-prompt prefill chunk has stats, no outputs)."""
+    that produced outputs or ran the model (a mid-prompt prefill chunk has stats, no outputs).
+    The outputs carry token ids and logprobs, no text (new_text ""): see build_engine."""
     outputs: list[RequestOutput]
     sent_at_s: float              # time.monotonic() at send (one clock for the whole host)
     step: StepStats | None = None  # None: the step only flushed outputs (cancelled, rejected)
@@ -471,8 +473,9 @@ def _read_exactly(fd: int, n: int) -> bytes:
 
 def build_engine(config: EngineConfig, kv_alloc) -> LLMEngine:
     """The engine this core runs: the model's, or (config.sim set) the simulated core's, which
-    loads no weights and whose steps this loop paces to their modelled time."""
-    return LLMEngine(config, kv_alloc=kv_alloc)
+    loads no weights and whose steps this loop paces to their modelled time. It makes no text
+    (EngineConfig.detokenize off): the gateway detokenizes and matches stop strings."""
+    return LLMEngine(dataclasses.replace(config, detokenize=False), kv_alloc=kv_alloc)
 
 
 def main(argv: list[str] | None = None) -> int:

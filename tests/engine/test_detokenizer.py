@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.engine.detokenizer import IncrementalDetokenizer, SampleText, StopChecker
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.\n",
@@ -170,3 +170,24 @@ def test_a_streaming_caller_never_sends_text_past_a_stop_string(tokenizer):
         assert visible >= len(sent)
         sent += detok.text[len(sent) : visible]
     assert sent == "Step one. Then "
+
+
+@SETTINGS
+@given(text=TEXT, stop=st.sampled_from(FRAGMENTS + ["###", "the fox"]), include=st.booleans())
+def test_sample_text_sends_the_text_up_to_its_first_stop_string_and_nothing_past_it(
+        tokenizer, text, stop, include):
+    """SampleText (the engine's and the gateway's per-sample text): what take() hands out while
+    streaming, then at the end, is the output up to its first stop string (with it, when
+    included), or all of it; held-back text is never lost and never sent twice."""
+    sample = SampleText(tokenizer, [], stop=[stop], include_stop_str_in_output=include)
+    sent, ended = "", False
+    for n, token_id in enumerate(tokenizer.encode(text).ids, start=1):
+        ended = sample.push(token_id, n) is not None
+        sent += sample.take(ended)
+        if ended:
+            break
+    if not ended:
+        sent += sample.take(True)
+    at = text.find(stop)
+    assert sent == (text if at < 0 else text[:at + len(stop) if include else at])
+    assert sample.stop_string == (None if at < 0 else stop)

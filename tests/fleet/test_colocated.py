@@ -1,5 +1,6 @@
 """A co-located fleet (router + mixed worker processes, real Redis) serves the same greedy tokens
-as the in-process engine, and a cancelled stream frees everything on the worker."""
+as the in-process engine (token ids only: the gateway makes the text), and a cancelled stream
+frees everything on the worker."""
 from __future__ import annotations
 
 
@@ -35,7 +36,21 @@ def test_greedy_tokens_equal_the_in_process_engine(fleet, tiny_model_dir):
     (ref,) = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
                                                       ignore_eos=True))
     assert tokens == ref.token_ids
-    assert "".join(c.text for c in chunks) == ref.text
+
+
+def test_the_workers_chunks_carry_no_text_and_match_no_stop_string(fleet, tiny_model_dir):
+    """The gateway makes the text: a worker streams ids and logprobs, and a stop string in the
+    request does not end it there (the gateway's output processor does)."""
+    engine = LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=8))
+    (ref,) = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True))
+    stop = ref.text[len(ref.text) // 2:][:2]
+    chunks = list(fleet.generate(route_request("c-text", PROMPT, 12, ignore_eos=True,
+                                               stop=[stop], logprobs=0)))
+    assert all(c.text == "" for c in chunks)
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert len([lp for c in chunks for lp in c.logprobs]) == 12
+    assert chunks[-1].finish_reason == "length"
 
 
 def test_bad_request_gets_invalid_argument_with_the_limits(fleet):

@@ -97,3 +97,17 @@ def test_hanging_up_frees_every_sample_everywhere(setup):
     assert fleet.stats(workers[-1]).kv_blocks_used > 0
     stream.close()
     assert wait_until(lambda: fleet_idle(fleet, workers), 1.0)
+
+
+def test_a_stop_string_in_every_sample_ends_the_request_and_frees_it_everywhere(setup, reference):
+    """The gateway matches the stop string in each of the n samples; once all have stopped it
+    ends the request on the workers, whose 2 x 2000-token samples are freed."""
+    fleet, workers, client, gw = setup
+    text = reference.text
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 2)
+                if text[i:i + 2].isascii() and text[i:i + 2].strip())
+    out = client.completions.create(model=gw.model, prompt=PROMPT, max_tokens=2000, n=2,
+                                    temperature=0, stop=[stop], extra_body=IGNORE_EOS)
+    assert [c.text for c in out.choices] == [text[:text.index(stop)]] * 2
+    assert all(c.finish_reason == "stop" for c in out.choices)
+    assert wait_until(lambda: fleet_idle(fleet, workers), 1.0)
