@@ -41,7 +41,7 @@ class AdmissionConfig:
     headroom_kv_fraction: float = 0.05  # of every decode pool: only protected requests use it
     headroom_slot_fraction: float = 0.05  # of a decode worker's batch (max_running, see below)
     max_running: int = 256              # a decode worker's batch limit (the engine's max_running)
-    wake_width: int = 4                 # waiters of a class that try on a wake-up (deadline order)
+    wake_width: int = 4                 # waiters of a class that try on a wake-up (fair order)
     retry_s: float = 2.0                # the safety net: a waiter retries this often without one
     keeper_every_s: float = 0.5         # the stage keeper's period
     ttft_window_s: float = 10.0         # predictions that make the ttft_pressure signal
