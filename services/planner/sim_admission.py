@@ -130,7 +130,7 @@ class WaitLine:
     def first(self, cls: str, n: int) -> list[str]:
         out = [rid for _, _, rid in self._first[cls][:n]]
         lines = self._tenants[cls]
-        deadlines = {t: [d for d, _, _ in q] for t, q in lines.items()}
+        deadlines = {t: _Deadlines(q) for t, q in lines.items()}
         for t, k in fair_order.merged(self._lines(cls), deadlines):
             if len(out) >= n:
                 break
@@ -152,6 +152,16 @@ class WaitLine:
     def oldest_age_s(self, cls: str, now: float) -> float:
         ages = [now - self._enqueued[rid] for rid, (c, _) in self._where.items() if c == cls]
         return max(ages, default=0.0)
+
+
+class _Deadlines:
+    """The deadlines of a tenant's line, read where asked (the line itself is not copied)."""
+
+    def __init__(self, line: list[tuple[float, int, str]]) -> None:
+        self._line = line
+
+    def __getitem__(self, k: int) -> float:
+        return self._line[k][0]
 
 
 class ErrorWindows:

@@ -28,7 +28,7 @@ that order (services/engine/admission.py's late rejection counts it the same way
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.engine.fairness import drr_others_ahead
@@ -113,7 +113,7 @@ def _first_not_before(start: float, line: Line) -> int:
     return j
 
 
-def merged(lines: Mapping[str, Line], deadlines: Mapping[str, list[float]]) -> Iterator[
+def merged(lines: Mapping[str, Line], deadlines: Mapping[str, Sequence[float]]) -> Iterator[
         tuple[str, int]]:
     """(tenant, rank) of every unprotected waiter, in the order served (the order `ahead`
     counts); `deadlines[t]` is t's waiters' deadlines, sorted."""

@@ -8,8 +8,9 @@ answered. Admit(WorkRequest) -> Plan, in order (docs/architecture.md, "The route
      fleet's stage does to them (services/router/admission.py; the stage is the record in Redis
      that every router's stage keeper maintains: services/router/keeper.py);
   3. the predicted TTFT of the best placement (services/router/predict.py) against the class's
-     target: admit, wait in the Redis wait queue (woken by `{ns}capacity` notifications, or by
-     a timer), or refuse when even the best case misses;
+     target: admit, wait in the Redis wait queue (tenant-fair within a class:
+     services/router/fair_order.py; woken by `{ns}capacity` notifications, or by a timer), or
+     refuse when even the best case misses;
   4. disaggregated: Reserve on the best decode replica that accepts (its reservations are
      authoritative; one that does not answer within `reserve_s` is skipped; the ranking counts what
      routers placed since each worker's beat: services/router/placements.py), the prefill

@@ -20,10 +20,12 @@ Keys (`ns` the namespace):
 None has a TTL: waiters are pruned past their deadline; `v` and `vt` hold one number per class
 and tenant. The router writes all but `{ns}capacity`.
 
-A member is a request id scored by its deadline (unix s). Enqueue, leave and prune keep the
-member's keys together in one Lua script each; an admission charges its tenant (`admitted`) in a
-WATCH/MULTI transaction that runs fair_order.charge, so the order's arithmetic exists once, in
-Python, for the router and the simulator alike. Invariants: a request is in the queue
+A member is a request id scored by its deadline (unix s). Enqueue, leave, prune and an
+admission's charge (`admitted`) are one Lua script each, so every router sees each change whole.
+The order itself (start tags, ties, what is ahead) is computed by services/router/fair_order.py
+from what these keys hold, for the routers and the simulator alike; the charge's one line of
+arithmetic is the only part mirrored in Lua (and a property test holds both queues to the same
+order). Invariants: a request is in the queue
 only while its router waits for it (the router removes it when it admits, refuses, or its caller
 goes); a member whose deadline is past is pruned by the next reader, so a router that died
 leaves nothing behind for longer than its requests' deadlines. The queue's age (the `queue_age`
@@ -42,7 +44,6 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
 from services.router import fair_order
 
@@ -106,7 +107,16 @@ else
 end
 """
 
-CHARGE_TRIES = 8    # WATCH conflicts (other routers charging the same class) before giving up
+# KEYS[1] the class's virtual time, KEYS[2] its tenants' virtual service; ARGV tenant, weight.
+# fair_order.charge, atomically (one step of arithmetic; tests/router/test_fair_order.py holds
+# this queue and the simulator's, which calls fair_order.charge, to the same order).
+_CHARGE_LUA = """
+local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+local served = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local begin = math.max(v, served)
+redis.call('SET', KEYS[1], string.format('%.17g', begin))
+redis.call('HSET', KEYS[2], ARGV[1], string.format('%.17g', begin + 1 / tonumber(ARGV[2])))
+"""
 
 
 class WaitQueue:
@@ -119,6 +129,7 @@ class WaitQueue:
         self._prune = redis.register_script(_PRUNE_LUA)
         self._leave = redis.register_script(_LEAVE_LUA)
         self._enqueue = redis.register_script(_ENQUEUE_LUA)
+        self._charge = redis.register_script(_CHARGE_LUA)
 
     def _keys(self, cls: str) -> tuple[str, str]:
         return f"{self.base}{cls}", f"{self.base}at:{cls}"
@@ -138,24 +149,12 @@ class WaitQueue:
 
     async def admitted(self, cls: str, tenant: str, weight: float) -> None:
         """Charge `tenant` one admission in the class's fair order (fair_order.charge), atomically
-        against other routers (WATCH: a conflict reruns it). Called for an unprotected request
-        admitted while others of its class waited, whether it had queued or not."""
-        v_key, vt_key = f"{self.base}v:{cls}", f"{self.base}vt:{cls}"
-        async with self._r.pipeline(transaction=True) as p:
-            for _ in range(CHARGE_TRIES):
-                try:
-                    await p.watch(v_key, vt_key)
-                    v, served = await p.get(v_key), await p.hget(vt_key, tenant)
-                    v, served = fair_order.charge(float(v or 0.0), float(served or 0.0), weight)
-                    p.multi()
-                    p.set(v_key, repr(v))
-                    p.hset(vt_key, tenant, repr(served))
-                    await p.execute()
-                    return
-                except WatchError:
-                    continue
-        log.warning("could not charge tenant %r in class %s: %d conflicting tries", tenant, cls,
-                    CHARGE_TRIES)
+        against other routers. Called for an unprotected request admitted while others of its
+        class waited, whether it had queued or not."""
+        if not weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {weight!r}")
+        await self._charge(keys=[f"{self.base}v:{cls}", f"{self.base}vt:{cls}"],
+                           args=[tenant, repr(float(weight))])
 
     async def position(self, request_id: str, cls: str, now_unix_s: float, tenant: str = "",
                        weights: Mapping[str, float] | None = None) -> int | None:

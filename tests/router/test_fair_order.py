@@ -192,3 +192,23 @@ def test_the_redis_queue_and_the_simulators_queue_keep_the_same_order(redis_url,
 
 
 _runs = itertools.count()
+
+
+def test_routers_charging_the_same_tenant_at_once_lose_no_turn(redis_url, redis_ns):
+    """Charges race between routers (WATCH/MULTI reruns the loser): 2 x 40 admissions of a tenant
+    of weight 2 leave it exactly 40 turns of virtual service."""
+    async def story():
+        clients = [aioredis.Redis.from_url(redis_url, decode_responses=True) for _ in range(2)]
+        try:
+            queues = [WaitQueue(c, redis_ns) for c in clients]
+
+            async def charge(q: WaitQueue) -> None:
+                for _ in range(40):
+                    await q.admitted(CLS, "a", 2.0)
+            await asyncio.gather(*(charge(q) for q in queues))
+            served = float(await clients[0].hget(f"{redis_ns}waitq:vt:{CLS}", "a"))
+            assert served == 40.0
+        finally:
+            for c in clients:
+                await c.aclose()
+    asyncio.run(story())
