@@ -55,6 +55,9 @@ class AdmissionConfig:
             raise ValueError("s2_output_cap, wake_width and max_running must be >= 1")
         if not self.retry_s > 0 or not self.keeper_every_s > 0 or not self.ttft_window_s > 0:
             raise ValueError("retry_s, keeper_every_s and ttft_window_s must be > 0")
+        bad = [t.name for t in self.tenants if not t.weight > 0]
+        if bad:      # the wait queue's fair order gives a tenant turns of 1 / weight
+            raise ValueError(f"tenant weights must be > 0: {', '.join(bad)}")
 
     def traffic_class(self, name: str) -> TrafficClass:
         return next((c for c in self.classes if c.name == name), DEFAULT_CLASS)
