@@ -93,6 +93,7 @@ def test_a_tenant_without_a_positive_weight_is_refused_with_its_name(weight):
 def test_a_router_started_with_a_zero_weight_tenant_exits_naming_the_file_and_tenant(tmp_path):
     from services.router.__main__ import admission_config
     config = tmp_path / "engine.yaml"
-    config.write_text("scheduler:\n  tenants:\n    - {name: default}\n    - {name: acme, weight: 0}\n")
+    config.write_text("scheduler:\n  tenants:\n"
+                      "    - {name: default}\n    - {name: acme, weight: 0}\n")
     with pytest.raises(SystemExit, match=f"{config}: tenant weights must be > 0: acme"):
         admission_config(str(config))
