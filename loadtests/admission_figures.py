@@ -125,11 +125,20 @@ def tenants(run_dir: str, solo_dir: str, names: list[str]) -> str:
         mine = [r for r in r_.records if r.tenant == tenant]
         return sum(meets_slo(r, _slo(r_, r)) for r in mine) / max(1, len(mine))
 
-    lines = ["| tenant | SLO attainment | solo | ratio |", "|---|---:|---:|---:|"]
+    def ttft_ms(r_: RunResult, tenant: str) -> str:
+        got = [r.ttft_s for r in r_.records if r.tenant == tenant and r.ok]
+        if not got:
+            return "-"
+        return f"{percentile(got, 50) * 1000:.0f} / {percentile(got, 99) * 1000:.0f}"
+
+    lines = ["| tenant | SLO attainment | solo | ratio | TTFT p50 / p99 (ms) | solo |",
+             "|---|---:|---:|---:|---:|---:|"]
     for t in names:
         a, b = attainment(run, t), attainment(solo, t)
-        lines.append(f"| {t} | {a:.1%} | {b:.1%} | {a / b if b else float('nan'):.2f} |")
-    lines.append(f"Jain's index {summary['jain_index']:.3f}; "
+        lines.append(f"| {t} | {a:.1%} | {b:.1%} | {a / b if b else float('nan'):.2f} "
+                     f"| {ttft_ms(run, t)} | {ttft_ms(solo, t)} |")
+    lines.append(f"Jain's index {summary['jain_index']:.3f} (output tokens served against each "
+                 f"tenant's weighted max-min fair share of them); "
                  f"rejections by stage {summary.get('rejections_by_stage')}")
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.engine.config import SchedulerConfig, Tenant
-from services.engine.fairness import effective_priority
+from services.engine.fairness import drr_others_ahead, effective_priority
 from services.engine.request import Request
 
 
@@ -153,8 +153,7 @@ def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rat
     for req in order:
         cls, tenant = req.traffic_class.name, req.tenant
         own = own_before[cls, tenant]
-        others = sum(min(tokens, weights[t] / weights[tenant] * own)
-                     for t, tokens in queue[cls].items() if t != tenant)
+        others = drr_others_ahead(own, tenant, queue[cls], weights)
         ahead = (sum(n for p, n in admitted.items() if p >= req.traffic_class.priority)
                  + sum(n for c, n in class_before.items() if c != cls) + own + int(others))
         waited = now - req.arrival_time

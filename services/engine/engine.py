@@ -63,6 +63,8 @@ class EngineStats:
     tenants: list[tuple[str, int, int]] = field(default_factory=list)
     # per class, the prompt tokens a new request of it waits behind (Scheduler.prefill_tokens_ahead)
     prefill_tokens_ahead: dict[str, int] = field(default_factory=dict)
+    # (class, tenant, prompt tokens not yet computed) of each tenant with prefill work queued
+    prefill_queues: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,7 @@ class LLMEngine:
             oldest_queued_s=self._oldest_queued_s(), tenants=self.scheduler.tenant_shares(),
             num_waiting_for_decode_slot=self.scheduler.num_waiting_for_decode_slot,
             prefill_tokens_ahead=self.scheduler.prefill_tokens_ahead(),
+            prefill_queues=self.scheduler.prefill_queues(),
             **self._counters)
 
     def _oldest_queued_s(self) -> float:

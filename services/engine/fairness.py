@@ -5,7 +5,7 @@ Pure helpers; the scheduler calls them and owns all state changes.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from services.engine.config import TrafficClass
@@ -38,6 +38,17 @@ def class_budget(cls: TrafficClass, remaining: int, token_budget: int,
         return remaining
     cap = int(cls.share_while_interactive_waits * token_budget)
     return max(0, min(remaining, cap))
+
+
+def drr_others_ahead(own: int, tenant: str, queued: Mapping[str, int],
+                     weights: Mapping[str, float]) -> int:
+    """Prefill tokens of the other tenants of a class that weighted DRR serves before a request of
+    `tenant` that has `own` of its tenant's tokens ahead of it: of each other tenant u, at most
+    weight_u / weight_tenant times `own` (u's queue if smaller). A tenant without a weight counts
+    as 1. So a quiet tenant's first request is next in line however long a flood's queue is."""
+    mine = weights.get(tenant, 1.0)
+    return int(sum(min(tokens, weights.get(t, 1.0) / mine * own)
+                   for t, tokens in queued.items() if t != tenant))
 
 
 class DeficitRoundRobin:

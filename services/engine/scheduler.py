@@ -595,6 +595,16 @@ class Scheduler:
         return {c.name: sum(n for p, n in by_priority.items() if p >= c.priority)
                 for c in self.config.classes}
 
+    def prefill_queues(self) -> list[tuple[str, str, int]]:
+        """(class, tenant, prompt tokens not yet computed) of each tenant with prefill work."""
+        out = []
+        for cls, qs in self.queues.items():
+            for tenant, q in qs.items():
+                tokens = sum(r.num_uncomputed_tokens for r in q)
+                if tokens:
+                    out.append((cls, tenant, tokens))
+        return out
+
     def num_queued(self) -> int:
         return sum(1 for qs in self.queues.values() for q in qs.values() for r in q
                    if r.status != Status.RUNNING)

@@ -10,11 +10,13 @@ the simulated fleet would publish.
     decision (no heartbeat lag);
   * one decision (`services/router/service.py`, `_try`): the stage rule (`admission.stage_rule`),
     the prediction (`predict.predict`, with `decode_wait_s`), the best case
-    (`admission.best_case_s`), the queue-first rule for newcomers, the protected headroom
+    (`admission.best_case_s`; its wait term in the engine's tenant-fair order), the queue-first
+    rule for newcomers (queued behind the waiters the fair order puts ahead), the protected headroom
     (`admission.fits_outside_headroom`), then the simulator's placement;
   * the wait (`_admit`): a miss whose best case still makes the target waits until
     `admission.wait_until` (a miss held by the stage: the whole queue bound) in an in-process
-    queue per class ordered by deadline; it tries again when a decode (or mixed) worker frees KV
+    queue per class in the Redis queue's tenant-fair order (`WaitLine`, on
+    services/router/fair_order.py); it tries again when a decode (or mixed) worker frees KV
     and it is among the first `wake_width` of its class, or on its own timer (one heartbeat after
     a miss judged on stats, else `retry_s`); it is refused when even the best case misses, or when
     its wait ends. A refusal carries the router's `Retry-After` (`waiting.retry_after_s` over the
@@ -31,16 +33,17 @@ before its error is measured), Redis, and stats as old as a heartbeat.
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from services.engine.config import Tenant
 from services.planner.step_time import StepTimer
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.timeouts import Timeouts
-from services.router import admission
+from services.router import admission, fair_order
 from services.router.admission import AdmissionConfig
 from services.router.keeper import COUNT_WINDOW_S, RecentPredictions
 from services.router.placement import can_ever_hold, kv_blocks_needed, rank_decode, rank_prefill
@@ -74,34 +77,91 @@ class Miss:
     final: bool = False          # refuse now
     by_stage: bool = False       # the stage held or refused it (not an error for the signal)
     from_stats: bool = False     # retry after one heartbeat
+    protected: bool = False      # it waits ahead of every borrower
 
 
 class WaitLine:
-    """The wait queue, in process: per class, request ids by deadline (then arrival)."""
+    """The wait queue, in process: per class, the order the Redis queue keeps
+    (services/router/fair_order.py): protected waiters by deadline, then each tenant's waiters by
+    deadline, tenants interleaved by start-time fair queuing."""
 
-    def __init__(self) -> None:
-        self._by_class: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
+    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+        self._weights = dict(weights or {})
+        self._first: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
+        self._tenants: dict[str, dict[str, list[tuple[float, int, str]]]] = defaultdict(dict)
+        self._where: dict[str, tuple[str, str | None]] = {}     # rid -> (class, tenant)
         self._enqueued: dict[str, float] = {}
+        self._v: dict[str, float] = defaultdict(float)
+        self._served: dict[str, dict[str, float]] = defaultdict(dict)
         self._seq = itertools.count()
 
-    def enqueue(self, rid: str, cls: str, deadline: float, now: float) -> None:
-        heapq.heappush(self._by_class[cls], (deadline, next(self._seq), rid))
+    def enqueue(self, rid: str, cls: str, deadline: float, now: float, tenant: str = "default",
+                protected: bool = False) -> None:
+        entry = (deadline, next(self._seq), rid)
+        if protected:
+            bisect.insort(self._first[cls], entry)
+        else:
+            bisect.insort(self._tenants[cls].setdefault(tenant, []), entry)
+        self._where[rid] = (cls, None if protected else tenant)
         self._enqueued[rid] = now
 
     def leave(self, rid: str, cls: str) -> None:
-        if self._enqueued.pop(rid, None) is not None:
-            self._by_class[cls] = [e for e in self._by_class[cls] if e[2] != rid]
-            heapq.heapify(self._by_class[cls])
+        if self._enqueued.pop(rid, None) is None:
+            return
+        _, tenant = self._where.pop(rid)
+        line = self._first[cls] if tenant is None else self._tenants[cls][tenant]
+        line[:] = [e for e in line if e[2] != rid]
+        if tenant is not None and not line:
+            del self._tenants[cls][tenant]
+
+    def admitted(self, cls: str, tenant: str, weight: float) -> None:
+        """Charge `tenant` one turn (the Redis queue's `admitted`)."""
+        served = self._served[cls]
+        self._v[cls], served[tenant] = fair_order.charge(self._v[cls], served.get(tenant, 0.0),
+                                                         weight)
+
+    def _lines(self, cls: str, tenant: str | None = None) -> dict[str, fair_order.Line]:
+        v, served = self._v[cls], self._served[cls]
+        names = set(self._tenants[cls]) | ({tenant} if tenant is not None else set())
+        return {t: fair_order.Line(len(self._tenants[cls].get(t, ())),
+                                   self._weights.get(t, 1.0),
+                                   fair_order.start_of(v, served.get(t, 0.0))) for t in names}
 
     def first(self, cls: str, n: int) -> list[str]:
-        return [rid for _, _, rid in heapq.nsmallest(n, self._by_class[cls])]
+        out = [rid for _, _, rid in self._first[cls][:n]]
+        lines = self._tenants[cls]
+        deadlines = {t: _Deadlines(q) for t, q in lines.items()}
+        for t, k in fair_order.merged(self._lines(cls), deadlines):
+            if len(out) >= n:
+                break
+            out.append(lines[t][k][2])
+        return out[:n]
+
+    def ahead(self, cls: str, tenant: str, deadline: float) -> int:
+        """Waiters served before a newcomer of `tenant` with `deadline` (the Redis queue's)."""
+        own = self._tenants[cls].get(tenant, [])
+        rank = bisect.bisect_left([d for d, _, _ in own], deadline)
+        lines = self._lines(cls, tenant)
+        tied = {(u, j): self._tenants[cls][u][j][0]
+                for u, j in fair_order.ties(tenant, rank, lines)}
+        return len(self._first[cls]) + fair_order.ahead(tenant, rank, deadline, lines, tied)
 
     def waiting(self, cls: str) -> int:
-        return len(self._by_class[cls])
+        return len(self._first[cls]) + sum(len(q) for q in self._tenants[cls].values())
 
     def oldest_age_s(self, cls: str, now: float) -> float:
-        ages = [now - self._enqueued[rid] for _, _, rid in self._by_class[cls]]
+        ages = [now - self._enqueued[rid] for rid, (c, _) in self._where.items() if c == cls]
         return max(ages, default=0.0)
+
+
+class _Deadlines:
+    """The deadlines of a tenant's line, read where asked (the line itself is not copied)."""
+
+    def __init__(self, line: list[tuple[float, int, str]]) -> None:
+        self._line = line
+
+    def __getitem__(self, k: int) -> float:
+        return self._line[k][0]
 
 
 class ErrorWindows:
@@ -188,7 +248,8 @@ class SimAdmission:
         self.recent = RecentPredictions(self.policy.ttft_window_s, clock=clock)
         self.drain = DrainRate(clock=clock)
         self.errors = ErrorWindows()
-        self.line = WaitLine()
+        self.weights = {t.name: t.weight for t in self.policy.tenants}
+        self.line = WaitLine(self.weights)
         self.waiters: dict[str, _Waiter] = {}
         self.refusals: Counter[str] = Counter()
         self.queue_s: dict[str, list[float]] = defaultdict(list)
@@ -277,7 +338,8 @@ class SimAdmission:
             self._refuse(rid, outcome, cls)
             return
         if not waiter.queued:
-            self.line.enqueue(rid, waiter.cls, waiter.until, now)
+            tenant = self.policy.tenant(self.sim.tracks[rid].planned.tenant).name
+            self.line.enqueue(rid, waiter.cls, waiter.until, now, tenant, outcome.protected)
             waiter.queued = True
         waiter.generation += 1
         timer = self.cfg.heartbeat_s if outcome.from_stats else self.policy.retry_s
@@ -317,14 +379,15 @@ class SimAdmission:
         rule = admission.stage_rule(pol, self.stage, cls, protected, track.params.max_tokens)
         p = predict(prefill, n, traffic_class=cls.name,
                     kv_bytes=0 if colocated else kv_bytes_of(prefill, n),
-                    decode_wait_s=decode_wait_s(ranked[0], blocks), prior=pol.prior)
+                    decode_wait_s=decode_wait_s(ranked[0], blocks), prior=pol.prior,
+                    tenant=tenant.name, weights=self.weights)
         target = cls.ttft_target_s
         if first and admission.best_case_s(p) <= target:
             self.recent.add(p.total_s / target)
         if rule.refuse:
             return Miss(rule.note, p, blocks, final=True, by_stage=True)
         if rule.hold:
-            return Miss(rule.note, p, blocks, by_stage=True)
+            return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
         if admission.best_case_s(p) > target:
             term = "prefill" if p.prefill_s >= p.transfer_s else "kv transfer"
             return Miss(term, p, blocks, final=True)
@@ -332,9 +395,13 @@ class SimAdmission:
         if admission.best_case_s(p) > budget:
             return Miss("queue", p, blocks, final=True)
         if p.total_s > budget:
-            return Miss(p.dominant(), p, blocks, from_stats=True)
+            return Miss(p.dominant(), p, blocks, from_stats=True, protected=protected)
+        contended = not first                # it waited: its tenant is charged a turn
         if first and not protected and self.line.waiting(cls.name):
-            return Miss("queue", p, blocks, from_stats=True)
+            contended = True
+            deadline = self.now + min(budget - admission.best_case_s(p), self.cfg.queue_s)
+            if self.line.ahead(cls.name, tenant.name, deadline):
+                return Miss("queue", p, blocks, from_stats=True)
         if not protected:
             ranked = [w for w in ranked if admission.fits_outside_headroom(
                 pol, w, free_unreserved_blocks(w), w.num_running, blocks)]
@@ -344,7 +411,9 @@ class SimAdmission:
             track.params = replace(track.params,
                                    max_tokens=min(track.params.max_tokens, rule.output_cap))
         if not sim.place(rid, track, [w.worker_id for w in ranked]):
-            return Miss("decode slot", p, blocks)
+            return Miss("decode slot", p, blocks, protected=protected)
+        if contended and not protected:
+            self.line.admitted(cls.name, tenant.name, tenant.weight)
         waited = self.now - self.waiters[rid].began
         self.predicted[rid] = waited + p.total_s - PATH_S
         self.waited[rid] = waited
@@ -429,6 +498,8 @@ class SimAdmission:
                            block_size=w.engine.config.block_size,
                            max_model_len=w.engine.max_model_len)
         s.queued_prefill_tokens_ahead.update(es.prefill_tokens_ahead)
+        s.prefill_queues.extend(pb.TenantQueue(traffic_class=c, tenant=t, tokens=n)
+                                for c, t, n in es.prefill_queues)
         for tenant, seqs, kv in es.tenants:
             s.tenants.add(tenant=tenant, sequences=seqs, kv_blocks=kv)
         for k, v in self.rates[w.worker_id].fields().items():

@@ -88,8 +88,11 @@ async def serve(args: argparse.Namespace) -> int:
 
 def admission_config(path: str | None) -> AdmissionConfig:
     scheduler = load_engine_config(path).scheduler if path else SchedulerConfig()
-    return AdmissionConfig(classes=scheduler.classes, tenants=scheduler.tenants,
-                           max_running=scheduler.max_running)
+    try:
+        return AdmissionConfig(classes=scheduler.classes, tenants=scheduler.tenants,
+                               max_running=scheduler.max_running)
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}") from None
 
 
 def main(argv=None) -> int:

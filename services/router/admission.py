@@ -41,7 +41,7 @@ class AdmissionConfig:
     headroom_kv_fraction: float = 0.05  # of every decode pool: only protected requests use it
     headroom_slot_fraction: float = 0.05  # of a decode worker's batch (max_running, see below)
     max_running: int = 256              # a decode worker's batch limit (the engine's max_running)
-    wake_width: int = 4                 # waiters of a class that try on a wake-up (deadline order)
+    wake_width: int = 4                 # waiters of a class that try on a wake-up (fair order)
     retry_s: float = 2.0                # the safety net: a waiter retries this often without one
     keeper_every_s: float = 0.5         # the stage keeper's period
     ttft_window_s: float = 10.0         # predictions that make the ttft_pressure signal
@@ -55,6 +55,9 @@ class AdmissionConfig:
             raise ValueError("s2_output_cap, wake_width and max_running must be >= 1")
         if not self.retry_s > 0 or not self.keeper_every_s > 0 or not self.ttft_window_s > 0:
             raise ValueError("retry_s, keeper_every_s and ttft_window_s must be > 0")
+        bad = [t.name for t in self.tenants if not t.weight > 0]
+        if bad:      # the wait queue's fair order gives a tenant turns of 1 / weight
+            raise ValueError(f"tenant weights must be > 0: {', '.join(bad)}")
 
     def traffic_class(self, name: str) -> TrafficClass:
         return next((c for c in self.classes if c.name == name), DEFAULT_CLASS)

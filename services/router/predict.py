@@ -12,6 +12,8 @@ heartbeat (services/worker/rates.py measures it):
 
   wait      `queued_prefill_tokens_ahead[class]` (the tokens a new request of its class waits
             behind, in the scheduler's order) when published, else every queued prompt token;
+            of its own class only the part the engine's tenant-fair order serves first
+            (fair_order.worker_tokens_ahead, from `prefill_queues`);
             over `prefill_drain_tokens_per_s` (prefill tokens per busy second, the prior's rate
             until measured)
   prefill   ceil(tokens / chunk_size) steps of the fitted cost:
@@ -26,9 +28,11 @@ never as 0: a cold fleet does not admit blindly.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.router import fair_order
 
 # A decode worker that has freed nothing recently: how long a missing block is assumed to take.
 UNKNOWN_DRAIN_S_PER_BLOCK = 1.0
@@ -97,10 +101,14 @@ def attention_pairs(cached: int, tokens: int) -> int:
     return tokens * cached + tokens * (tokens + 1) // 2
 
 
-def queued_ahead(w: pb.WorkerStats, traffic_class: str = "") -> int:
-    """Prefill tokens a new request of `traffic_class` would wait behind on `w`."""
+def queued_ahead(w: pb.WorkerStats, traffic_class: str = "", tenant: str = "",
+                 weights: Mapping[str, float] | None = None) -> int:
+    """Prefill tokens a new request of `traffic_class` (from `tenant`, when named) would wait
+    behind on `w`: in the engine's tenant-fair order when the worker publishes its queues."""
     ahead = w.queued_prefill_tokens_ahead
     if traffic_class and traffic_class in ahead:
+        if tenant and w.prefill_queues:
+            return fair_order.worker_tokens_ahead(w, traffic_class, tenant, weights or {})
         return ahead[traffic_class]
     return w.queued_prefill_tokens
 
@@ -153,11 +161,13 @@ def decode_wait_s(d: pb.WorkerStats, blocks_needed: int) -> float:
 
 def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
             kv_bytes: int = 0, decode_wait_s: float = 0.0, traffic_class: str = "",
-            prior: Prior = Prior()) -> Prediction:
+            prior: Prior = Prior(), tenant: str = "",
+            weights: Mapping[str, float] | None = None) -> Prediction:
     """TTFT of a prompt placed on prefill (or mixed) worker `w`; `kv_bytes` > 0 when its KV
     moves to a decode worker afterwards (`kv_bytes_of`), `decode_wait_s` from `decode_wait_s()`."""
     own = max(0, prompt_tokens - cached_tokens)
-    return Prediction(wait_s=queued_ahead(w, traffic_class) / prefill_rate(w, prior),
+    return Prediction(wait_s=queued_ahead(w, traffic_class, tenant, weights)
+                      / prefill_rate(w, prior),
                       prefill_s=own_prefill_s(w, own, cached_tokens, prior),
                       transfer_s=transfer_s(w, kv_bytes, prior),
                       decode_wait_s=max(0.0, decode_wait_s))

@@ -8,8 +8,9 @@ answered. Admit(WorkRequest) -> Plan, in order (docs/architecture.md, "The route
      fleet's stage does to them (services/router/admission.py; the stage is the record in Redis
      that every router's stage keeper maintains: services/router/keeper.py);
   3. the predicted TTFT of the best placement (services/router/predict.py) against the class's
-     target: admit, wait in the Redis wait queue (woken by `{ns}capacity` notifications, or by
-     a timer), or refuse when even the best case misses;
+     target: admit, wait in the Redis wait queue (tenant-fair within a class:
+     services/router/fair_order.py; woken by `{ns}capacity` notifications, or by a timer), or
+     refuse when even the best case misses;
   4. disaggregated: Reserve on the best decode replica that accepts (its reservations are
      authoritative; one that does not answer within `reserve_s` is skipped; the ranking counts what
      routers placed since each worker's beat: services/router/placements.py), the prefill
@@ -113,6 +114,7 @@ class Miss:
     by_stage: bool = False           # the stage held or refused it
     from_stats: bool = False         # judged on stats: retry once a beat has refreshed them
     detail: str = ""                 # what the workers said, for the refusal's message
+    protected: bool = False          # it waits ahead of every borrower (fair_order.py)
 
 
 def unhealthy(message: str, retry_after_s: float = UNHEALTHY_RETRY_S) -> status.CallFailed:
@@ -140,6 +142,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.router_id = router_id
         self.timeouts = timeouts or Timeouts()
         self.policy = policy or AdmissionConfig()
+        self._weights = {t.name: t.weight for t in self.policy.tenants}   # the fair order's
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._workers: tuple[float, list[pb.WorkerStats]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
@@ -274,6 +277,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         if remaining is not None:     # leave the call admit_s to place it after the wait
             bound_s = max(0.0, min(bound_s, remaining - self.timeouts.admit_s))
         began, until, queued_at = time.monotonic(), None, None
+        tenant = self.policy.tenant(request.tenant).name
         try:
             while True:
                 outcome = await self._try(request, cls, first=until is None,
@@ -293,11 +297,12 @@ class RouterServicer(pb_grpc.RouterServicer):
                 if queued_at is None:
                     try:
                         await self.queue.enqueue(request.request_id, cls.name,
-                                                 time.time() + (until - now), time.time())
+                                                 time.time() + (until - now), time.time(),
+                                                 tenant=tenant, protected=outcome.protected)
                     except (RedisError, OSError):     # no queue to wait in: refused now
                         raise self._refusal(outcome, cls, waited_s=0.0) from None
                     queued_at = time.monotonic()
-                await self._wait(request.request_id, cls.name, until, outcome.from_stats)
+                await self._wait(request.request_id, cls.name, tenant, until, outcome.from_stats)
         finally:
             span = trace.get_current_span()
             if span.is_recording():
@@ -311,7 +316,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         except (RedisError, OSError) as e:   # its deadline prunes it
             log.warning("could not take %s off the wait queue: %s", request_id, e)
 
-    async def _wait(self, request_id: str, cls: str, until: float, from_stats: bool) -> None:
+    async def _wait(self, request_id: str, cls: str, tenant: str, until: float,
+                    from_stats: bool) -> None:
         """Until a capacity notification finds this waiter among the first `wake_width` of its
         class, its retry timer fires (one beat after a miss judged on stats, else the slow
         safety net), or its wait ends."""
@@ -323,7 +329,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             except asyncio.TimeoutError:
                 return
             try:
-                place = await self.queue.position(request_id, cls, time.time())
+                place = await self.queue.position(request_id, cls, time.time(), tenant,
+                                                  self._weights)
             except (RedisError, OSError):
                 return                          # the order is unknown: try
             if place is None or place < self.policy.wake_width:
@@ -406,7 +413,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         p = predict(self._with_placed(prefill[0]), prompt, traffic_class=cls.name,
                     cached_tokens=cached.get(prefill[0].worker_id, 0),
                     kv_bytes=0 if path == "colocated" else kv_bytes_of(prefill[0], prompt),
-                    decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior)
+                    decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior,
+                    tenant=tenant.name, weights=self._weights)
         if first and admission.best_case_s(p) <= cls.ttft_target_s:
             # load, not a hopeless prompt: a request whose own prefill breaks its target says
             # nothing about the fleet
@@ -416,7 +424,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 pb.OVERLOADED, f"{rule.note} (stage {stage_name(self.keeper.stage)})",
                 retry_after_s=retry_after_s(blocks, self.wakeups.drain.blocks_per_s(), 0, 0)))
         if rule.hold:
-            return Miss(rule.note, p, blocks, by_stage=True)
+            return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
         if admission.best_case_s(p) > cls.ttft_target_s:
             return Miss(max(("prefill", p.prefill_s), ("kv transfer", p.transfer_s),
                             key=lambda t: t[1])[0], p, blocks, final=True)
@@ -424,10 +432,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         if admission.best_case_s(p) > budget_s:   # it could have, but has waited too long now
             return Miss("queue", p, blocks, final=True)
         if p.total_s > budget_s:
-            return Miss(p.dominant(), p, blocks, from_stats=True)
-        if first and not protected and await self._others_waiting(cls.name):
-            return Miss("queue", p, blocks, from_stats=True,
-                        detail=f"earlier {cls.name} requests are waiting")
+            return Miss(p.dominant(), p, blocks, from_stats=True, protected=protected)
+        contended = not first      # it waited: charge its tenant a turn of the fair order
+        if first and not protected:
+            deadline = time.time() + min(budget_s - admission.best_case_s(p),
+                                         self.timeouts.queue_s)
+            ahead, contended = await self._ahead(cls.name, tenant.name, deadline)
+            if ahead:
+                return Miss("queue", p, blocks, from_stats=True, detail=(
+                    f"{ahead} earlier {cls.name} requests are ahead of it in the fair order"))
         if rule.output_cap:
             request = _capped(request, rule.output_cap)
         if not protected:
@@ -451,21 +464,34 @@ class RouterServicer(pb_grpc.RouterServicer):
         else:
             plan = await self._disaggregated(request, prefill, ranked, p)
             if isinstance(plan, str):
-                return Miss("decode slot", p, blocks, detail=plan)
+                return Miss("decode slot", p, blocks, detail=plan, protected=protected)
         plan = served_by(plan, workers, pool)
         plan.output_cap = rule.output_cap
+        if contended and not protected:
+            await self._charge(cls.name, tenant)
         self._placed_prefill(prefill[0], prompt)
         if rule.note and span.is_recording():
             span.set_attribute("kvfleet.stage_rule", rule.note)
         return plan
 
-    async def _others_waiting(self, cls: str) -> bool:
-        """Whether requests of `cls` wait in the queue: a newcomer queues behind them (so
-        waiters are admitted in deadline order), unless it is protected. Redis down: no."""
+    async def _ahead(self, cls: str, tenant: str, deadline_unix_s: float) -> tuple[int, bool]:
+        """How many waiters of `cls` the fair order puts ahead of a newcomer of `tenant` (it
+        queues behind them, unless it is protected), and whether any waits at all. Redis down:
+        none."""
         try:
-            return await self.queue.waiting(cls) > 0
+            if not await self.queue.waiting(cls):
+                return 0, False
+            return await self.queue.ahead(cls, tenant, deadline_unix_s, self._weights), True
         except (RedisError, OSError):
-            return False
+            return 0, False
+
+    async def _charge(self, cls: str, tenant) -> None:
+        """Charge `tenant` the turn it took in the fair order. Redis down: not charged (the
+        order then forgets one turn; nothing waits on it)."""
+        try:
+            await self.queue.admitted(cls, tenant.name, tenant.weight)
+        except (RedisError, OSError) as e:
+            log.warning("could not charge tenant %s its turn in class %s: %s", tenant.name, cls, e)
 
     def _with_placed(self, w: pb.WorkerStats) -> pb.WorkerStats:
         """`w` with the prompt tokens this router placed on it since its beat counted as queued:

@@ -90,6 +90,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             tenants=[pb.TenantShare(tenant=t, sequences=n, kv_blocks=b)
                      for t, n, b in s.tenants],          # the engine's order: largest KV first
             queued_prefill_tokens_ahead=s.prefill_tokens_ahead,
+            prefill_queues=[pb.TenantQueue(traffic_class=c, tenant=t, tokens=n)
+                            for c, t, n in s.prefill_queues],
             **(self.telemetry.rates.fields() if self.telemetry.rates else {}))
 
     async def Health(self, request, context) -> pb.HealthResponse:

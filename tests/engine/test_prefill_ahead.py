@@ -15,3 +15,18 @@ def test_a_chat_waits_behind_chats_only_a_document_behind_both():
     step(sched)                # a 64-token step, 32 a sequence: the chat's first, then the document's
     ahead = sched.prefill_tokens_ahead()
     assert ahead == {"interactive": 8, "document": 8 + 268, "batch": 440 - 64}
+
+
+def test_each_tenants_queued_prompt_tokens_are_published_by_class():
+    """The router's wait term follows the engine's DRR order over tenants from these."""
+    sched, _ = make_scheduler()
+    for _ in range(3):
+        add(sched, 100, cls="interactive", tenant="a")      # a flood
+    add(sched, 40, cls="interactive", tenant="b")
+    add(sched, 300, cls="document", tenant="b")
+    assert sorted(sched.prefill_queues()) == [("document", "b", 300), ("interactive", "a", 300),
+                                              ("interactive", "b", 40)]
+    step(sched)                # 64 tokens of chats, whichever tenant's DRR turn it was
+    queues = {(c, t): n for c, t, n in sched.prefill_queues()}
+    assert queues[("interactive", "a")] + queues.get(("interactive", "b"), 0) == 340 - 64
+    assert queues[("document", "b")] == 300

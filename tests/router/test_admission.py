@@ -2,6 +2,7 @@
 request, who is protected, the headroom kept for them, and how long a miss may wait."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, strategies as st
 
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant
@@ -81,3 +82,18 @@ def test_a_retry_hint_comes_from_the_drain_rate_and_is_always_within_bounds(bloc
 def test_a_retry_hint_is_the_blocks_needed_at_the_measured_rate():
     assert retry_after_s(40, 10.0, 0, 0) == 4.0
     assert retry_after_s(40, 0.0, 6000, 2000) == 3.0      # nothing freed yet: the prefill backlog
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan")])
+def test_a_tenant_without_a_positive_weight_is_refused_with_its_name(weight):
+    with pytest.raises(ValueError, match="tenant weights must be > 0: acme"):
+        AdmissionConfig(tenants=(Tenant("fine"), Tenant("acme", weight=weight)))
+
+
+def test_a_router_started_with_a_zero_weight_tenant_exits_naming_the_file_and_tenant(tmp_path):
+    from services.router.__main__ import admission_config
+    config = tmp_path / "engine.yaml"
+    config.write_text("scheduler:\n  tenants:\n"
+                      "    - {name: default}\n    - {name: acme, weight: 0}\n")
+    with pytest.raises(SystemExit, match=f"{config}: tenant weights must be > 0: acme"):
+        admission_config(str(config))

@@ -86,3 +86,21 @@ def test_the_decode_wait_is_0_with_free_blocks_else_the_missing_ones_at_the_drai
                        kv_blocks_freed_per_s=20.0)
     assert decode_wait_s(d, 60) == 0.0
     assert decode_wait_s(d, 100) == pytest.approx(2.0)
+
+
+def test_a_quiet_tenant_waits_behind_its_drr_turn_of_a_floods_queue_not_all_of_it():
+    """The engine serves a class's tenants by weighted DRR: a new request of a tenant with nothing
+    queued waits behind the higher classes only; one whose tenant has work queued waits behind
+    that and, of each other tenant, weight_u / weight_own times that at most."""
+    w = cold_worker(9000, prefill_drain_tokens_per_s=1000.0)
+    w.queued_prefill_tokens_ahead["interactive"] = 8000 + 500        # 500 of a higher class
+    w.prefill_queues.add(traffic_class="interactive", tenant="flood", tokens=7800)
+    w.prefill_queues.add(traffic_class="interactive", tenant="chatty", tokens=200)
+    w.prefill_queues.add(traffic_class="document", tenant="quiet", tokens=5000)
+    weights = {"flood": 1.0, "chatty": 2.0, "quiet": 1.0}
+    at = {t: predict(w, 10, traffic_class="interactive", tenant=t, weights=weights).wait_s
+          for t in weights}
+    assert at["quiet"] == pytest.approx(0.5)                   # the higher class only
+    assert at["chatty"] == pytest.approx((500 + 200 + 100) / 1000)   # flood: 1/2 x 200
+    assert at["flood"] == pytest.approx((500 + 7800 + 200) / 1000)   # chatty's all (< 2 x 7800)
+    assert predict(w, 10, traffic_class="interactive").wait_s == pytest.approx(8.5)  # no tenant
