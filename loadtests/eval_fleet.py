@@ -37,14 +37,15 @@ class EmulatedConfig:
     setup: str = "colocated:2"                    # colocated:N | disagg:P:D
     duration_s: float = 20.0
     multiples: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)   # x the discrete-event knee
-    des_sweep: Sweep = Sweep(past=1, refine=1)
+    des_sweep: Sweep = Sweep(start=1.0, past=1, refine=1)
     sim: SimConfig = SimConfig()
+    knee: float | None = None          # the discrete-event knee when known (no sweep then)
 
     def __post_init__(self) -> None:
         if Fleet.parse(self.setup).mode == "hybrid":
             raise ValueError("the emulated part runs colocated:N or disagg:P:D")
-        if self.duration_s <= 0:
-            raise ValueError("duration must be > 0")
+        if self.duration_s <= 0 or (self.knee is not None and self.knee <= 0):
+            raise ValueError("duration and knee must be > 0")
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,15 @@ def run_emulated(cfg: EmulatedConfig, progress: Callable[[str], None] = print) -
     """The discrete-event sweep of the setup (its knee), then the emulated fleet and the
     discrete-event run at `multiples` of that knee."""
     spec = real_lengths(load_workload(cfg.workload).with_overrides(duration_s=cfg.duration_s))
-    des = cfg.des_sweep.run(lambda r: des_point(spec, cfg.setup, cfg.sim, r))
-    knee = find_knee(des)
-    if knee.point is None:
-        raise RuntimeError(f"{cfg.setup} misses its SLOs at the lowest simulated rate")
-    rates = rates_around(knee.point.rate_scale, cfg.multiples)
-    progress(f"emulated {cfg.workload} {cfg.setup}: discrete-event knee x{knee.point.rate_scale:g}"
-             f"; rates {rates}")
+    des, knee = [], cfg.knee
+    if knee is None:
+        des = cfg.des_sweep.run(lambda r: des_point(spec, cfg.setup, cfg.sim, r))
+        found = find_knee(des).point
+        if found is None:
+            raise RuntimeError(f"{cfg.setup} misses its SLOs at the lowest simulated rate")
+        knee = found.rate_scale
+    rates = rates_around(knee, cfg.multiples)
+    progress(f"emulated {cfg.workload} {cfg.setup}: discrete-event knee x{knee:g}; rates {rates}")
     fleet = Fleet.parse(cfg.setup)
     setup = FleetSetup(mode=fleet.mode, engine="sim", sim_args=_target_flags(cfg.sim),
                        prefill=max(1, fleet.prefill), decode=fleet.decode)
@@ -94,8 +97,9 @@ def run_emulated(cfg: EmulatedConfig, progress: Callable[[str], None] = print) -
             emulated.append(fleet_point(up, spec, rate))
             progress(_line("emulated", cfg.setup, emulated[-1]))
     at_rates = [des_point(spec, cfg.setup, cfg.sim, r) for r in rates]
-    return {"workload": cfg.workload, "setup": cfg.setup, "des_knee": knee.point.rate_scale,
-            "des_sweep": des, "des": at_rates, "emulated": emulated}
+    return {"workload": cfg.workload, "setup": cfg.setup, "des_knee": knee,
+            "knee_given": cfg.knee is not None, "des_sweep": des, "des": at_rates,
+            "emulated": emulated}
 
 
 def run_cpu(cfg: CpuConfig, progress: Callable[[str], None] = print) -> dict:

@@ -227,8 +227,9 @@ def emulated_section(saved: dict, folder: Path) -> list[str]:
            "router, Redis and workers (`kvfleet up --engine sim --sim-model llama-3-70b ...`, "
            "engine cores simulated and paced to the target's step times on the wall clock), "
            "loaded over HTTP by `kvfleet bench serve`'s runner, at multiples of the setup's "
-           f"discrete-event knee (x{r['des_knee']:g}), beside the discrete-event run at the same "
-           "rates. The difference is the fleet's own overhead on this machine (its processes "
+           f"discrete-event knee (x{r['des_knee']:g}, "
+           + ("given on the command line" if r.get("knee_given") else "swept first") +
+           "), beside the discrete-event run at the same rates. The difference is the fleet's own overhead on this machine (its processes "
            "share the 2 cores with the load generator and other work).", "",
            "| rate x | offered (req/s) | goodput DES / emulated (req/s) | attainment DES / "
            "emulated | refused DES / emulated | chat TTFT p50 DES / emulated (ms) | chat TTFT "

@@ -56,11 +56,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--emulated-duration", type=float, default=20.0)
     e.add_argument("--emulated-multiples", default="0.25,0.5,1,2",
                    help="rates as multiples of the setup's discrete-event knee")
+    e.add_argument("--emulated-knee", type=float, default=None, metavar="X",
+                   help="the setup's discrete-event knee (rate scale) when already known; "
+                        "default: swept here first")
     c = p.add_argument_group("cpu: the real CPU fleet (tiny model)")
     c.add_argument("--cpu-workload", default="mixed")
     c.add_argument("--cpu-setups", default="colocated,disagg")
     c.add_argument("--cpu-duration", type=float, default=20.0)
-    c.add_argument("--cpu-start", type=float, default=1.0)
+    c.add_argument("--cpu-start", type=float, default=0.5)
     c.add_argument("--cpu-max-rate", type=float, default=16.0)
     c.add_argument("--model", default="tiny")
 
@@ -96,11 +99,12 @@ def configs(args: argparse.Namespace) -> dict:
     if "emulated" in parts:
         multiples = tuple(float(x) for x in _split(args.emulated_multiples))
         out["emulated"] = EmulatedConfig(args.emulated_workload, args.emulated_setup,
-                                         args.emulated_duration, multiples, sim=sim)
+                                         args.emulated_duration, multiples, sim=sim,
+                                         knee=args.emulated_knee)
     if "cpu" in parts:
         out["cpu"] = CpuConfig(args.cpu_workload, _split(args.cpu_setups), args.cpu_duration,
                                args.model, Sweep(start=args.cpu_start, max_rate=args.cpu_max_rate,
-                                                 past=1, refine=0))
+                                                 min_rate=args.cpu_start / 8, past=1, refine=0))
     return out
 
 

@@ -12,9 +12,10 @@ point to the next is a *break* when either
 
 The knee is the point before the first break: the highest load the setup serves within its SLOs
 while goodput still follows the offered load. `Sweep` walks rates by doubling from `start` until
-`past` points lie beyond the knee (or `max_rate`), then refines: `refine` times, it measures the
-geometric middle between the knee and the point after it, so the knee is known to within
-`factor ** (1 / 2 ** refine)` rather than a whole doubling.
+`past` points lie beyond the knee (or `max_rate`); when `start` already misses the SLOs (a loaded
+machine) it halves instead, down to `min_rate`, until a rate meets them. Then it refines:
+`refine` times, it measures the geometric middle between the knee and the point after it, so the
+knee is known to within `factor ** (1 / 2 ** refine)` rather than a whole doubling.
 """
 from __future__ import annotations
 
@@ -91,24 +92,29 @@ class Sweep:
     start: float = 0.5
     factor: float = 2.0
     max_rate: float = 128.0
+    min_rate: float = 1 / 32
     past: int = 2
     refine: int = 2
     rule: KneeRule = KneeRule()
 
     def __post_init__(self) -> None:
-        if not (self.start > 0 and self.factor > 1 and self.max_rate >= self.start
+        if not (0 < self.min_rate <= self.start <= self.max_rate and self.factor > 1
                 and self.past >= 1 and self.refine >= 0):
-            raise ValueError("sweep: start > 0, factor > 1, max_rate >= start, past >= 1, "
+            raise ValueError("sweep: 0 < min_rate <= start <= max_rate, factor > 1, past >= 1, "
                              "refine >= 0")
 
     def run(self, measure: Callable[[float], P]) -> list[P]:
         """Points measured at the rates this sweep picks, sorted by rate."""
-        points: list[P] = []
-        rate = self.start
-        while rate <= self.max_rate * (1 + 1e-9):
+        points: list[P] = [measure(self.start)]
+        low = self.start
+        while (points[-1].attainment < self.rule.attainment
+               and low / self.factor >= self.min_rate * (1 - 1e-9)):
+            low /= self.factor                   # even the start misses: look lower
+            points.append(measure(low))
+        rate = self.start * self.factor
+        while (find_knee(points, self.rule).beyond < self.past
+               and rate <= self.max_rate * (1 + 1e-9)):
             points.append(measure(rate))
-            if find_knee(points, self.rule).beyond >= self.past:
-                break
             rate *= self.factor
         for _ in range(self.refine):
             mid = self.middle(points)

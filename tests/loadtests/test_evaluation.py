@@ -67,7 +67,7 @@ def test_the_sweep_doubles_past_a_known_knee_then_refines_it():
 
 
 @settings(max_examples=60, deadline=None)
-@given(capacity=st.floats(min_value=1.5, max_value=100.0), refine=st.integers(0, 3))
+@given(capacity=st.floats(min_value=0.1, max_value=100.0), refine=st.integers(0, 3))
 def test_the_found_knee_brackets_the_capacity_to_the_sweeps_resolution(capacity, refine):
     points = Sweep(start=1, max_rate=1024, past=1, refine=refine).run(saturating(capacity))
     knee = find_knee(points)
@@ -78,6 +78,17 @@ def test_the_found_knee_brackets_the_capacity_to_the_sweeps_resolution(capacity,
     assert after > capacity * (1 - 1e-6)                             # the next one is past it
 
 
+def test_a_start_that_already_misses_the_slos_sweeps_down_to_a_rate_that_meets_them():
+    measured = []
+
+    def measure(rate):
+        measured.append(rate)
+        return saturating(0.3)(rate)
+    points = Sweep(start=1, past=1, refine=0).run(measure)
+    assert measured == [1, 0.5, 0.25]          # 0.25 meets all of them; 0.5 is past the knee
+    assert find_knee(points).point.rate_scale == 0.25
+
+
 def test_bad_rules_and_sweeps_are_refused():
     for bad in (dict(attainment=0), dict(min_growth=2)):
         try:
@@ -85,7 +96,8 @@ def test_bad_rules_and_sweeps_are_refused():
         except ValueError:
             continue
         raise AssertionError(f"{bad} accepted")
-    for bad in (dict(start=0), dict(factor=1), dict(past=0), dict(refine=-1)):
+    for bad in (dict(start=0), dict(factor=1), dict(past=0), dict(refine=-1),
+                dict(start=1, min_rate=2)):
         try:
             Sweep(**bad)
         except ValueError:
