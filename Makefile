@@ -42,7 +42,7 @@ bench: setup
 # fleet and the real CPU fleet, each swept past its knee (loadtests/evaluation.py; one part alone:
 # --parts des|emulated|cpu). About an hour on a shared 2-core box, most of it the simulator.
 evaluation: setup
-	$(VPY) -m loadtests.evaluation --out docs --jobs 2
+	$(VPY) -m loadtests.evaluation --out docs --jobs 3
 
 protos: setup
 	$(VPY) -m services.protocol.protogen

@@ -4,9 +4,11 @@ sim_admission.py). Every figure here rests on the capacity model's step and tran
 on a measurement on H200s (docs/capacity.md says which constants are calibrated)."""
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from loadtests.eval_points import EvalPoint, point_of
 from loadtests.knee import Sweep
@@ -23,7 +25,7 @@ WORKLOADS = ("mixed", "azure-conv", "overload-ramp")
 class DesConfig:
     workloads: tuple[str, ...] = WORKLOADS
     setups: tuple[str, ...] = SETUPS
-    duration_s: float = 20.0
+    duration_s: float = 10.0
     seed: int = 0
     sim: SimConfig = SimConfig()          # llama-3-70b fp8, TP 4 on H200, KV link 400 Gb/s
     sweep: Sweep = Sweep(past=1)
@@ -66,15 +68,32 @@ def sweep_one(cfg: DesConfig, workload: str, setup: str) -> list[EvalPoint]:
     return cfg.sweep.run(measure)
 
 
-def run_des(cfg: DesConfig, jobs: int = 1) -> dict:
+def cached_sweep(cfg: DesConfig, workload: str, setup: str, cache: Path | None) -> list[EvalPoint]:
+    """sweep_one, kept in `cache` (one JSON per workload and setup, with the config that made
+    it): a rerun with the same config takes it from there instead of sweeping again."""
+    path = cache / f"{workload}--{setup.replace(':', '-')}.json" if cache else None
+    key = json.loads(json.dumps(asdict(cfg), default=str))
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text())
+        if saved["config"] == key:
+            return [EvalPoint.from_dict(p) for p in saved["points"]]
+    points = sweep_one(cfg, workload, setup)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"config": key, "points": [p.to_dict() for p in points]}))
+    return points
+
+
+def run_des(cfg: DesConfig, jobs: int = 1, cache: Path | None = None) -> dict:
     """{workload: {setup: [points]}}; `jobs` sweeps run at once in processes of their own (each
     sweep is seeded and alone on its virtual clock: the same figures with any `jobs`)."""
     pairs = [(w, s) for w in cfg.workloads for s in cfg.setups]
+    n = len(pairs)
     if jobs > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            swept = list(pool.map(sweep_one, [cfg] * len(pairs), *zip(*pairs)))
+            swept = list(pool.map(cached_sweep, [cfg] * n, *zip(*pairs), [cache] * n))
     else:
-        swept = [sweep_one(cfg, w, s) for w, s in pairs]
+        swept = [cached_sweep(cfg, w, s, cache) for w, s in pairs]
     results: dict[str, dict[str, list[EvalPoint]]] = {w: {} for w in cfg.workloads}
     for (w, s), points in zip(pairs, swept):
         results[w][s] = points

@@ -41,13 +41,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--des-workloads", default="mixed,azure-conv,overload-ramp")
     d.add_argument("--des-setups", default="colocated:4,disagg:2:2,hybrid:2:1:1",
                    help="setups of equal worker count (colocated:N, disagg:P:D, hybrid:N:P:D)")
-    d.add_argument("--des-duration", type=float, default=20.0, help="simulated seconds a run")
+    d.add_argument("--des-duration", type=float, default=10.0, help="simulated seconds a run")
     d.add_argument("--des-start", type=float, default=0.5, help="the lowest rate scale")
     d.add_argument("--des-max-rate", type=float, default=128.0, help="the highest rate scale")
     d.add_argument("--refine", type=int, default=2,
                    help="geometric middles measured between the knee and the next point")
     d.add_argument("--jobs", type=int, default=1,
                    help="sweeps run at once, each in a process (the figures do not change)")
+    d.add_argument("--cache", default=None, metavar="DIR",
+                   help="keep each finished sweep here and reuse it when rerun with the same "
+                        "settings (an interrupted run resumes)")
     d.add_argument("--sim-kv-tokens", type=int, default=None,
                    help="KV tokens per worker (default: the target's)")
     e = p.add_argument_group("emulated: the 70B fleet, real processes with simulated cores")
@@ -133,10 +136,10 @@ def commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def run_part(part: str, cfg, jobs: int = 1) -> dict:
+def run_part(part: str, cfg, args: argparse.Namespace) -> dict:
     from loadtests import eval_des, eval_fleet  # noqa: PLC0415
     if part == "des":
-        return _dicts(eval_des.run_des(cfg, jobs))
+        return _dicts(eval_des.run_des(cfg, args.jobs, Path(args.cache) if args.cache else None))
     if part == "emulated":
         return _dicts(eval_fleet.run_emulated(cfg))
     return _dicts(eval_fleet.run_cpu(cfg))
@@ -164,7 +167,7 @@ def run_evaluation(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     for part, cfg in parts.items():
         started, load = time.time(), loadavg_1m()
-        results = run_part(part, cfg, args.jobs)
+        results = run_part(part, cfg, args)
         saved = {"meta": meta(part, cfg, started, load), "results": results}
         (folder / f"{part}.json").write_text(json.dumps(saved, indent=1, default=str))
         print(f"{part}: {time.time() - started:.0f} s, saved {folder / (part + '.json')}",

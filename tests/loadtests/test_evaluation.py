@@ -115,8 +115,10 @@ def test_the_des_part_at_a_tiny_size_writes_its_points_document_and_plots(tmp_pa
     done = evaluation("--parts", "des", "--des-workloads", "chat-only",
                       "--des-setups", "colocated:2,disagg:1:1", "--des-duration", "2",
                       "--sim-kv-tokens", "200000", "--des-start", "1", "--des-max-rate", "4",
-                      "--refine", "0", "--out", str(tmp_path))
+                      "--refine", "0", "--cache", str(tmp_path / "sweeps"), "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
+    assert {f.name for f in (tmp_path / "sweeps").iterdir()} == {
+        "chat-only--colocated-2.json", "chat-only--disagg-1-1.json"}
     saved = json.loads((tmp_path / "evaluation" / "des.json").read_text())
     assert {"command", "commit", "date_utc", "wall_s", "loadavg_1m"} <= saved["meta"].keys()
     by_setup = saved["results"]["chat-only"]
