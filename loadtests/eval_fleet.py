@@ -36,7 +36,7 @@ class EmulatedConfig:
     workload: str = "mixed"
     setup: str = "colocated:2"                    # colocated:N | disagg:P:D
     duration_s: float = 20.0
-    multiples: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)   # x the discrete-event knee
+    multiples: tuple[float, ...] = (0.25, 0.5, 1.0, 1.5)   # x the discrete-event knee
     des_sweep: Sweep = Sweep(start=1.0, past=1, refine=1)
     sim: SimConfig = SimConfig()
     knee: float | None = None          # the discrete-event knee when known (no sweep then)

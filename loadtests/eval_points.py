@@ -55,6 +55,7 @@ class EvalPoint:
     refusals: dict[str, int]
     classes: dict[str, ClassPoint]
     transfer: Transfer
+    errors_by_reason: dict[str, int] = field(default_factory=dict)   # refusals' and failures'
     loadavg: tuple[float, float] | None = None   # 1-minute load average at start and end (fleets)
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -91,7 +92,8 @@ def point_of(run: RunResult, rate_scale: float, planned_s: float,
                      errors=o["errors"], refusals=refusals,
                      classes={name: _class_point(c) for name, c in s["classes"].items()
                               if c["requests"]},
-                     transfer=transfer_of(run), loadavg=loadavg, wall_s=wall_s)
+                     transfer=transfer_of(run), errors_by_reason=s["errors_by_reason"],
+                     loadavg=loadavg, wall_s=wall_s)
 
 
 def _class_point(c: dict) -> ClassPoint:

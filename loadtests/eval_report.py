@@ -35,6 +35,13 @@ def refusals(p: EvalPoint) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(p.refusals.items())) or "0"
 
 
+def errors(p: EvalPoint) -> str:
+    """Failures (not refusals) by reason: refusals are in `refusals`."""
+    failed = {k: v for k, v in p.errors_by_reason.items() if not k.startswith("http_429")
+              and not k.startswith("http_503")}
+    return ", ".join(f"{k} {v}" for k, v in sorted(failed.items())) or str(p.errors)
+
+
 def _cls(p: EvalPoint, name: str, key: str):
     c = p.classes.get(name)
     return None if c is None else getattr(c, key)
@@ -58,17 +65,17 @@ def made_by(m: dict) -> str:
 
 # ------------------------------------------------------------------ tables
 POINT_HEAD = ("| setup | rate x | offered (req/s) | goodput (req/s) | SLO attainment | refused "
-              "(by stage) | chat TTFT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | document TTFT "
+              "(by stage) | errors | chat TTFT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | document TTFT "
               "p50 / p99 (s) | document ITL p99 (ms) | KV transfer mean / p99 (ms) | transfer "
               "share |")
-POINT_RULE = "|---|---:|---:|---:|---:|---|---|---|---|---:|---|---:|"
+POINT_RULE = "|---|---:|---:|---:|---:|---|---|---|---|---|---:|---|---:|"
 
 
 def point_row(setup: str, p: EvalPoint, knee: EvalPoint | None, load: bool = False) -> str:
     mark = " **knee**" if knee is not None and p.rate_scale == knee.rate_scale else ""
     t = p.transfer
     cells = [setup + mark, f"{p.rate_scale:g}", f"{p.offered_rps:.1f}", f"{p.goodput_rps:.2f}",
-             pct(p.attainment), refusals(p),
+             pct(p.attainment), refusals(p), errors(p),
              f"{ms(_cls(p, 'interactive', 'ttft_p50_s'))} / {ms(_cls(p, 'interactive', 'ttft_p99_s'))}",
              f"{ms(_cls(p, 'interactive', 'itl_p50_s'))} / {ms(_cls(p, 'interactive', 'itl_p99_s'))}",
              f"{sec(_cls(p, 'document', 'ttft_p50_s'))} / {sec(_cls(p, 'document', 'ttft_p99_s'))}",
