@@ -208,21 +208,24 @@ def des_section(saved: dict, folder: Path) -> list[str]:
 
 
 def des_findings(results: dict, tp: int) -> list[str]:
-    """Per workload: the best setup at its knee, and hybrid against the better of the others."""
-    lines = []
+    """Per workload: each setup's goodput at its knee against the co-located fleet's, and the
+    hybrid against the better of co-located and disaggregated (the issue's comparison)."""
+    lines = ["Goodput at the knee, against the co-located fleet of the same GPUs:", ""]
     for wl, by_setup in results.items():
         at = {s: find_knee(points(raw)).point for s, raw in by_setup.items()}
         good = {s: p.goodput_rps for s, p in at.items() if p is not None}
-        if not good:
+        base = next((s for s in good if s.startswith("colocated")), None)
+        if not good or base is None:
             continue
-        best = max(good, key=good.get)
-        line = f"- `{wl}`: the most goodput at its knee is {best}'s ({good[best]:.2f} req/s)"
+        cells = [f"{s} {g:.1f} req/s" + ("" if s == base or not good[base] else
+                                          f" ({g / good[base] - 1:+.0%})") for s, g in good.items()]
+        line = f"- `{wl}`: " + ", ".join(cells)
         hybrid = [s for s in good if s.startswith("hybrid")]
         others = [s for s in good if not s.startswith("hybrid")]
         if hybrid and others:
             h, o = hybrid[0], max(others, key=good.get)
-            line += (f"; {h} against the better of the others ({o}): "
-                     f"{good[h] / good[o] - 1:+.0%}")
+            line += f"; the hybrid against the better of the others ({o}): " \
+                    f"{good[h] / good[o] - 1:+.0%}"
         lines.append(line + ".")
     return lines
 
