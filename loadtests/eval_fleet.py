@@ -54,7 +54,7 @@ class CpuConfig:
     setups: tuple[str, ...] = CPU_SETUPS
     duration_s: float = 20.0
     model: str = "tiny"
-    sweep: Sweep = Sweep(start=1.0, max_rate=16.0, past=1, refine=0)
+    sweep: Sweep = Sweep(start=0.5, max_rate=16.0, min_rate=1 / 16, past=1, refine=1)
 
     def __post_init__(self) -> None:
         if not set(self.setups) <= set(CPU_SETUPS) or self.duration_s <= 0:

@@ -239,7 +239,8 @@ def emulated_section(saved: dict, folder: Path) -> list[str]:
            "engine cores simulated and paced to the target's step times on the wall clock), "
            "loaded over HTTP by `kvfleet bench serve`'s runner, at multiples of the setup's "
            f"discrete-event knee (x{r['des_knee']:g}, "
-           + ("given on the command line" if r.get("knee_given") else "swept first") +
+           + ("given with `--emulated-knee`: without it this part sweeps the setup on the "
+              "simulator first" if r.get("knee_given") else "swept first") +
            "), beside the discrete-event run at the same rates. The difference is the fleet's own overhead on this machine (its processes "
            "share the 2 cores with the load generator and other work).", "",
            "| rate x | offered (req/s) | goodput DES / emulated (req/s) | attainment DES / "

@@ -68,6 +68,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cpu-duration", type=float, default=20.0)
     c.add_argument("--cpu-start", type=float, default=0.5)
     c.add_argument("--cpu-max-rate", type=float, default=16.0)
+    c.add_argument("--cpu-refine", type=int, default=1,
+                   help="geometric middles measured between the CPU fleet's knee and the next")
     c.add_argument("--model", default="tiny")
 
 
@@ -107,7 +109,8 @@ def configs(args: argparse.Namespace) -> dict:
     if "cpu" in parts:
         out["cpu"] = CpuConfig(args.cpu_workload, _split(args.cpu_setups), args.cpu_duration,
                                args.model, Sweep(start=args.cpu_start, max_rate=args.cpu_max_rate,
-                                                 min_rate=args.cpu_start / 8, past=1, refine=0))
+                                                 min_rate=args.cpu_start / 8, past=1,
+                                                 refine=args.cpu_refine))
     return out
 
 
