@@ -1,6 +1,7 @@
-"""docs/evaluation.md from the evaluation parts' saved JSON (docs/evaluation/{des,emulated,cpu}.json):
-tables and matplotlib plots, every number from those files. A part whose JSON is missing is said
-to be missing; each part names the command, commit and date that made it."""
+"""docs/evaluation.md from the evaluation parts' saved JSON
+(docs/evaluation/{des,emulated,cpu}.json): tables and matplotlib plots, every number from those
+files. A part whose JSON is missing is said to be missing; each part names the command, commit
+and date that made it."""
 from __future__ import annotations
 
 import json
@@ -42,6 +43,16 @@ def errors(p: EvalPoint) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(failed.items())) or str(p.errors)
 
 
+def pair(p: EvalPoint, a: str, b: str) -> str:
+    """Two of the chats' latencies, in ms."""
+    return f"{ms(_cls(p, 'interactive', a))} / {ms(_cls(p, 'interactive', b))}"
+
+
+def both(d: EvalPoint, e: EvalPoint, key: str) -> str:
+    """A chat latency on the simulator / the emulated fleet, in ms."""
+    return f"{ms(_cls(d, 'interactive', key))} / {ms(_cls(e, 'interactive', key))}"
+
+
 def _cls(p: EvalPoint, name: str, key: str):
     c = p.classes.get(name)
     return None if c is None else getattr(c, key)
@@ -65,8 +76,9 @@ def made_by(m: dict) -> str:
 
 # ------------------------------------------------------------------ tables
 POINT_HEAD = ("| setup | rate x | offered (req/s) | goodput (req/s) | SLO attainment | refused "
-              "(by stage) | errors | chat TTFT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | document TTFT "
-              "p50 / p99 (s) | document ITL p99 (ms) | KV transfer mean / p99 (ms) | transfer "
+              "(by stage) | errors | chat TTFT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | "
+              "document TTFT p50 / p99 (s) | document ITL p99 (ms) | KV transfer mean / p99 (ms) | "
+              "transfer "
               "share |")
 POINT_RULE = "|---|---:|---:|---:|---:|---|---|---|---|---|---:|---|---:|"
 
@@ -76,8 +88,7 @@ def point_row(setup: str, p: EvalPoint, knee: EvalPoint | None, load: bool = Fal
     t = p.transfer
     cells = [setup + mark, f"{p.rate_scale:g}", f"{p.offered_rps:.1f}", f"{p.goodput_rps:.2f}",
              pct(p.attainment), refusals(p), errors(p),
-             f"{ms(_cls(p, 'interactive', 'ttft_p50_s'))} / {ms(_cls(p, 'interactive', 'ttft_p99_s'))}",
-             f"{ms(_cls(p, 'interactive', 'itl_p50_s'))} / {ms(_cls(p, 'interactive', 'itl_p99_s'))}",
+             pair(p, "ttft_p50_s", "ttft_p99_s"), pair(p, "itl_p50_s", "itl_p99_s"),
              f"{sec(_cls(p, 'document', 'ttft_p50_s'))} / {sec(_cls(p, 'document', 'ttft_p99_s'))}",
              ms(_cls(p, "document", "itl_p99_s")),
              f"{ms(t.mean_s)} / {ms(t.p99_s)}" if t.moved else "-", pct(t.share)]
@@ -241,8 +252,9 @@ def emulated_section(saved: dict, folder: Path) -> list[str]:
            f"discrete-event knee (x{r['des_knee']:g}, "
            + ("given with `--emulated-knee`: without it this part sweeps the setup on the "
               "simulator first" if r.get("knee_given") else "swept first") +
-           "), beside the discrete-event run at the same rates. The difference is the fleet's own overhead on this machine (its processes "
-           "share the 2 cores with the load generator and other work).", "",
+           "), beside the discrete-event run at the same rates. The difference is the fleet's "
+           "own overhead on this machine (its processes share the 2 cores with the load "
+           "generator and other work).", "",
            "| rate x | offered (req/s) | goodput DES / emulated (req/s) | attainment DES / "
            "emulated | refused DES / emulated | chat TTFT p50 DES / emulated (ms) | chat TTFT "
            "p99 DES / emulated (ms) | chat TTFT p50, the fleet adds (ms) | chat ITL p99 DES / "
@@ -252,10 +264,9 @@ def emulated_section(saved: dict, folder: Path) -> list[str]:
         out.append(
             f"| {d.rate_scale:g} | {e.offered_rps:.1f} | {d.goodput_rps:.2f} / {e.goodput_rps:.2f} "
             f"| {pct(d.attainment)} / {pct(e.attainment)} | {refusals(d)} / {refusals(e)} "
-            f"| {ms(_cls(d, 'interactive', 'ttft_p50_s'))} / {ms(_cls(e, 'interactive', 'ttft_p50_s'))} "
-            f"| {ms(_cls(d, 'interactive', 'ttft_p99_s'))} / {ms(_cls(e, 'interactive', 'ttft_p99_s'))} "
+            f"| {both(d, e, 'ttft_p50_s')} | {both(d, e, 'ttft_p99_s')} "
             f"| {adds(d, e, 'ttft_p50_s')} "
-            f"| {ms(_cls(d, 'interactive', 'itl_p99_s'))} / {ms(_cls(e, 'interactive', 'itl_p99_s'))} "
+            f"| {both(d, e, 'itl_p99_s')} "
             f"| {e.loadavg[0]:.1f} / {e.loadavg[1]:.1f} |")
     groups = {f"{r['setup']} simulated": des, f"{r['setup']} emulated": emu}
     plot(groups, f"{r['workload']}: emulated 70B fleet vs discrete-event", folder / "emulated.png")

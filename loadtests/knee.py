@@ -41,7 +41,8 @@ P = TypeVar("P", bound=Measured)
 @dataclass(frozen=True)
 class Knee(Generic[P]):
     point: P | None          # None: the lowest rate already broke the attainment
-    reason: str              # "attainment" | "goodput flat" | "not reached" | "below at lowest rate"
+    # "attainment" | "goodput flat" | "not reached" | "below at lowest rate"
+    reason: str
     beyond: int              # points measured past the knee
 
     @property
