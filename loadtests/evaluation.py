@@ -57,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--emulated-workload", default="mixed")
     e.add_argument("--emulated-setup", default="colocated:2")
     e.add_argument("--emulated-duration", type=float, default=20.0)
-    e.add_argument("--emulated-multiples", default="0.25,0.5,1,1.5",
+    e.add_argument("--emulated-multiples", default="0.0625,0.125,0.25,0.5,1",
                    help="rates as multiples of the setup's discrete-event knee")
     e.add_argument("--emulated-knee", type=float, default=None, metavar="X",
                    help="the setup's discrete-event knee (rate scale) when already known; "
