@@ -38,9 +38,11 @@ demo: setup
 bench: setup
 	$(VPY) -m services.cli.cli bench engine
 
-# Regenerates docs/evaluation.md (about 17 minutes on 2 cores).
+# Regenerates docs/evaluation.md: the 70B fleets on the discrete-event simulator, the emulated 70B
+# fleet and the real CPU fleet, each swept past its knee (loadtests/evaluation.py; one part alone:
+# --parts des|emulated|cpu). About an hour on a shared 2-core box, most of it the simulator.
 evaluation: setup
-	$(VPY) -m services.cli.cli bench evaluation --duration 60
+	$(VPY) -m loadtests.evaluation --out docs --jobs 3
 
 protos: setup
 	$(VPY) -m services.protocol.protogen

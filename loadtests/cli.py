@@ -14,10 +14,6 @@ if TYPE_CHECKING:
     from loadtests.runner import RunConfig
     from loadtests.workload import WorkloadSpec
 
-EVALUATION_SETUPS = ("colocated-chunked", "colocated-tokens-only", "colocated-whole",
-                     "disagg-chunked", "disagg-whole")
-
-
 def add_run_args(p: argparse.ArgumentParser, require_workload: bool = True) -> None:
     p.add_argument("--workload", required=require_workload,
                    help="a spec file, or a shipped one: chat-only, mixed, noisy-neighbor, overload-ramp, azure-conv")
@@ -54,13 +50,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_evaluation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="mixed")
-    p.add_argument("--rates", default="0.5,1,2", help="comma-separated scale.rate values")
-    p.add_argument("--duration", type=float, default=None, help="seconds per run (default: the spec's)")
-    p.add_argument("--setups", default=",".join(EVALUATION_SETUPS),
-                   help=f"comma-separated, from {', '.join(EVALUATION_SETUPS)}")
-    p.add_argument("--out", default="docs", help="folder for evaluation.md and evaluation/")
-    p.add_argument("--model", default="tiny")
+    from loadtests.evaluation import add_args
+    add_args(p)
 
 
 def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:

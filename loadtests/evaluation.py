@@ -1,208 +1,192 @@
-"""`kvfleet bench evaluation`: regenerates docs/evaluation.md (DESIGN.md section 10) on this machine.
+"""`make evaluation` = `python -m loadtests.evaluation` (also `kvfleet bench evaluation`):
+regenerates docs/evaluation.md and docs/evaluation/, every setup swept past its knee.
 
-For each fleet setup (co-located and disaggregated; chunked prefill with the engine's default
-budget vs a budget so large that every prompt prefills whole) it starts the fleet on the tiny
-model, runs the seeded `mixed` workload at each arrival-rate scale, and writes:
+Three parts, each runnable alone (`--parts`), each saving its points as JSON under
+docs/evaluation/ with the command, commit and date that made them; the document is rendered from
+whichever parts' JSON is there (`--render-only` renders without running anything):
 
-  docs/evaluation.md                 tables of every run, the command, commit, machine
-  docs/evaluation/*.png              interactive TTFT / ITL p99 and goodput vs offered load;
-                                     interactive ITL CDFs per setup at one rate
-  docs/evaluation/runs/<setup>-x<rate>/summary.json, report.md   each run's own report
+  des       the discrete-event simulator, Llama-3-70B fp8 on 4 x H200 per replica: co-located,
+            disaggregated and hybrid fleets of the same GPUs on `mixed`, `azure-conv` and
+            `overload-ramp`, router admission on (loadtests/eval_des.py; minutes)
+  emulated  the emulated 70B fleet (real processes, simulated cores) at multiples of the
+            discrete-event knee of one setup, beside the discrete-event runs at the same rates
+            (loadtests/eval_fleet.py)
+  cpu       the real CPU fleet on the tiny model, co-located and disaggregated, past its knee
 
-Every number in the document comes from these runs; nothing is typed in by hand.
+The knee and the sweep: loadtests/knee.py. The document: loadtests/eval_report.py.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 
-import matplotlib
+PARTS = ("des", "emulated", "cpu")
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
-from loadtests.cli import EVALUATION_SETUPS  # noqa: E402
-from loadtests.local_fleet import FleetSetup, local_fleet  # noqa: E402
-from loadtests.metrics import summarize  # noqa: E402
-from loadtests.records import RunResult  # noqa: E402
-from loadtests.report import class_table, render_markdown  # noqa: E402
-from loadtests.runner import RunConfig, run_workload  # noqa: E402
-from loadtests.workload import load_workload  # noqa: E402
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {PARTS}")
+    p.add_argument("--out", default="docs", help="folder for evaluation.md and evaluation/")
+    p.add_argument("--render-only", action="store_true",
+                   help="render evaluation.md from the parts' saved JSON; run nothing")
+    d = p.add_argument_group("des: the discrete-event simulator on the 70B target")
+    d.add_argument("--des-workloads", default="mixed,azure-conv,overload-ramp")
+    d.add_argument("--des-setups", default="colocated:4,disagg:2:2,hybrid:2:1:1",
+                   help="setups of equal worker count (colocated:N, disagg:P:D, hybrid:N:P:D)")
+    d.add_argument("--des-duration", type=float, default=10.0, help="simulated seconds a run")
+    d.add_argument("--des-start", type=float, default=0.5, help="the lowest rate scale")
+    d.add_argument("--des-max-rate", type=float, default=128.0, help="the highest rate scale")
+    d.add_argument("--refine", type=int, default=2,
+                   help="geometric middles measured between the knee and the next point")
+    d.add_argument("--jobs", type=int, default=1,
+                   help="sweeps run at once, each in a process (the figures do not change)")
+    d.add_argument("--cache", default=None, metavar="DIR",
+                   help="keep each finished sweep here and reuse it when rerun with the same "
+                        "settings (an interrupted run resumes)")
+    d.add_argument("--sim-kv-tokens", type=int, default=None,
+                   help="KV tokens per worker (default: the target's)")
+    e = p.add_argument_group("emulated: the 70B fleet, real processes with simulated cores")
+    e.add_argument("--emulated-workload", default="mixed")
+    e.add_argument("--emulated-setup", default="colocated:2")
+    e.add_argument("--emulated-duration", type=float, default=20.0)
+    e.add_argument("--emulated-multiples", default="0.0625,0.125,0.25,0.5,1",
+                   help="rates as multiples of the setup's discrete-event knee")
+    e.add_argument("--emulated-knee", type=float, default=None, metavar="X",
+                   help="the setup's discrete-event knee (rate scale) when already known; "
+                        "default: swept here first")
+    c = p.add_argument_group("cpu: the real CPU fleet (tiny model)")
+    c.add_argument("--cpu-workload", default="mixed")
+    c.add_argument("--cpu-setups", default="colocated,disagg")
+    c.add_argument("--cpu-duration", type=float, default=20.0)
+    c.add_argument("--cpu-start", type=float, default=0.5)
+    c.add_argument("--cpu-max-rate", type=float, default=16.0)
+    c.add_argument("--cpu-refine", type=int, default=1,
+                   help="geometric middles measured between the CPU fleet's knee and the next")
+    c.add_argument("--model", default="tiny")
 
-# every prompt prefills in one iteration
-WHOLE = {"token_budget": 65536, "chunk_size": 65536, "max_prefill_attention": 0}
-TOKENS_ONLY = {"max_prefill_attention": 0}              # Sarathi's budget: tokens, not attention
-SETUPS = {
-    "colocated-chunked": FleetSetup(mode="colocated"),
-    "colocated-tokens-only": FleetSetup(mode="colocated", scheduler=TOKENS_ONLY),
-    "colocated-whole": FleetSetup(mode="colocated", scheduler=WHOLE),
-    "disagg-chunked": FleetSetup(mode="disagg"),
-    "disagg-whole": FleetSetup(mode="disagg", scheduler=WHOLE),
-}
-assert tuple(SETUPS) == EVALUATION_SETUPS
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def configs(args: argparse.Namespace) -> dict:
+    """Each asked part's frozen config (ValueError on a bad argument)."""
+    from loadtests.eval_des import DesConfig  # noqa: PLC0415
+    from loadtests.eval_fleet import CpuConfig, EmulatedConfig  # noqa: PLC0415
+    from loadtests.knee import Sweep  # noqa: PLC0415
+    from loadtests.workload import load_workload  # noqa: PLC0415
+    from services.engine.config import SimConfig  # noqa: PLC0415
+    parts = _split(args.parts)
+    if not parts or not set(parts) <= set(PARTS):
+        raise ValueError(f"--parts: from {', '.join(PARTS)}")
+    if args.jobs < 1:
+        raise ValueError("--jobs must be >= 1")
+    sim = SimConfig(kv_tokens=args.sim_kv_tokens)
+    named = {"des": _split(args.des_workloads), "emulated": (args.emulated_workload,),
+             "cpu": (args.cpu_workload,)}
+    for part in parts:
+        for workload in named[part]:
+            load_workload(workload)          # a SpecError (a ValueError) names what is wrong
+    out = {}
+    if "des" in parts:
+        out["des"] = DesConfig(_split(args.des_workloads), _split(args.des_setups),
+                               args.des_duration, sim=sim, sweep=Sweep(
+                                   start=args.des_start, max_rate=args.des_max_rate,
+                                   past=1, refine=args.refine))
+    if "emulated" in parts:
+        multiples = tuple(float(x) for x in _split(args.emulated_multiples))
+        out["emulated"] = EmulatedConfig(args.emulated_workload, args.emulated_setup,
+                                         args.emulated_duration, multiples, sim=sim,
+                                         knee=args.emulated_knee)
+    if "cpu" in parts:
+        out["cpu"] = CpuConfig(args.cpu_workload, _split(args.cpu_setups), args.cpu_duration,
+                               args.model, Sweep(start=args.cpu_start, max_rate=args.cpu_max_rate,
+                                                 min_rate=args.cpu_start / 8, past=1,
+                                                 refine=args.cpu_refine))
+    return out
+
+
+def meta(part: str, cfg, started: float, load_before: float) -> dict:
+    return {"part": part, "command": command(), "commit": commit(),
+            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "wall_s": time.time() - started, "cores": os.cpu_count(),
+            "machine": f"{platform.machine()}, Python {platform.python_version()}",
+            "loadavg_1m": [load_before, loadavg_1m()], "config": asdict(cfg)}
+
+
+def loadavg_1m() -> float:
+    return os.getloadavg()[0]
+
+
+def command() -> str:
+    args = sys.argv[1:]
+    prog = ("kvfleet" if Path(sys.argv[0]).name in ("kvfleet", "cli.py")
+            else "python -m loadtests.evaluation")
+    return " ".join([prog, *map(shlex.quote, args)])
+
+
+def commit() -> str:
+    done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def run_part(part: str, cfg, args: argparse.Namespace) -> dict:
+    from loadtests import eval_des, eval_fleet  # noqa: PLC0415
+    if part == "des":
+        return _dicts(eval_des.run_des(cfg, args.jobs, Path(args.cache) if args.cache else None))
+    if part == "emulated":
+        return _dicts(eval_fleet.run_emulated(cfg))
+    return _dicts(eval_fleet.run_cpu(cfg))
+
+
+def _dicts(x):
+    """Points as dicts, everywhere in a nest of dicts and lists."""
+    if hasattr(x, "to_dict"):
+        return x.to_dict()
+    if isinstance(x, dict):
+        return {k: _dicts(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_dicts(v) for v in x]
+    return x
 
 
 def run_evaluation(args: argparse.Namespace) -> int:
-    rates = [float(r) for r in args.rates.split(",")]
-    setups = {name: SETUPS[name] for name in args.setups.split(",")}
-    base = load_workload(args.workload).with_overrides(duration_s=args.duration)
     out = Path(args.out)
-    figures = out / "evaluation"
-    results: dict[tuple[str, float], dict] = {}
-    runs: dict[tuple[str, float], RunResult] = {}
-    started = time.time()
-    for name, setup in setups.items():
-        setup = replace(setup, model=args.model)
-        with local_fleet(base.tenants, setup) as fleet:
-            for rate in rates:
-                spec = base.with_overrides(rate_scale=rate)
-                print(f"{name} x{rate}: {spec.name}, {spec.duration_s:.0f}s ...", flush=True)
-                run = asyncio.run(run_workload(spec, RunConfig(fleet.endpoint, tenant_keys=fleet.tenant_keys)))
-                run.meta.update(setup=name, command=_command(args))
-                results[name, rate] = summary = summarize(run)
-                # each run's summary and tables; its raw records and plots stay out of the repository
-                folder = figures / "runs" / f"{name}-x{rate:g}"
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / "summary.json").write_text(json.dumps({**summary, "meta": run.meta}, indent=1))
-                (folder / "report.md").write_text(render_markdown({**summary, "meta": run.meta}))
-                runs[name, rate] = run
-    plots = write_plots(results, runs, rates, list(setups), figures)
-    text = render(results, rates, list(setups), base, args, plots, time.time() - started)
-    (out / "evaluation.md").write_text(text)
-    print(f"wrote {out / 'evaluation.md'} and {len(plots)} plots in {figures}")
+    folder = out / "evaluation"
+    try:
+        parts = {} if args.render_only else configs(args)
+    except ValueError as e:
+        print(f"evaluation: {e}", file=sys.stderr)
+        return 2
+    folder.mkdir(parents=True, exist_ok=True)
+    for part, cfg in parts.items():
+        started, load = time.time(), loadavg_1m()
+        results = run_part(part, cfg, args)
+        saved = {"meta": meta(part, cfg, started, load), "results": results}
+        (folder / f"{part}.json").write_text(json.dumps(saved, indent=1, default=str))
+        print(f"{part}: {time.time() - started:.0f} s, saved {folder / (part + '.json')}",
+              flush=True)
+    from loadtests.eval_report import write_document  # noqa: PLC0415
+    path = write_document(out)
+    print(f"wrote {path}")
     return 0
 
 
-def _command(args: argparse.Namespace) -> str:
-    return (f"kvfleet bench evaluation --workload {args.workload} --rates {args.rates}"
-            + (f" --duration {args.duration:g}" if args.duration else "")
-            + ("" if args.setups == ",".join(SETUPS) else f" --setups {args.setups}"))
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.evaluation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    return run_evaluation(p.parse_args(argv))
 
 
-def _cls(summary: dict, name: str, *keys: str):
-    v = summary["classes"].get(name)
-    for k in keys:
-        if v is None:
-            return None
-        v = v[k]
-    return v
-
-
-def summary_rows(results: dict, rates: list[float], setups: list[str]) -> str:
-    head = ("| setup | rate x | requests | rejected | errors | goodput (req/s) | tok/s "
-            "| chat TTFT p50 / p99 (ms) | chat ITL p50 / p99 (ms) | chat SLO (%) "
-            "| document TTFT p99 (s) | document ITL p99 (ms) |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
-    for name in setups:
-        for rate in rates:
-            s = results[name, rate]
-            o = s["overall"]
-            lines.append(
-                f"| {name} | {rate:g} | {o['requests']} | {o['rejected']} | {o['errors']} "
-                f"| {o['goodput_rps']:.2f} | {o['output_tokens_per_s']:.0f} "
-                f"| {_ms(_cls(s, 'interactive', 'ttft_s', 'p50'))} / {_ms(_cls(s, 'interactive', 'ttft_s', 'p99'))} "
-                f"| {_ms(_cls(s, 'interactive', 'itl_s', 'p50'))} / {_ms(_cls(s, 'interactive', 'itl_s', 'p99'))} "
-                f"| {_pct(_cls(s, 'interactive', 'attainment', 'slo'))} "
-                f"| {_s(_cls(s, 'document', 'ttft_s', 'p99'))} | {_ms(_cls(s, 'document', 'itl_s', 'p99'))} |")
-    return "\n".join(lines)
-
-
-def _ms(v):
-    return "-" if v is None else f"{1000 * v:.0f}"
-
-
-def _s(v):
-    return "-" if v is None else f"{v:.2f}"
-
-
-def _pct(v):
-    return "-" if v is None else f"{100 * v:.0f}"
-
-
-def write_plots(results: dict, runs: dict, rates: list[float], setups: list[str], folder: Path) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    names = []
-    panels = [("chat TTFT p99 (s)", lambda s: _cls(s, "interactive", "ttft_s", "p99"), "ttft_p99_vs_rate.png"),
-              ("chat ITL p99 (s)", lambda s: _cls(s, "interactive", "itl_s", "p99"), "itl_p99_vs_rate.png"),
-              ("goodput (req/s)", lambda s: s["overall"]["goodput_rps"], "goodput_vs_rate.png")]
-    for ylabel, get, fname in panels:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name in setups:
-            ys = [get(results[name, r]) for r in rates]
-            ax.plot(rates, [y if y is not None else float("nan") for y in ys], marker="o", label=name)
-        ax.set_xlabel("offered load (x the mixed workload's rates)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(folder / fname, dpi=100)
-        plt.close(fig)
-        names.append(fname)
-    mid = rates[len(rates) // 2]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in setups:
-        gaps = sorted(g for r in runs[name, mid].records if r.ok and r.traffic_class == "interactive" for g in r.itl_s)
-        if gaps:
-            ax.plot([1000 * g for g in gaps], [(i + 1) / len(gaps) for i in range(len(gaps))], label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"chat inter-token gap (ms), rate x{mid:g}")
-    ax.set_ylabel("fraction of gaps")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "itl_cdf_by_setup.png", dpi=100)
-    plt.close(fig)
-    return [*names, "itl_cdf_by_setup.png"]
-
-
-def render(results: dict, rates: list[float], setups: list[str], spec, args, plots: list[str],
-           elapsed_s: float) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    tenants = ", ".join(f"{t.name} ({t.traffic_class}, weight {t.weight:g}, {t.arrival.process})" for t in spec.tenants)
-    parts = [
-        "# Evaluation: co-located vs disaggregated, chunked vs whole prefill",
-        "",
-        "Generated by one command; every number below is a measurement from that run "
-        "(DESIGN.md section 10). Regenerate with:",
-        "",
-        f"    {_command(args)}",
-        "",
-        f"- machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}; "
-        f"commit `{commit or 'unknown'}`; {elapsed_s / 60:.0f} min in all",
-        f"- model: `{args.model}` (the tiny seeded Llama); fleet: `kvfleet up` processes on 127.0.0.1 and a "
-        "redis-server, one worker of each role; the load generator runs on the same 2 cores",
-        f"- workload: `{spec.name}` ({os.path.relpath(spec.path)}), seed {spec.seed}, {spec.duration_s:.0f} s per run, "
-        f"lengths scaled x{spec.scale.prompt:g} (prompts) and x{spec.scale.output:g} (outputs); tenants: {tenants}",
-        "- rate x: every tenant's arrival rate multiplied by this (the spec's own rates are x1)",
-        "- setups: *chunked* = the engine's defaults (512-token iteration budget, 256-token chunks, and "
-        "while sequences decode at most 256 x 1,024 (query, key) attention pairs of prefill per "
-        "iteration); *tokens-only* = the same without the attention cap (Sarathi-Serve's token "
-        "budget); *whole* = a 65,536-token budget and chunk and no cap, so each prompt prefills in "
-        "one iteration",
-        "- SLO: a chat meets it with TTFT <= 1 s and its own p99 inter-token gap <= 100 ms; goodput counts "
-        "requests of every class that met their class's SLO",
-        "",
-        "## All runs",
-        "",
-        summary_rows(results, rates, setups),
-        "",
-        "## Plots",
-        "",
-        *[f"![{p}](evaluation/{p})" for p in plots],
-        "",
-        "## Per-run class tables",
-        "",
-    ]
-    for name in setups:
-        for rate in rates:
-            parts += [f"### {name}, rate x{rate:g}", "", class_table(results[name, rate]), "",
-                      f"Full report: [evaluation/runs/{name}-x{rate:g}/report.md]"
-                      f"(evaluation/runs/{name}-x{rate:g}/report.md)", ""]
-    return "\n".join(parts)
+if __name__ == "__main__":
+    sys.exit(main())
