@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from services.engine.admission import RateEstimator
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig, SchedulerConfig
@@ -26,7 +24,6 @@ from services.engine.errors import DuplicateRequestError, UnknownRequestError
 from services.engine.model.config import ModelConfig
 from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
 from services.engine.request import Request, Status
-from services.engine.sampler import make_generator
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput, attention_pairs
 from services.engine.step_model import StepModel
@@ -89,8 +86,9 @@ def resolve_model_dir(model: str) -> str:
     return resolve(model)
 
 
-# Allocates the KV cache's memory: (shape, dtype) -> a zeroed tensor (e.g. in shared memory).
-KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# Allocates the KV cache's memory: (shape, dtype) -> zeroed memory (e.g. shared): a torch tensor
+# for the model's cache, a numpy array for the simulated core's (which imports no torch).
+KVAllocator = Callable[[tuple[int, ...], object], object]
 
 
 class LLMEngine:
@@ -121,7 +119,7 @@ class LLMEngine:
         self.executor.bind(self.pool.block_table)
         self.clock = clock
         self._states: dict[str, OutputState] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._generators: dict[str, object | None] = {}   # the executor's (torch.Generator)
         # n > 1: a request's forked samples (internal ids), and per request id how many of its
         # samples have not sent their last output (the output that brings it to 0 is `finished`)
         self._samples: dict[str, list[str]] = {}
@@ -290,7 +288,7 @@ class LLMEngine:
             eos |= self.tokenizer.eos_token_ids
         req = Request(rid, tenant_cfg.name, cls, params, ids, self.clock(), eos_token_ids=eos)
         self._states[rid] = OutputState(req, self.tokenizer)
-        self._generators[rid] = make_generator(params.seed)
+        self._generators[rid] = self.executor.new_generator(params.seed)
         self._left[rid] = 1                       # its samples join at the fork
         return req
 
@@ -335,7 +333,7 @@ class LLMEngine:
                             first_scheduled_time=req.first_scheduled_time,
                             num_cached_tokens=req.num_cached_tokens)
             self._states[child.request_id] = OutputState(child, self.tokenizer)
-            self._generators[child.request_id] = make_generator(params.seed)
+            self._generators[child.request_id] = self.executor.new_generator(params.seed)
             samples.append(child)
         self._samples[req.request_id] = [c.request_id for c in samples]
         self._left[req.request_id] += len(samples)

@@ -12,7 +12,7 @@ from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache
 from services.engine.model.loader import load_model
 from services.engine.model.runner import ModelRunner
 from services.engine.request import Request
-from services.engine.sampler import Sampler, TokenLogprob, prompt_logprobs
+from services.engine.sampler import Sampler, TokenLogprob, make_generator, prompt_logprobs
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.tp_ranks import TPLeader, drive, start_rank0
 
@@ -61,6 +61,9 @@ class ModelExecutor:
         self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.last_prepare_s = 0.0
         self._table = None
+
+    def new_generator(self, seed: int | None):
+        return make_generator(seed)
 
     def bind(self, block_table) -> None:
         """The block pool's block_table(request_id) (the engine builds the pool after us)."""

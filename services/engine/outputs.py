@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.request import Request, Status
-from services.engine.sampler import TokenLogprob
+from services.engine.token_logprob import TokenLogprob
 
 
 @dataclass

@@ -28,12 +28,10 @@ from dataclasses import replace
 from typing import Callable, NoReturn
 
 import grpc
-import torch
 from redis.exceptions import RedisError
 
 from services.engine.config import (EngineConfig, add_engine_args, add_sim_args, role_scheduler,
                                     sim_config_from_args)
-from services.engine.device import check_device
 from services.engine.config_file import load_engine_config
 from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
@@ -128,6 +126,7 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     if args.kv_cache_mib:
         cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
     if getattr(args, "device", None):
+        from services.engine.device import check_device  # noqa: PLC0415 - imports torch
         check_device(args.device, f"kvfleet serve {args.role}")
         cfg = replace(cfg, device=args.device)
     if getattr(args, "attention_backend", None):
@@ -249,10 +248,11 @@ async def serve(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK:
         raise SystemExit(f"workers bind to loopback only in this build; got --host {args.host}")
     auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
-    if args.threads:
-        torch.set_num_threads(args.threads)
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
     engine_config = engine_config_for(args)
+    if args.threads and engine_config.sim is None:   # a simulated worker runs no torch
+        import torch  # noqa: PLC0415
+        torch.set_num_threads(args.threads)
     log.info("%s", config_line(worker_id, args, engine_config))
     config = WorkerConfig(worker_id, args.role, args.kv_backend, timeouts.from_args(args),
                           tensor_parallel_size=engine_config.tensor_parallel_size,
