@@ -100,7 +100,7 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if _has_tokenizer(model_dir) else None
+        self.tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer(model_dir) else None
         # where tokens come from (services/engine/executor.py): the model, or the simulated core
         self.executor = _make_executor(config, model_dir, self.model_config, self.tokenizer,
                                        kv_alloc, step_timer)
@@ -417,7 +417,7 @@ def _make_executor(config: EngineConfig, model_dir: str, model_config: ModelConf
     return ModelExecutor(config, model_dir, kv_alloc)
 
 
-def _has_tokenizer(model_dir: str) -> bool:
+def has_tokenizer(model_dir: str) -> bool:
     return os.path.exists(os.path.join(model_dir, "tokenizer.json"))
 
 
