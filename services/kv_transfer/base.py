@@ -504,10 +504,16 @@ def blocks_checksum(data, block_ids: Sequence[int]) -> int:
     return crc
 
 
+def copy_into(target, source) -> None:
+    """source's values into target's memory (same shape and dtype): torch tensors (a device's
+    included) or numpy arrays alike."""
+    if isinstance(target, np.ndarray):
+        target[...] = source
+    else:
+        target.copy_(source)
+
+
 def copy_block(target, dst: int, source, src: int) -> None:
     """Block `src` of the `source` pool into block `dst` of `target` (same layout), every layer,
-    K and V: torch tensors or numpy arrays alike."""
-    if isinstance(target, np.ndarray):
-        target[:, :, dst] = source[:, :, src]
-    else:
-        target[:, :, dst].copy_(source[:, :, src])
+    K and V."""
+    copy_into(target[:, :, dst], source[:, :, src])

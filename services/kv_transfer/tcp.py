@@ -47,7 +47,7 @@ from google.protobuf.message import DecodeError, Message
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError, PoolTransport,
-                                       byte_view, check_write, host_staging, layout_mismatch,
+                                       byte_view, check_write, copy_into, host_staging, layout_mismatch,
                                        make_descriptor, on_host)
 from services.kv_transfer.tcp_gate import GateCounts, HeaderGate, TcpReceiverConfig
 
@@ -163,7 +163,7 @@ class TcpTransport(PoolTransport):
             return self._pool_views(ids)
         blocks = self._kv.read_blocks(ids)            # device pool: gathered on the device,
         staged = host_staging(self._kv.data, len(ids))  # then one copy into pinned host memory
-        staged.copy_(blocks)                          # (synchronous: staging is read next)
+        copy_into(staged, blocks)                     # (synchronous: staging is read next)
         return [byte_view(staged)]
 
     def _pool_views(self, ids: list[int]) -> list[memoryview]:
