@@ -10,10 +10,13 @@ from dataclasses import replace
 
 from services.engine.config import EngineConfig
 from services.engine.config_file import load_engine_config
-from services.engine.engine import LLMEngine
+from services.engine.engine import LLMEngine, has_tokenizer, resolve_model_dir
 from services.engine.errors import InvalidRequestError
+from services.engine.model.config import ModelConfig
 from services.engine.outputs import CompletionOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
+from services.engine.validation import RequestValidator
 
 
 def _prompts(args: argparse.Namespace) -> list[str | list[int]]:
@@ -53,26 +56,57 @@ def run_generate(args: argparse.Namespace) -> int:
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or cfg.kv_cache_dtype,
                   kv_cache_scales=getattr(args, "kv_cache_scales", None) or cfg.kv_cache_scales,
                   logprobs_mode=getattr(args, "logprobs_mode", None) or cfg.logprobs_mode)
+    params = _params(args)
+    prompts = _prompts(args)
     try:
+        refused = _refusals(cfg, prompts, params, args)
+        if len(refused) == len(prompts):   # nothing to run: the weights are never loaded
+            return _report(prompts, refused, None, params, args)
         engine = LLMEngine(cfg)
     except ValueError as e:            # a config the model cannot take (e.g. an indivisible TP
         # size), or --device cuda without CUDA (services/engine/device.py: DeviceUnavailable)
         print(f"kvfleet generate: {e}", file=sys.stderr)
         return 2
     try:
-        return _generate(engine, args)
+        return _report(prompts, refused, engine, params, args)
     finally:
         engine.close()                 # tensor-parallel followers, if any
 
 
-def _generate(engine: LLMEngine, args: argparse.Namespace) -> int:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=tuple(args.stop), logprobs=args.logprobs,
-                            prompt_logprobs=args.logprobs if args.echo else None)
-    status = 0
-    for prompt in _prompts(args):
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          stop=tuple(args.stop), logprobs=args.logprobs,
+                          prompt_logprobs=args.logprobs if args.echo else None)
+
+
+def _refusals(cfg: EngineConfig, prompts: list, params: SamplingParams,
+              args: argparse.Namespace) -> dict[int, InvalidRequestError]:
+    """By prompt index, the error the engine would refuse it with whatever its KV holds (bad
+    sampling parameters, an empty prompt, a token out of the vocabulary, an unknown tenant or
+    class): found from the model's config and tokenizer alone, before its weights load."""
+    model_dir = resolve_model_dir(cfg.model)
+    model_config = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer(model_dir) else None
+    validator = RequestValidator(cfg.scheduler, model_config, tokenizer, None,
+                                 cfg.max_model_len or model_config.max_position_embeddings)
+    refused = {}
+    for i, prompt in enumerate(prompts):
         try:
+            validator.check_input(prompt, params, args.tenant, args.traffic_class)
+        except InvalidRequestError as e:
+            refused[i] = e
+    return refused
+
+
+def _report(prompts: list, refused: dict[int, InvalidRequestError], engine: LLMEngine | None,
+            params: SamplingParams, args: argparse.Namespace) -> int:
+    """Each prompt in order: its error (stderr, one JSON object), or its output (stdout)."""
+    status = 0
+    for i, prompt in enumerate(prompts):
+        try:
+            if i in refused:
+                raise refused[i]
             (out,) = engine.generate([prompt], params, tenant=args.tenant,
                                      traffic_class=args.traffic_class)
         except InvalidRequestError as e:

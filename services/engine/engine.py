@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from services.engine.admission import RateEstimator
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig, SchedulerConfig
@@ -27,7 +25,6 @@ from services.engine.errors import DuplicateRequestError, UnknownRequestError
 from services.engine.model.config import ModelConfig
 from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
 from services.engine.request import Request, Status
-from services.engine.sampler import make_generator
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput, attention_pairs
 from services.engine.step_model import StepModel
@@ -92,8 +89,9 @@ def resolve_model_dir(model: str) -> str:
     return resolve(model)
 
 
-# Allocates the KV cache's memory: (shape, dtype) -> a zeroed tensor (e.g. in shared memory).
-KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# Allocates the KV cache's memory: (shape, dtype) -> zeroed memory (e.g. shared): a torch tensor
+# for the model's cache, a numpy array for the simulated core's (which imports no torch).
+KVAllocator = Callable[[tuple[int, ...], object], object]
 
 
 class LLMEngine:
@@ -105,7 +103,7 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if _has_tokenizer(model_dir) else None
+        self.tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer(model_dir) else None
         # where tokens come from (services/engine/executor.py): the model, or the simulated core
         self.executor = _make_executor(config, model_dir, self.model_config, self.tokenizer,
                                        kv_alloc, step_timer)
@@ -126,7 +124,7 @@ class LLMEngine:
         self._states: dict[str, OutputState] = {}
         # what turns output tokens into text: None when this engine makes no text
         self._text_tokenizer = self.tokenizer if config.detokenize else None
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._generators: dict[str, object | None] = {}   # the executor's (torch.Generator)
         # n > 1: a request's forked samples (internal ids), and per request id how many of its
         # samples have not sent their last output (the output that brings it to 0 is `finished`)
         self._samples: dict[str, list[str]] = {}
@@ -296,7 +294,7 @@ class LLMEngine:
             eos |= self.tokenizer.eos_token_ids
         req = Request(rid, tenant_cfg.name, cls, params, ids, self.clock(), eos_token_ids=eos)
         self._states[rid] = OutputState(req, self._text_tokenizer)
-        self._generators[rid] = make_generator(params.seed)
+        self._generators[rid] = self.executor.new_generator(params.seed)
         self._left[rid] = 1                       # its samples join at the fork
         return req
 
@@ -341,7 +339,7 @@ class LLMEngine:
                             first_scheduled_time=req.first_scheduled_time,
                             num_cached_tokens=req.num_cached_tokens)
             self._states[child.request_id] = OutputState(child, self._text_tokenizer)
-            self._generators[child.request_id] = make_generator(params.seed)
+            self._generators[child.request_id] = self.executor.new_generator(params.seed)
             samples.append(child)
         self._samples[req.request_id] = [c.request_id for c in samples]
         self._left[req.request_id] += len(samples)
@@ -425,7 +423,7 @@ def _make_executor(config: EngineConfig, model_dir: str, model_config: ModelConf
     return ModelExecutor(config, model_dir, kv_alloc)
 
 
-def _has_tokenizer(model_dir: str) -> bool:
+def has_tokenizer(model_dir: str) -> bool:
     return os.path.exists(os.path.join(model_dir, "tokenizer.json"))
 
 

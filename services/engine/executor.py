@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from services.engine.request import Request
-from services.engine.sampler import TokenLogprob
+from services.engine.token_logprob import TokenLogprob
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -27,6 +27,10 @@ class Executor(Protocol):
 
     def bind(self, block_table) -> None:
         """The block pool's block_table(request_id) (the engine builds the pool after us)."""
+
+    def new_generator(self, seed: int | None) -> object | None:
+        """A seeded request's own random state, passed back to execute() with its rows (the
+        model's sampler draws from it); None: unseeded, or an executor that needs none."""
 
     def execute(self, plan: SchedulerOutput, drawers: Sequence[Request],
                 sources: Sequence[ScheduledChunk], generators: Sequence[object]

@@ -14,7 +14,7 @@ from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache
 from services.engine.model.loader import load_model
 from services.engine.model.runner import ModelRunner
 from services.engine.request import Request
-from services.engine.sampler import Sampler, TokenLogprob, prompt_logprobs
+from services.engine.sampler import Sampler, TokenLogprob, make_generator, prompt_logprobs
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.tp_ranks import TPLeader, drive, start_rank0
 
@@ -88,6 +88,9 @@ class ModelExecutor:
             log.info("cuda graphs on %s: decode steps padded to batch sizes %s, run eagerly",
                      self.device, ",".join(map(str, runner.sizes)))
         return runner
+
+    def new_generator(self, seed: int | None):
+        return make_generator(seed)
 
     def bind(self, block_table) -> None:
         """The block pool's block_table(request_id) (the engine builds the pool after us)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from services.engine.detokenizer import SampleText
 from services.engine.request import Request, Status
-from services.engine.sampler import TokenLogprob
+from services.engine.token_logprob import TokenLogprob
 
 
 @dataclass

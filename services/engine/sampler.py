@@ -18,35 +18,19 @@ device. Cumulative sums run in float64: in float32, adding a 1e-8 token to 0.99 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from services.engine.logits_process import History, LogitsProcessors, apply_min_p, needs_processing
 from services.engine.sampling_params import SamplingParams
+from services.engine.token_logprob import TokenLogprob
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 _NAN = float("nan")
 _GREEDY_BELOW = 1e-5  # temperatures this small are argmax (as in vLLM); logits / 1e-30 would overflow
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One position's token and, when requested, its logprob info.
-
-    `logprob` is of the model's raw distribution (log_softmax of the logits, before any
-    processing), or under logprobs_mode "processed_logprobs" of the distribution the token was
-    drawn from (after penalties, bias, temperature, min_p, top-k / top-p; -inf for a token
-    they removed); NaN when the request did not ask for logprobs. `top` is the top-N
-    (token_id, logprob) by descending logprob; () when N == 0 or not requested.
-    """
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:

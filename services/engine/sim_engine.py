@@ -10,27 +10,28 @@ differs from the model's only in where tokens and step times come from:
     as `LLMEngine.last_step_modelled_s`; the engine never sleeps (the engine core process sleeps
     to it on the wall clock, a discrete-event simulator advances its virtual clock by it);
   * KV: the block count is the target's (reservations, refusals and preemptions are the real
-    ones); the cache tensor is tiny per block (one layer, one KV head, head dim 2, float16), so
-    the KV transports still move real blocks through real memory.
+    ones); the cache array is tiny per block (one layer, one KV head, head dim 2, float16), so
+    the KV transports still move real blocks through real memory. It is a numpy array
+    (services/engine/kv_array.py), so a simulated core imports no torch.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-import torch
+import numpy as np
 
 from services.engine.config import EngineConfig, SimConfig
+from services.engine.kv_array import ArrayKVCache, kv_bytes_per_token, kv_cache_shape
 from services.engine.model.config import ModelConfig
-from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape
 from services.engine.request import Request
-from services.engine.sampler import TokenLogprob
+from services.engine.token_logprob import TokenLogprob
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.sim_tokens import TokenRule
 from services.engine.tokenizer import Tokenizer
 from services.planner.step_time import BatchShape, FixedStepTimer, StepTimer
 
-SIM_KV_DTYPE = torch.float16
+SIM_KV_DTYPE = np.dtype(np.float16)
 SIM_HEAD_DIM = 2
 
 
@@ -122,7 +123,8 @@ class SimExecutor:
         layout = sim_kv_layout(model_config)
         shape = kv_cache_shape(layout, self.num_blocks, config.block_size)
         data = kv_alloc(shape, SIM_KV_DTYPE) if kv_alloc is not None else None
-        self.kv_cache = KVCache(layout, self.num_blocks, config.block_size, SIM_KV_DTYPE, data=data)
+        self.kv_cache = ArrayKVCache(layout, self.num_blocks, config.block_size, SIM_KV_DTYPE,
+                                     data=data)
         self.kv_bytes_per_token = target_kv_bytes_per_token(sim, model_config, self.cost_model)
         excluded = set(model_config.eos_token_ids)
         if tokenizer is not None:
@@ -134,6 +136,9 @@ class SimExecutor:
 
     def bind(self, block_table) -> None:
         pass
+
+    def new_generator(self, seed: int | None) -> None:
+        return None     # tokens are a function of the seed (sim_tokens.py): no random state
 
     def execute(self, plan: SchedulerOutput, drawers: Sequence[Request],
                 sources: Sequence[ScheduledChunk], generators: Sequence[object]

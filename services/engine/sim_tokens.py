@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from services.engine.config import parse_output_len
 from services.engine.request import Request
-from services.engine.sampler import TokenLogprob
+from services.engine.token_logprob import TokenLogprob
 
 _MASK = (1 << 64) - 1
 _NAN = float("nan")

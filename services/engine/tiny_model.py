@@ -39,12 +39,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from services.protocol import env
+
+if TYPE_CHECKING:   # imported where weights are made: finding the cached model needs no torch
+    import torch
 
 BOS, END, SH, EH, EOT = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
@@ -95,6 +97,7 @@ def make_tiny_model(out_dir, *, seed: int = 0, layers: int = 4, hidden: int = 25
         raise ValueError(f"unsupported tiny model shape: {shape}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file  # noqa: PLC0415
     save_file(init_weights(shape, seed), out / "model.safetensors", metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(train_tokenizer(vocab).to_str(pretty=True), encoding="utf-8")
     for name, obj in _json_files(shape).items():
@@ -142,6 +145,7 @@ def _complete(path: Path) -> bool:
 
 def init_weights(s: TinyShape, seed: int) -> dict[str, torch.Tensor]:
     """fp32 tensors under HF names, drawn in a fixed order from one generator."""
+    import torch  # noqa: PLC0415
     gen = torch.Generator().manual_seed(seed)
 
     def normal(rows: int, cols: int, std: float) -> torch.Tensor:

@@ -21,12 +21,20 @@ class RequestValidator:
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams, tenant: str | None,
                  traffic_class: str | None) -> tuple[list[int], Tenant, TrafficClass]:
+        ids, tenant_cfg, cls = self.check_input(prompt, params, tenant, traffic_class)
+        self._lengths(ids, params, cls, tenant_cfg)
+        return ids, tenant_cfg, cls
+
+    def check_input(self, prompt: str | Sequence[int], params: SamplingParams, tenant: str | None,
+                    traffic_class: str | None) -> tuple[list[int], Tenant, TrafficClass]:
+        """validate() short of the limits of length and KV: what needs only the model's config
+        and tokenizer, no pool (`pool` may be None), in validate()'s order, so the first error
+        is the one validate() raises. `kvfleet generate` refuses bad input with it before the
+        model's weights load."""
         tenant_cfg = self._tenant(tenant)
         cls = self._class(traffic_class, tenant_cfg)
         self._sampling(params)
-        ids = self._token_ids(prompt)
-        self._lengths(ids, params, cls, tenant_cfg)
-        return ids, tenant_cfg, cls
+        return self._token_ids(prompt), tenant_cfg, cls
 
     def _tenant(self, name: str | None) -> Tenant:
         name = self.config.default_tenant if name is None else name

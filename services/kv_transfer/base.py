@@ -26,12 +26,15 @@ import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
-import torch
+import numpy as np
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.engine.model.kv_cache import kv_dtype_name, resolve_kv_dtype
+from services.engine.kv_array import kv_dtype_name, kv_itemsize
+
+if TYPE_CHECKING:   # a model's pool is a torch tensor; a simulated core's a numpy array
+    import torch
 
 EARLY_TTL_S = 60.0  # how long an outcome that came before its expect() is kept
 MAX_ID_BYTES = 1024  # a transfer id, UTF-8
@@ -118,7 +121,7 @@ class KVLayout:
         if min(layout.num_layers, layout.block_size, layout.kv_heads, layout.head_dim) < 1:
             raise ValueError(f"bad KV layout {layout}: every size must be at least 1")
         try:
-            resolve_kv_dtype(layout.dtype)
+            kv_itemsize(layout.dtype)
         except ValueError as e:
             raise ValueError(f"bad KV layout {layout}: {e}") from None
         return layout
@@ -133,7 +136,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return resolve_kv_dtype(self.dtype).itemsize
+        return kv_itemsize(self.dtype)
 
     @property
     def region_bytes(self) -> int:
@@ -461,26 +464,56 @@ def staging_is_pinned(pool_device: torch.device) -> bool:
     return pool_device.type == "cuda"
 
 
-def host_staging(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
+def on_host(pool) -> bool:
+    """Whether a pool (a torch tensor, or a simulated core's numpy array) is in host memory."""
+    return isinstance(pool, np.ndarray) or pool.device.type == "cpu"
+
+
+def host_staging(pool, num_blocks: int):
     """Host memory for `num_blocks` of `pool` in read_blocks' layout, on their way to or from a
     socket (the tcp backend's device path)."""
     shape = (*pool.shape[:2], num_blocks, *pool.shape[3:])
+    if isinstance(pool, np.ndarray):
+        return np.empty(shape, dtype=pool.dtype)
+    import torch  # noqa: PLC0415 - the pool is a tensor: torch is loaded
     return torch.empty(shape, dtype=pool.dtype, pin_memory=staging_is_pinned(pool.device))
 
 
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A flat writable byte view sharing memory with a contiguous CPU tensor (any dtype, bf16 included)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+def byte_view(pool) -> memoryview:
+    """A flat writable byte view sharing memory with a contiguous CPU tensor (any dtype, bf16
+    included) or numpy array."""
+    if isinstance(pool, np.ndarray):
+        if not pool.flags.c_contiguous:
+            raise ValueError("byte_view needs a contiguous array")
+        return memoryview(pool.reshape(-1).view(np.uint8))
+    if pool.device.type != "cpu" or not pool.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    import torch  # noqa: PLC0415 - the pool is a tensor: torch is loaded
+    return memoryview(pool.reshape(-1).view(torch.uint8).numpy())
 
 
-def blocks_checksum(data: torch.Tensor, block_ids: Sequence[int]) -> int:
+def blocks_checksum(data, block_ids: Sequence[int]) -> int:
     """crc32 of the blocks' bytes in wire order, region by region (no gathered copy of a CPU pool)."""
     crc = 0
     for layer in range(data.shape[0]):
         for kv in (0, 1):
             plane = data[layer, kv]  # [num_blocks, block_size, kv_heads, head_dim], contiguous
             for block in block_ids:
-                crc = zlib.crc32(byte_view(plane[block].cpu()), crc)
+                region = plane[block]
+                crc = zlib.crc32(byte_view(region if on_host(region) else region.cpu()), crc)
     return crc
+
+
+def copy_into(target, source) -> None:
+    """source's values into target's memory (same shape and dtype): torch tensors (a device's
+    included) or numpy arrays alike."""
+    if isinstance(target, np.ndarray):
+        target[...] = source
+    else:
+        target.copy_(source)
+
+
+def copy_block(target, dst: int, source, src: int) -> None:
+    """Block `src` of the `source` pool into block `dst` of `target` (same layout), every layer,
+    K and V."""
+    copy_into(target[:, :, dst], source[:, :, src])

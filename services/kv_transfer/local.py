@@ -13,12 +13,10 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError, PoolTransport,
                                        blocks_checksum, check_block_ids, check_write,
-                                       make_descriptor)
+                                       copy_block, make_descriptor)
 
 _REGISTRY: dict[str, LocalTransport] = {}  # worker_id -> its transport, this process only
 _REGISTRY_LOCK = threading.Lock()
@@ -27,7 +25,7 @@ _REGISTRY_LOCK = threading.Lock()
 @dataclass
 class _Write:
     transfer_id: str
-    source: torch.Tensor        # the source pool's data
+    source: object              # the source pool's data (a torch tensor or a numpy array)
     src: list[int]
     dst: list[int]
     crc: int | None
@@ -130,7 +128,7 @@ class LocalTransport(PoolTransport):
         for s, d in zip(write.src, write.dst):
             with target.writing() as target_open, write.handle.writing() as source_open:
                 if target_open and source_open:
-                    mine[:, :, d].copy_(write.source[:, :, s])
+                    copy_block(mine, d, write.source, s)
                     continue
             if not target_open:
                 self._fail(write, "the target finished the transfer before it landed", KVFailure.REFUSED)

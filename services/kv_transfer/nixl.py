@@ -50,7 +50,7 @@ from services.protocol.listeners import listening_sockets  # noqa: E402
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb  # noqa: E402
 from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError,  # noqa: E402
                                        PoolTransport, blocks_checksum, check_write,
-                                       make_descriptor)
+                                       make_descriptor, on_host)
 
 POLL_BUSY_S = 0.0002
 POLL_IDLE_S = 0.02
@@ -121,15 +121,15 @@ class NixlTransport(PoolTransport):
             raise ValueError(f"worker {self.worker_id!r} already registered a pool")
         data = kv_cache.data
         self._kv, self._layout = kv_cache, KVLayout.of(kv_cache)
-        self._mem, self._dev = ("DRAM", 0) if data.device.type == "cpu" else ("VRAM", data.get_device())
+        self._mem, self._dev = ("DRAM", 0) if on_host(data) else ("VRAM", data.get_device())
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         before = listening_sockets([os.getpid()])
         self._agent = nixl_agent(self._agent_name, config)
         # UCX's tcp transport listens on lo (UCX_NET_DEVICES) for its connections; NIXL's own listener is
         # off. There is no turning UCX's off: without tcp (UCX_TLS=^tcp) the backend does not start.
         self.listeners = sorted(f"{ip}:{port}" for ip, port in listening_sockets([os.getpid()]) - before)
-        self._registered = self._agent.register_memory(data)
-        table = _region_table(data.data_ptr(), self._layout, kv_cache.num_blocks, self._dev)
+        self._registered = self._agent.register_memory(*_registration(data))
+        table = _region_table(_address(data), self._layout, kv_cache.num_blocks, self._dev)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self._mem)
         self._metadata = self._agent.get_agent_metadata()
         self._poller = threading.Thread(target=self._poll_loop, name=f"kv-nixl-{self.worker_id}", daemon=True)
@@ -137,7 +137,7 @@ class NixlTransport(PoolTransport):
 
     def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
         ids = self._target_ids(block_ids)
-        target = pb.NixlTarget(agent=self._agent_name, base=self._kv.data.data_ptr(),
+        target = pb.NixlTarget(agent=self._agent_name, base=_address(self._kv.data),
                                num_blocks=self._kv.num_blocks, mem=self._mem, device=self._dev)
         return make_descriptor(self.worker_id, self.name, self._layout, ids, agent_metadata=self._metadata,
                                nixl=target)
@@ -271,6 +271,19 @@ def _nixl_target(target: pb.KVDescriptor) -> pb.NixlTarget:
     if not target.HasField("nixl") or not info.agent or not info.num_blocks or info.mem not in ("DRAM", "VRAM"):
         raise KVTransferError(f"descriptor from {target.worker_id!r} has no usable nixl target: {info}")
     return info
+
+
+def _address(pool) -> int:
+    """Where a pool's memory starts: a torch tensor's, or a simulated core's numpy array's."""
+    return pool.ctypes.data if isinstance(pool, np.ndarray) else pool.data_ptr()
+
+
+def _registration(pool) -> tuple:
+    """register_memory's arguments for a pool: a tensor as is, a numpy array (host memory) as its
+    one (address, bytes, device, meta) region of DRAM."""
+    if isinstance(pool, np.ndarray):
+        return [(_address(pool), pool.nbytes, 0, "")], "DRAM"
+    return (pool,)
 
 
 def _region_table(base: int, layout: KVLayout, num_blocks: int, dev: int) -> np.ndarray:

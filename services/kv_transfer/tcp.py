@@ -42,14 +42,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Sequence
 
-import torch
 from google.protobuf.message import DecodeError, Message
 
 from services.protocol import fleet_token
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.kv_transfer.base import (Completion, KVFailure, KVLayout, KVTransferError, PoolTransport,
-                                       byte_view, check_write, host_staging, layout_mismatch,
-                                       make_descriptor)
+                                       byte_view, check_write, copy_into, host_staging, layout_mismatch,
+                                       make_descriptor, on_host)
 from services.kv_transfer.tcp_gate import GateCounts, HeaderGate, TcpReceiverConfig
 
 HOST = "127.0.0.1"
@@ -87,7 +86,7 @@ class TcpTransport(PoolTransport):
         if self._kv is not None:
             raise ValueError(f"worker {self.worker_id!r} already registered a pool")
         self._kv, self._layout = kv_cache, KVLayout.of(kv_cache)
-        staged = self._staged if self._staged is not None else kv_cache.data.device.type != "cpu"
+        staged = self._staged if self._staged is not None else not on_host(kv_cache.data)
         if not staged:
             self._flat = byte_view(kv_cache.data)
         self._listener = socket.create_server((HOST, self._port))
@@ -164,7 +163,7 @@ class TcpTransport(PoolTransport):
             return self._pool_views(ids)
         blocks = self._kv.read_blocks(ids)            # device pool: gathered on the device,
         staged = host_staging(self._kv.data, len(ids))  # then one copy into pinned host memory
-        staged.copy_(blocks)                          # (synchronous: staging is read next)
+        copy_into(staged, blocks)                     # (synchronous: staging is read next)
         return [byte_view(staged)]
 
     def _pool_views(self, ids: list[int]) -> list[memoryview]:
@@ -256,7 +255,8 @@ class TcpTransport(PoolTransport):
                 if not still_open:
                     raise KVTransferError(_OVER, KVFailure.DEADLINE)
                 self._kv.write_blocks(ids[i:i + step], staged[:, :, i:i + step])
-                if data.is_cuda:  # copied, not just queued, before finish() may return
+                if not on_host(data):  # copied, not just queued, before finish() may return
+                    import torch  # noqa: PLC0415 - a device pool: torch is loaded
                     torch.cuda.current_stream(data.device).synchronize()
         return views
 

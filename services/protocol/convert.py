@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.engine.outputs import RequestOutput
-from services.engine.sampler import TokenLogprob
+from services.engine.token_logprob import TokenLogprob
 from services.protocol.params import params_from_pb, params_to_pb  # noqa: F401 (re-exported)
 
 

@@ -45,7 +45,6 @@ import zmq.asyncio
 from services.engine import errors
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats
-from services.engine.model.kv_cache import KVCache, is_fp8
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.protocol import env
@@ -158,7 +157,7 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._streams: dict[str, OutputStream] = {}
         self._ready: Ready | None = None
-        self._kv_cache: KVCache | None = None
+        self._kv_cache = None     # a KVCache, or a simulated core's ArrayKVCache
         self._run_dir: str | None = None
         self._zmq: zmq.asyncio.Context | None = None
         self._commands: zmq.asyncio.Socket | None = None
@@ -198,11 +197,7 @@ class EngineClient:
         try:
             self._ready = await asyncio.wait_for(asyncio.shield(self._ready_fut),
                                                  self._start_timeout_s)
-            shared = core.attach_kv(self._ready)
-            # the layout the transports name (KVLayout.of) carries the fp8 scales the core uses
-            scales = self.config.kv_cache_scales if is_fp8(shared.dtype) else (1.0, 1.0)
-            self._kv_cache = KVCache.over(shared, *scales,    # TP N: every rank's part
-                                          tensor_parallel_size=self.config.tensor_parallel_size)
+            self._kv_cache = core.attach_cache(self._ready, self.config)
         except BaseException as e:
             await self.close()
             if isinstance(e, asyncio.TimeoutError):
@@ -252,7 +247,7 @@ class EngineClient:
 
     # ----------------------------------------------------------------------- properties
     @property
-    def kv_cache(self) -> KVCache:
+    def kv_cache(self):
         """The core's KV cache, over the same (shared) memory: for transport.register."""
         return self._started(self._kv_cache)
 

@@ -51,17 +51,21 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
+import numpy as np
 import zmq
 
 from services.engine.config import EngineConfig
+from services.engine.kv_array import ArrayKVCache
 from services.engine.engine import EngineStats, LLMEngine, StepRecord
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
-from services.engine.tp_ranks import TPRankFailed
 from services.worker import faults, step_trace
+
+if TYPE_CHECKING:   # the model's cache; a simulated core imports no torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -233,27 +237,43 @@ def ipc_address(run_dir: str, name: str) -> str:
 # ------------------------------------------------------------------------------ shared KV memory
 class SharedKV:
     """The KV cache's memory as a file mapped MAP_SHARED by both processes (CPU caches; a CUDA
-    cache is DeviceKV's)."""
+    cache is DeviceKV's): a torch tensor for the model's cache, a numpy array for the simulated
+    core's (which imports no torch)."""
 
     def __init__(self, path: str) -> None:
         self.path = path                  # tensor-parallel followers map their part of it too
-        self.data: torch.Tensor | None = None
+        self.data = None                  # the core's mapping, once allocated
 
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def alloc(self, shape: tuple[int, ...], dtype):
         """Core side (an LLMEngine kv_alloc): a zeroed tensor over a new shared file."""
+        import torch  # noqa: PLC0415 - the model's cache only
         size = math.prod(shape)
         self.data = torch.from_file(self.path, shared=True, size=size, dtype=dtype).view(shape)
         return self.data
 
     __call__ = alloc
 
+    def alloc_array(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """Core side, the simulated core's kv_alloc: a zeroed numpy array over a new shared file."""
+        self.data = np.memmap(self.path, dtype=dtype, mode="w+", shape=tuple(shape))
+        return self.data
+
     @staticmethod
-    def attach(ready: Ready) -> torch.Tensor:
+    def attach(ready: Ready):
         """Server side: the core's KV memory as a tensor. The file is unlinked once mapped (the
         mappings keep the memory; nothing is left behind whichever process dies first)."""
+        import torch  # noqa: PLC0415
         dtype = getattr(torch, ready.kv_dtype)
         data = torch.from_file(ready.kv_path, shared=True, size=math.prod(ready.kv_shape),
                                dtype=dtype).view(ready.kv_shape)
+        os.unlink(ready.kv_path)
+        return data
+
+    @staticmethod
+    def attach_array(ready: Ready) -> np.ndarray:
+        """Server side, a simulated core's: the KV memory as a numpy array (unlinked alike)."""
+        data = np.memmap(ready.kv_path, dtype=np.dtype(ready.kv_dtype), mode="r+",
+                         shape=tuple(ready.kv_shape))
         os.unlink(ready.kv_path)
         return data
 
@@ -287,7 +307,7 @@ def kv_allocator(config: EngineConfig, shared: SharedKV):
     """The engine's kv_alloc: the shared file for a cache on the CPU (the simulated core's always
     is), None on CUDA (the executor allocates on its device; DeviceKV shares it)."""
     if config.sim is not None:
-        return shared.alloc
+        return shared.alloc_array
     from services.engine.device import resolve_device  # noqa: PLC0415
     return shared.alloc if resolve_device(config.device).type == "cpu" else None
 
@@ -295,16 +315,29 @@ def kv_allocator(config: EngineConfig, shared: SharedKV):
 def ready_message(config: EngineConfig, engine: LLMEngine, shared: SharedKV) -> Ready:
     # the shared file holds every tensor-parallel rank's part (rank 0's cache is its first part)
     data = shared.data if shared.data is not None else engine.kv_cache.data
-    on_device = data.device.type != "cpu"
+    device = "cpu" if isinstance(data, np.ndarray) else str(data.device)
+    on_device = device != "cpu"
     return Ready(os.getpid(), config.model, engine.pool.block_size, engine.max_model_len,
                  "" if on_device else shared.path, list(data.shape),
-                 str(data.dtype).removeprefix("torch."), str(data.device),
+                 str(data.dtype).removeprefix("torch."), device,
                  DeviceKV.export(data) if on_device else b"")
 
 
-def attach_kv(ready: Ready) -> torch.Tensor:
-    """Server side: the core's KV memory, wherever it lives."""
+def attach_kv(ready: Ready):
+    """Server side: the core's KV memory, wherever it lives (a torch tensor)."""
     return SharedKV.attach(ready) if ready.kv_device == "cpu" else DeviceKV.attach(ready)
+
+
+def attach_cache(ready: Ready, config: EngineConfig):
+    """Server side: the core's KV cache over the same memory, what the transports register: a
+    simulated core's ArrayKVCache, else the model's KVCache (every tensor-parallel rank's part,
+    with the fp8 scales the core uses: the layout the transports name carries them)."""
+    if config.sim is not None:
+        return ArrayKVCache.over(SharedKV.attach_array(ready))
+    from services.engine.model.kv_cache import KVCache, is_fp8  # noqa: PLC0415 - imports torch
+    shared = attach_kv(ready)
+    scales = config.kv_cache_scales if is_fp8(shared.dtype) else (1.0, 1.0)
+    return KVCache.over(shared, *scales, tensor_parallel_size=config.tensor_parallel_size)
 
 
 # ------------------------------------------------------------------------------------- the core
@@ -345,6 +378,7 @@ class EngineCore:
                 self.orphaned = True
                 return
             if any(fd in ready for fd in self.ranks):  # a rank died while idle: fail visibly now
+                from services.engine.tp_ranks import TPRankFailed  # noqa: PLC0415 - imports torch
                 raise TPRankFailed(self.engine.tp_leader.dead() or "a tensor-parallel rank exited")
             if self.commands in ready and not self._drain():
                 return
@@ -488,8 +522,6 @@ def main(argv: list[str] | None = None) -> int:
     from services.protocol.aio import setup_logging   # noqa: PLC0415
     setup_logging("engine-core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C: the server decides and stops us
-    if args.threads:
-        torch.set_num_threads(args.threads)
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(ipc_address(args.run_dir, COMMANDS_SOCKET))
@@ -499,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     status, core, engine = 0, None, None
     try:
         config = read_config(sys.stdin.fileno())
+        if args.threads and config.sim is None:   # a simulated core runs no torch
+            import torch  # noqa: PLC0415
+            torch.set_num_threads(args.threads)
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
         engine = build_engine(config, kv_allocator(config, kv))
         faults.install(engine)

@@ -27,11 +27,9 @@ import signal
 import sys
 from dataclasses import replace
 
-import torch
 
 from services.engine.config import (EngineConfig, add_engine_args, add_sim_args, role_scheduler,
                                     sim_config_from_args)
-from services.engine.device import check_device
 from services.engine.config_file import load_engine_config
 from services.engine.model_zoo import resolve as resolve_model
 from services.engine.quality_version import of_engine_config
@@ -107,6 +105,7 @@ def engine_config_for(args: argparse.Namespace) -> EngineConfig:
     if args.kv_cache_mib:
         cfg = replace(cfg, kv_cache_mib=args.kv_cache_mib)
     if getattr(args, "device", None):
+        from services.engine.device import check_device  # noqa: PLC0415 - imports torch
         check_device(args.device, f"kvfleet serve {args.role}")
         cfg = replace(cfg, device=args.device)
     if getattr(args, "cuda_graphs", None):
@@ -133,9 +132,10 @@ async def serve(args: argparse.Namespace, role: Role) -> int:
     setup_logging(args.role)
     bind.check(args.host, args.allow_external_bind, "a worker")
     auth = fleet_token.configure(args, f"{args.role} worker")   # before anything loads
-    if args.threads:
-        torch.set_num_threads(args.threads)
     config = worker_config_for(args)
+    if args.threads and config.engine.sim is None:   # a simulated worker runs no torch
+        import torch  # noqa: PLC0415
+        torch.set_num_threads(args.threads)
     log.info("%s", config_line(config.worker_id, args, config.engine))
     tracing.setup(args.role, config.worker_id)
     worker = build_worker(config, role, auth)

@@ -26,15 +26,19 @@ def digest(d: Path) -> dict[str, str]:
 
 
 def test_make_tiny_model_is_byte_identical_for_a_seed(tmp_path):
-    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    kvfleet("make-tiny-model", str(a), "--seed", "3", *SMALL)
-    kvfleet("make-tiny-model", str(b), "--seed", "3", *SMALL)
-    kvfleet("make-tiny-model", str(c), "--seed", "4", *SMALL)
+    """The command and the library, in two processes (a fresh one and this test's, whatever its
+    state), write the same bytes for one seed; another seed writes other weights."""
+    from services.engine.tiny_model import make_tiny_model   # noqa: PLC0415
+    made = tmp_path / "made"
+    kvfleet("make-tiny-model", str(made), "--seed", "3", *SMALL)
+    shape = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=600, max_positions=2048)
+    same = make_tiny_model(tmp_path / "same", seed=3, **shape)
+    other = make_tiny_model(tmp_path / "other", seed=4, **shape)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= set(digest(a))
-    assert digest(a) == digest(b)
-    assert digest(a)["model.safetensors"] != digest(c)["model.safetensors"]
-    assert json.loads((a / "config.json").read_text())["num_hidden_layers"] == 2
+            "generation_config.json"} <= set(digest(made))
+    assert digest(made) == digest(same)
+    assert digest(made)["model.safetensors"] != digest(other)["model.safetensors"]
+    assert json.loads((made / "config.json").read_text())["num_hidden_layers"] == 2
 
 
 def test_generate_prints_one_json_object_per_prompt(tiny_model_dir):

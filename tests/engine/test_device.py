@@ -67,7 +67,7 @@ def test_the_engine_core_shares_a_cpu_cache_through_its_file(tmp_path):
     shared = SharedKV(str(tmp_path / "kv"))
     assert kv_allocator(EngineConfig(device="cpu"), shared) == shared.alloc
     assert kv_allocator(EngineConfig(device="auto"), shared) == shared.alloc
-    assert kv_allocator(EngineConfig(device="cuda", sim=SimConfig()), shared) == shared.alloc
+    assert kv_allocator(EngineConfig(device="cuda", sim=SimConfig()), shared) == shared.alloc_array
 
 
 @pytest.mark.parametrize("argv, who", [

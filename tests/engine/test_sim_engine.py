@@ -132,7 +132,7 @@ def test_each_step_lasts_what_the_step_timer_says_for_the_planned_batch(tiny_mod
 def test_the_block_count_is_the_targets_and_the_cache_is_tiny_per_block(tiny_model_dir):
     engine = sim_engine(tiny_model_dir, kv_tokens=2_600_000)
     assert engine.pool.num_blocks == 2_600_000 // 16 == engine.stats().kv_blocks_total
-    assert engine.kv_cache.data.numel() * 2 < 24 << 20        # float16, one layer, one head, dim 2
+    assert engine.kv_cache.data.nbytes < 24 << 20        # float16, one layer, one head, dim 2
 
 
 def test_a_reservation_the_sim_cannot_back_is_refused(tiny_model_dir):

@@ -2,12 +2,10 @@
 (seconds of CPU per process at start; a test fleet starts several).
 
 Each entry module is imported in a fresh interpreter, as `kvfleet up` starts it, and that
-interpreter's `sys.modules` is read. The gateway, the routers and `kvfleet up` itself import no
-torch today, and this keeps it so. The simulated worker and engine core still do (the claim "the
-worker process needs no torch" is not met yet): their KV pool is a torch tensor over /dev/shm, the
-KV transports work on torch tensors, and the engine's request state holds torch generators.
-Those cases are marked as known misses (strict: they fail this suite once the claim holds, so the
-mark is removed then)."""
+interpreter's `sys.modules` is read. The gateway, the routers, `kvfleet up` itself, the simulated
+worker (its KV transports over the core's pool, a numpy array in /dev/shm) and the simulated
+engine core import no torch, and this keeps it so. The model's modules import torch only where
+the real model or its KV tensors are used."""
 from __future__ import annotations
 
 import json
@@ -18,20 +16,17 @@ import pytest
 
 HEAVY = ("torch", "transformers", "triton", "safetensors", "matplotlib")
 
-TORCH_IN_WORKER = pytest.mark.xfail(
-    strict=True, reason="the simulated worker and engine core still import torch: services/worker/"
-                        "serve.py, engine_core.py, engine/engine.py and kv_transfer/ import it at "
-                        "the top (docs/benchmarks.md, test suite time)")
-
 ENTRIES = {
     "kvfleet up": ("services.cli.cli", "services.cli.up", "services.cli.launcher",
                    "services.cli.supervisor", "services.cli.health_watch"),
     "gateway": ("services.gateway.server", "services.gateway.app"),
     "router": ("services.router.service",),
-    # one interpreter for both while both miss (each import of torch costs seconds)
-    "sim worker and engine core": pytest.param(
-        ("services.cli.cli", "services.cli.serve_cmd", "services.worker.serve",
-         "services.worker.engine_core", "services.engine.sim_engine"), marks=TORCH_IN_WORKER),
+    "sim worker": ("services.cli.cli", "services.cli.serve_cmd", "services.worker.serve",
+                   "services.worker.build", "services.worker.engine_client",
+                   "services.kv_transfer.tcp", "services.kv_transfer.local",
+                   "services.kv_transfer.paced"),
+    "sim engine core": ("services.worker.engine_core", "services.engine.engine",
+                        "services.engine.sim_engine"),
 }
 
 

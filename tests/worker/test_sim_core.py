@@ -53,6 +53,8 @@ def test_a_sim_core_starts_without_weights_and_streams_the_sims_tokens(tiny_mode
 
     async def scenario(client, steps):
         assert client.kv_cache.data.shape == (1, 2, 64, 16, 1, 2)   # the sim's tiny layout
+        with open(f"/proc/{client.pid}/maps") as maps:                # a running core, no torch
+            assert "libtorch" not in maps.read()
         stream = client.stream("a")
         await client.add_request("a", PROMPT, params, None, None)
         outs = await collect(stream)

@@ -8,15 +8,25 @@ Modules, in the order a batch flows through them:
     kv_cache.py   KVCache: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
     config.py / loader.py   HF checkpoint dir -> ModelConfig, LlamaForward
 """
-from services.engine.model.attention import AttentionBackend, TorchAttentionBackend
-from services.engine.model.batch import BatchInputs, SeqChunk, prepare_inputs
-from services.engine.model.config import ModelConfig
-from services.engine.model.kv_cache import KVCache, kv_bytes_per_token
-from services.engine.model.llama import LlamaForward
-from services.engine.model.loader import load_model
-from services.engine.model.runner import ModelRunner
+import importlib
 
-__all__ = [
-    "AttentionBackend", "BatchInputs", "KVCache", "LlamaForward", "ModelConfig", "ModelRunner", "SeqChunk",
-    "TorchAttentionBackend", "kv_bytes_per_token", "load_model", "prepare_inputs",
-]
+# name -> the module that defines it; imported on first use, so that importing one torch-free
+# module of this package (config.py: the simulated engine reads a checkpoint's config) does not
+# import the model's torch modules
+_EXPORTS = {
+    "AttentionBackend": "attention", "TorchAttentionBackend": "attention",
+    "BatchInputs": "batch", "SeqChunk": "batch", "prepare_inputs": "batch",
+    "ModelConfig": "config",
+    "KVCache": "kv_cache", "kv_bytes_per_token": "kv_cache",
+    "LlamaForward": "llama",
+    "load_model": "loader",
+    "ModelRunner": "runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

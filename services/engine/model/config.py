@@ -11,23 +11,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("bfloat16", "float16", "float32")   # torch's names; torch is imported only to resolve one
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' (or the torch dtype itself) -> torch.dtype."""
+    import torch  # noqa: PLC0415 - the simulated engine reads configs without torch
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype.removeprefix("torch.")
     if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {list(_DTYPES)}")
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 
 from services.engine.config import KV_CACHE_DTYPES
+# the layout's torch-free half (the simulated core's cache is a numpy array), re-exported
+from services.engine.kv_array import kv_bytes_per_token, kv_cache_shape, kv_dtype_name  # noqa: F401
 from services.engine.model.config import ModelConfig, resolve_dtype
 
 
@@ -45,25 +47,8 @@ def resolve_kv_dtype(dtype: str | torch.dtype, model_dtype: str | torch.dtype | 
         raise ValueError(f"unsupported dtype {dtype!r} for a KV cache; expected one of {KV_CACHE_DTYPES}") from None
 
 
-def kv_dtype_name(dtype: torch.dtype) -> str:
-    """The name a KV layout carries (kvfleet.v1.KVLayout.dtype): "fp8" for e4m3fn, else the torch name."""
-    return "fp8" if dtype == FP8 else str(dtype).removeprefix("torch.")
-
-
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8
-
-
-def kv_bytes_per_token(model_config: ModelConfig, dtype: str | torch.dtype) -> int:
-    """All layers, K and V, in a cache of `dtype` ("fp8": one byte per element)."""
-    per_layer = 2 * model_config.num_kv_heads * model_config.head_dim
-    return model_config.num_layers * per_layer * resolve_kv_dtype(dtype).itemsize
-
-
-def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The `data` layout: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    return (model_config.num_layers, 2, num_blocks, block_size, model_config.num_kv_heads,
-            model_config.head_dim)
 
 
 class KVCache:
