@@ -155,6 +155,7 @@ class LLMEngine:
         start = self.clock()
         gap = start - self._ready_since if self._ready_since is not None else 0.0
         plan = self.scheduler.schedule()
+        unstarved = self.scheduler.prefill_unstarved(plan)   # before the step moves the prompts
         t1 = time.perf_counter()
         outputs, self._pending = self._pending, []
         outputs += [self._delta(r) for r in plan.rejected]
@@ -167,8 +168,10 @@ class LLMEngine:
         measured = time.perf_counter() - t0
         elapsed = self.executor.step_s(plan, measured) if ran else measured
         self.last_step_modelled_s = elapsed if ran and self.config.sim is not None else 0.0
-        if plan.num_prefill_tokens >= (self.config.scheduler.token_budget - len(plan.decodes)) // 2:
-            # only steps where prefill had work to fill its budget measure its drain rate
+        if unstarved or plan.num_prefill_tokens >= (
+                self.config.scheduler.token_budget - len(plan.decodes)) // 2:
+            # a step measures the prefill rate when prefill filled half its budget, or gave every
+            # queued prompt its whole chunk (a lone long prompt's steps count too)
             self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
         self._decode_rate.observe(len(plan.decodes), elapsed)
         self._count(plan, elapsed, t1 - t0)

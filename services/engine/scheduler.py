@@ -581,6 +581,23 @@ class Scheduler:
         for ITL (each tenant's first; those behind it wait for it in FCFS)."""
         return len(self.slot_waiting) + self.held_for_itl
 
+    def prefill_unstarved(self, out: SchedulerOutput) -> bool:
+        """Whether `out` (just scheduled, not yet run) prefilled every queued prompt to its chunk
+        cap: each got min(chunk_size, what it has left to compute). Such a step was neither cut
+        short by the token budget nor left idle for want of admitted work, so its prefill tokens
+        over its time are the engine's rate at this load (a lone document's 512-token chunks
+        included). False when nothing was prefilled."""
+        if not out.prefills:
+            return False
+        given = {id(c.request): c.num_tokens for c in out.prefills}
+        for qs in self.queues.values():
+            for q in qs.values():
+                for r in q:
+                    want = min(self.config.chunk_size, r.num_uncomputed_tokens)
+                    if want > 0 and given.get(id(r), 0) < want:
+                        return False
+        return True
+
     def queued_prefill_tokens(self) -> int:
         return sum(r.num_uncomputed_tokens for qs in self.queues.values() for q in qs.values()
                    for r in q)
