@@ -62,6 +62,9 @@ class EngineStats:
     tenants: list[tuple[str, int, int]] = field(default_factory=list)
     # per class, the prompt tokens a new request of it waits behind (Scheduler.prefill_tokens_ahead)
     prefill_tokens_ahead: dict[str, int] = field(default_factory=dict)
+    decode_context_tokens: int = 0   # tokens the decoding sequences attend over, summed
+    max_running: int = 0             # the scheduler's cap on admitted sequences
+    max_prefill_attention: int = 0   # its cap on a decoding step's prefill pairs (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +240,9 @@ class LLMEngine:
             oldest_queued_s=self._oldest_queued_s(), tenants=self.scheduler.tenant_shares(),
             num_waiting_for_decode_slot=self.scheduler.num_waiting_for_decode_slot,
             prefill_tokens_ahead=self.scheduler.prefill_tokens_ahead(),
-            **self._counters)
+            decode_context_tokens=sum(r.num_tokens for r in running if r.is_decoding),
+            max_running=self.config.scheduler.max_running,
+            max_prefill_attention=self.config.scheduler.max_prefill_attention, **self._counters)
 
     def _oldest_queued_s(self) -> float:
         arrival = self.scheduler.oldest_queued_arrival()

@@ -146,7 +146,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             pool=self.config.pool, quality_version=self.config.quality_version,
             tenants=[pb.TenantShare(tenant=t, sequences=n, kv_blocks=b)
                      for t, n, b in s.tenants],          # the engine's order: largest KV first
-            queued_prefill_tokens_ahead=s.prefill_tokens_ahead,
+            queued_prefill_tokens_ahead=s.prefill_tokens_ahead, num_decoding=s.num_decoding,
+            decode_context_tokens=s.decode_context_tokens, max_running=s.max_running,
+            max_prefill_attention=s.max_prefill_attention,
             **(self.telemetry.rates.fields() if self.telemetry.rates else {}))
 
     async def Health(self, request, context) -> pb.HealthResponse:
