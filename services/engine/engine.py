@@ -65,6 +65,8 @@ class EngineStats:
     decode_context_tokens: int = 0   # tokens the decoding sequences attend over, summed
     max_running: int = 0             # the scheduler's cap on admitted sequences
     max_prefill_attention: int = 0   # its cap on a decoding step's prefill pairs (0: none)
+    # per class, what the prompts ahead take of one step (Scheduler.prefill_step_tokens_ahead)
+    prefill_step_tokens_ahead: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +244,8 @@ class LLMEngine:
             prefill_tokens_ahead=self.scheduler.prefill_tokens_ahead(),
             decode_context_tokens=sum(r.num_tokens for r in running if r.is_decoding),
             max_running=self.config.scheduler.max_running,
-            max_prefill_attention=self.config.scheduler.max_prefill_attention, **self._counters)
+            max_prefill_attention=self.config.scheduler.max_prefill_attention,
+            prefill_step_tokens_ahead=self.scheduler.prefill_step_tokens_ahead(), **self._counters)
 
     def _oldest_queued_s(self) -> float:
         arrival = self.scheduler.oldest_queued_arrival()

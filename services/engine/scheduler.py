@@ -612,6 +612,18 @@ class Scheduler:
         return {c.name: sum(n for p, n in by_priority.items() if p >= c.priority)
                 for c in self.config.classes}
 
+    def prefill_step_tokens_ahead(self) -> dict[str, int]:
+        """Per class, what the prompts a new request of it waits behind take of one step: each
+        at most its chunk (`chunk_size`), so a lone long prompt leaves the rest of the budget to
+        those behind it."""
+        by_priority: dict[int, int] = {}
+        for c in self.config.classes:
+            tokens = sum(min(self.config.chunk_size, r.num_uncomputed_tokens)
+                         for q in self.queues[c.name].values() for r in q)
+            by_priority[c.priority] = by_priority.get(c.priority, 0) + tokens
+        return {c.name: sum(n for p, n in by_priority.items() if p >= c.priority)
+                for c in self.config.classes}
+
     def num_queued(self) -> int:
         return sum(1 for qs in self.queues.values() for q in qs.values() for r in q
                    if r.status != Status.RUNNING)

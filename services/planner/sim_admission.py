@@ -438,6 +438,7 @@ class SimAdmission:
                            max_running=es.max_running,
                            max_prefill_attention=es.max_prefill_attention)
         s.queued_prefill_tokens_ahead.update(es.prefill_tokens_ahead)
+        s.prefill_step_tokens_ahead.update(es.prefill_step_tokens_ahead)
         for tenant, seqs, kv in es.tenants:
             s.tenants.add(tenant=tenant, sequences=seqs, kv_blocks=kv)
         for k, v in self.rates[w.worker_id].fields().items():

@@ -13,12 +13,27 @@ heartbeat (services/worker/rates.py measures it):
   wait      `queued_prefill_tokens_ahead[class]` (the tokens a new request of its class waits
             behind, in the scheduler's order) when published, else every queued prompt token;
             over `prefill_drain_tokens_per_s` (prefill tokens per busy second, the prior's rate
-            until measured)
-  prefill   ceil(tokens / chunk_size) steps of the fitted cost:
-            steps x prefill_step_s + tokens x prefill_s_per_token + pairs x prefill_s_per_pair
+            until measured); 0 when the prompts ahead leave room in the next step for its first
+            chunk (`prefill_step_tokens_ahead[class]`: each takes at most its chunk)
+  prefill   `prefill_steps` steps of the fitted cost:
+            steps x step(0) + tokens x prefill_s_per_token + pairs x prefill_s_per_pair
   transfer  prompt tokens x kv_bytes_per_token / kv_transfer_bytes_per_s
   decode    0 while the decode worker has the request's blocks free and unreserved, else the
             missing blocks / its kv_blocks_freed_per_s
+
+On a co-located (mixed) replica every step also carries its decode batch (Sarathi: decodes first,
+then prefill chunks fill the budget), from `num_decoding` and `decode_context_tokens`:
+  step(n)   prefill_step_s + prefill_s_per_token x (n + decodes)
+            + prefill_s_per_pair x (n's pairs + decode context): the same fitted cost (a worker
+            fits it on every step that prefilled, decodes in it), the capacity model's until then
+  prefill   chunks of min(chunk_size, token_budget - decodes), and while it decodes chunks whose
+            attention fits `max_prefill_attention` (about cap / position tokens deep in a long
+            prompt); half a decode step in flight when nothing is queued
+  wait      the tokens ahead in steps of what the decode batch and the lower classes queued
+            there (their share while it waits) leave of the budget, each step priced as above
+  decode    also the wait for a seat under `max_running`, behind those queued there, at
+            `sequences_finished_per_s`; the queue's wait and the seat's overlap (the queued
+            prompts start as seats free), so the wait term is what the queue adds beyond it
 
 A worker that publishes none of it (an older build) is predicted with the router's `Prior`,
 never as 0: a cold fleet does not admit blindly.
@@ -106,6 +121,17 @@ def prefill_rate(w: pb.WorkerStats, prior: Prior) -> float:
 def attention_pairs(cached: int, tokens: int) -> int:
     """(query, key) pairs of prefilling `tokens` new tokens after `cached` ones."""
     return tokens * cached + tokens * (tokens + 1) // 2
+
+
+def fits_next_step(w: pb.WorkerStats, traffic_class: str, tokens: int) -> bool:
+    """Whether the prompts ahead of a new request of `traffic_class` leave room in the next step
+    for its first chunk (each takes at most its chunk: one long prompt ahead does not make a
+    short one wait for all of it). False when `w` does not say."""
+    step = w.prefill_step_tokens_ahead
+    if not (traffic_class in step and w.token_budget):
+        return False
+    first = min(tokens, w.chunk_size or tokens)
+    return step[traffic_class] + first <= w.token_budget
 
 
 def queued_ahead(w: pb.WorkerStats, traffic_class: str = "") -> int:
@@ -252,6 +278,8 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     if w.role == "mixed" and fitted(w):
         # the prompts ahead start as seats free: the two waits overlap, the longer one counts
         wait = max(0.0, colocated_wait_s(w, ahead) - decode_wait_s)
+    elif fits_next_step(w, traffic_class, own):
+        wait = 0.0
     else:
         wait = ahead / prefill_rate(w, prior)
     return Prediction(wait_s=wait, prefill_s=own_prefill_s(w, own, cached_tokens, prior),

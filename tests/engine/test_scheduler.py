@@ -345,3 +345,13 @@ def test_a_step_cut_short_by_the_budget_or_with_nothing_to_prefill_is_not_unstar
     out = sched.schedule()
     assert out.num_prefill_tokens == 64
     assert not sched.prefill_unstarved(out)
+
+
+def test_what_the_prompts_ahead_take_of_a_step_is_each_ones_chunk_at_most():
+    sched, _ = make_scheduler(token_budget=256, chunk_size=32, num_blocks=4000)
+    add(sched, 1000, cls="document", tenant="b", max_tokens=1)
+    add(sched, 10, tenant="a")
+    ahead = sched.prefill_step_tokens_ahead()
+    assert ahead["interactive"] == 10                  # only the chat is ahead of a chat
+    assert ahead["document"] == 10 + 32                # the document: one chunk, not 1,000
+    assert sched.prefill_tokens_ahead()["document"] == 1010

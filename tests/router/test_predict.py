@@ -86,3 +86,14 @@ def test_the_decode_wait_is_0_with_free_blocks_else_the_missing_ones_at_the_drai
                        kv_blocks_freed_per_s=20.0)
     assert decode_wait_s(d, 60) == 0.0
     assert decode_wait_s(d, 100) == pytest.approx(2.0)
+
+
+def test_a_short_prompt_behind_one_long_prompt_does_not_wait_for_all_of_it():
+    """The long prompt ahead takes one 512-token chunk a step of the 2,048 budget: the chat's first
+    chunk fits the next step beside it (its own step is the shared one, priced as before)."""
+    w = cold_worker(20_000, prefill_drain_tokens_per_s=2000.0)
+    w.queued_prefill_tokens_ahead["interactive"] = 20_000
+    w.prefill_step_tokens_ahead["interactive"] = 512
+    assert predict(w, 100, traffic_class="interactive").wait_s == 0.0
+    w.prefill_step_tokens_ahead["interactive"] = 2000        # four prompts ahead fill the step
+    assert predict(w, 100, traffic_class="interactive").wait_s == pytest.approx(10.0)
