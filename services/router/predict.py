@@ -131,7 +131,7 @@ def fits_next_step(w: pb.WorkerStats, traffic_class: str, tokens: int) -> bool:
     if not (traffic_class in step and w.token_budget):
         return False
     first = min(tokens, w.chunk_size or tokens)
-    return step[traffic_class] + first <= w.token_budget
+    return step[traffic_class] + first <= w.token_budget - decode_batch(w)[0]
 
 
 def queued_ahead(w: pb.WorkerStats, traffic_class: str = "") -> int:
@@ -275,11 +275,11 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     own = max(0, prompt_tokens - cached_tokens)
     ahead = queued_ahead(w, traffic_class)
     decode_wait_s = max(0.0, decode_wait_s)
-    if w.role == "mixed" and fitted(w):
+    if fits_next_step(w, traffic_class, own):
+        wait = 0.0
+    elif w.role == "mixed" and fitted(w):
         # the prompts ahead start as seats free: the two waits overlap, the longer one counts
         wait = max(0.0, colocated_wait_s(w, ahead) - decode_wait_s)
-    elif fits_next_step(w, traffic_class, own):
-        wait = 0.0
     else:
         wait = ahead / prefill_rate(w, prior)
     return Prediction(wait_s=wait, prefill_s=own_prefill_s(w, own, cached_tokens, prior),
