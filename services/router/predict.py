@@ -56,9 +56,10 @@ IN_FLIGHT_STEP = 1.0
 # A request reaching a co-located replica that runs only its decode batch waits, on average, for
 # half of the step in flight.
 DECODE_IN_FLIGHT_STEP = 0.5
-# A prompt that fits the next step beside the prompts ahead waits, on average, for half of the
-# (recent) step in flight before that one.
-SHARED_IN_FLIGHT_STEP = 0.5
+# A prompt that fits the next step beside the prompts ahead first waits for the step in flight
+# (its recent duration): a whole one, as on the CPU fleet (IN_FLIGHT_STEP) and on the simulated
+# 70B fleet's `mixed` (p50 19.6% / p90 55% against 29% / 61% with half a step; docs/benchmarks.md).
+SHARED_IN_FLIGHT_STEP = 1.0
 # Prefill tokens a co-located step keeps for prompts however large its decode batch (the
 # scheduler's budget must cover max_running decodes, so a full batch can leave none: then the
 # prompt waits for a seat, which seat_wait_s counts).
@@ -153,7 +154,7 @@ def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior,
     recent prefill step time, else a step of min(budget, all queued) tokens at the drain rate)
     plus what is left of the step in flight when it arrives. `shared`: the tokens the prompts
     ahead take of its first step when it fits the next one (`fits_next_step`): then that step is
-    priced with them in it, after half the step in flight."""
+    priced with them in it, after the step in flight."""
     if tokens <= 0:
         return 0.0
     pairs = attention_pairs(cached, tokens)
