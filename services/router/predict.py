@@ -56,10 +56,6 @@ IN_FLIGHT_STEP = 1.0
 # A request reaching a co-located replica that runs only its decode batch waits, on average, for
 # half of the step in flight.
 DECODE_IN_FLIGHT_STEP = 0.5
-# A prompt that fits the next step beside the prompts ahead first waits for the step in flight
-# (its recent duration): a whole one, as on the CPU fleet (IN_FLIGHT_STEP) and on the simulated
-# 70B fleet's `mixed` (p50 19.6% / p90 55% against 29% / 61% with half a step; docs/benchmarks.md).
-SHARED_IN_FLIGHT_STEP = 1.0
 # Prefill tokens a co-located step keeps for prompts however large its decode batch (the
 # scheduler's budget must cover max_running decodes, so a full batch can leave none: then the
 # prompt waits for a seat, which seat_wait_s counts).
@@ -146,15 +142,12 @@ def queued_ahead(w: pb.WorkerStats, traffic_class: str = "") -> int:
     return w.queued_prefill_tokens
 
 
-def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior,
-                  shared: int | None = None) -> float:
+def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior) -> float:
     """Seconds to prefill `tokens` new tokens after `cached` ones on `w`: its chunks through the
     fitted cost (with a mixed worker's running decodes in every step), and at least, while other
     prompts are queued there, a busy step each (the others' chunks share its steps: the worker's
     recent prefill step time, else a step of min(budget, all queued) tokens at the drain rate)
-    plus what is left of the step in flight when it arrives. `shared`: the tokens the prompts
-    ahead take of its first step when it fits the next one (`fits_next_step`): then that step is
-    priced with them in it, after the step in flight."""
+    plus what is left of the step in flight when it arrives."""
     if tokens <= 0:
         return 0.0
     pairs = attention_pairs(cached, tokens)
@@ -168,14 +161,6 @@ def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior,
     busy_step = w.prefill_recent_step_s or (
         min(w.token_budget or w.chunk_size or tokens, w.queued_prefill_tokens + tokens)
         / prefill_rate(w, prior))
-    if shared is not None:
-        first = min(tokens, chunk_share(w))
-        own_pairs = attention_pairs(cached, first)
-        chunk = max(1, min(shared, w.chunk_size or shared or 1))
-        ahead_pairs = math.ceil(shared / chunk) * attention_pairs(0, chunk) if shared else 0
-        together = step_s(w, shared + first, ahead_pairs + own_pairs)
-        return (SHARED_IN_FLIGHT_STEP * busy_step + together
-                + alone - step_s(w, first, own_pairs))
     return max(alone, (steps + IN_FLIGHT_STEP) * busy_step)
 
 
@@ -290,13 +275,12 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     own = max(0, prompt_tokens - cached_tokens)
     ahead = queued_ahead(w, traffic_class)
     decode_wait_s = max(0.0, decode_wait_s)
-    shared = None
     if fits_next_step(w, traffic_class, own):
-        wait, shared = 0.0, w.prefill_step_tokens_ahead[traffic_class]
+        wait = 0.0
     elif w.role == "mixed" and fitted(w):
         # the prompts ahead start as seats free: the two waits overlap, the longer one counts
         wait = max(0.0, colocated_wait_s(w, ahead) - decode_wait_s)
     else:
         wait = ahead / prefill_rate(w, prior)
-    return Prediction(wait_s=wait, prefill_s=own_prefill_s(w, own, cached_tokens, prior, shared),
+    return Prediction(wait_s=wait, prefill_s=own_prefill_s(w, own, cached_tokens, prior),
                       transfer_s=transfer_s(w, kv_bytes, prior), decode_wait_s=decode_wait_s)

@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.engine.scheduler import attention_pairs
-from services.router.predict import (IN_FLIGHT_STEP, PATH_S, SHARED_IN_FLIGHT_STEP, Prior,
-                                     decode_wait_s, kv_bytes_of, predict)
+from services.router.predict import (IN_FLIGHT_STEP, PATH_S, Prior, decode_wait_s, kv_bytes_of,
+                                     predict)
 from services.worker.rates import TINY, WorkerRates
 
 
@@ -95,12 +94,6 @@ def test_a_short_prompt_behind_one_long_prompt_does_not_wait_for_all_of_it():
     w = cold_worker(20_000, prefill_drain_tokens_per_s=2000.0)
     w.queued_prefill_tokens_ahead["interactive"] = 20_000
     w.prefill_step_tokens_ahead["interactive"] = 512
-    p = predict(w, 100, traffic_class="interactive")
-    assert p.wait_s == 0.0
-    # its step carries the long prompt's chunk, after half the step in flight (its recent one)
-    w.prefill_recent_step_s = 0.4
-    together = TINY.step_time(512 + 100, attention_pairs(0, 512) + attention_pairs(0, 100))
-    assert predict(w, 100, traffic_class="interactive").prefill_s == pytest.approx(
-        SHARED_IN_FLIGHT_STEP * 0.4 + together)
+    assert predict(w, 100, traffic_class="interactive").wait_s == 0.0
     w.prefill_step_tokens_ahead["interactive"] = 2000        # four prompts ahead fill the step
     assert predict(w, 100, traffic_class="interactive").wait_s == pytest.approx(10.0)
