@@ -583,18 +583,18 @@ class Scheduler:
 
     def prefill_unstarved(self, out: SchedulerOutput) -> bool:
         """Whether `out` (just scheduled, not yet run) prefilled every queued prompt to its chunk
-        cap: each got min(chunk_size, what it has left to compute). Such a step was neither cut
-        short by the token budget nor left idle for want of admitted work, so its prefill tokens
-        over its time are the engine's rate at this load (a lone document's 512-token chunks
-        included). False when nothing was prefilled."""
+        cap: each got a whole `chunk_size`. Such a step was neither cut short by the token budget
+        nor left idle for want of work (a prompt shorter than a chunk leaves room: its step's
+        tokens over its time would read as a slow engine), so its prefill tokens over its time
+        are the engine's rate (a lone document's 512-token chunks included). False when nothing
+        was prefilled."""
         if not out.prefills:
             return False
         given = {id(c.request): c.num_tokens for c in out.prefills}
         for qs in self.queues.values():
             for q in qs.values():
                 for r in q:
-                    want = min(self.config.chunk_size, r.num_uncomputed_tokens)
-                    if want > 0 and given.get(id(r), 0) < want:
+                    if r.num_uncomputed_tokens > 0 and given.get(id(r), 0) < self.config.chunk_size:
                         return False
         return True
 
