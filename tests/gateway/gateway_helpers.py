@@ -22,10 +22,6 @@ _CLASS_DEFAULTS = dict(ttft_target_s=10.0, itl_target_s=1.0, output_cap=2048,
 ENGINE_CONFIG = {
     "max_model_len": CONTEXT,
     "scheduler": {
-        # every role at the scheduler's default budget: at the prefill role's 2048 / 512 the
-        # Prometheus fleet measures its prefill rate now (a lone prompt's whole chunks count), but
-        # test_classes_and_jobs.py's long prompts are refused, quoting a drain of ~28 tokens/s
-        "token_budget": 512, "chunk_size": 256,
         "classes": [
             {"name": "interactive", "priority": 2, "max_prompt_tokens": INTERACTIVE_MAX_PROMPT,
              **_CLASS_DEFAULTS},
