@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from services.cli import ports
 from services.cli.launcher import LaunchError, STOP_GRACE_S
 from services.cli.ray_host import RESTART_STATUS, ServiceHost, say
-from services.protocol import fleet_token
+from services.protocol import env, fleet_token
 
 LOCAL = "local"                 # `--ray` without an address: a local cluster on 127.0.0.1
 NAMESPACE = "kvfleet"
@@ -76,7 +76,7 @@ class RayCluster:
 
     @classmethod
     def connect(cls, address: str) -> "RayCluster":
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        env.RAY_LOOPBACK.set("0")
         import ray  # noqa: PLC0415 - heavy; only under --ray
         if ray.is_initialized():
             ray.shutdown()

@@ -62,6 +62,11 @@ class EngineStats:
     prefill_tokens_ahead: dict[str, int] = field(default_factory=dict)
     # (class, tenant, prompt tokens not yet computed) of each tenant with prefill work queued
     prefill_queues: list[tuple[str, str, int]] = field(default_factory=list)
+    decode_context_tokens: int = 0   # tokens the decoding sequences attend over, summed
+    max_running: int = 0             # the scheduler's cap on admitted sequences
+    max_prefill_attention: int = 0   # its cap on a decoding step's prefill pairs (0: none)
+    # per class, what the prompts ahead take of one step (Scheduler.prefill_step_tokens_ahead)
+    prefill_step_tokens_ahead: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +163,7 @@ class LLMEngine:
         start = self.clock()
         gap = start - self._ready_since if self._ready_since is not None else 0.0
         plan = self.scheduler.schedule()
+        unstarved = self.scheduler.prefill_unstarved(plan)   # before the step moves the prompts
         t1 = time.perf_counter()
         outputs, self._pending = self._pending, []
         outputs += [self._delta(r) for r in plan.rejected]
@@ -170,8 +176,10 @@ class LLMEngine:
         measured = time.perf_counter() - t0
         elapsed = self.executor.step_s(plan, measured) if ran else measured
         self.last_step_modelled_s = elapsed if ran and self.config.sim is not None else 0.0
-        if plan.num_prefill_tokens >= (self.config.scheduler.token_budget - len(plan.decodes)) // 2:
-            # only steps where prefill had work to fill its budget measure its drain rate
+        if unstarved or plan.num_prefill_tokens >= (
+                self.config.scheduler.token_budget - len(plan.decodes)) // 2:
+            # a step measures the prefill rate when prefill filled half its budget, or gave every
+            # queued prompt its whole chunk (a lone long prompt's steps count too)
             self.scheduler.prefill_rate.observe(plan.num_prefill_tokens, elapsed)
         self._decode_rate.observe(len(plan.decodes), elapsed)
         self._count(plan, elapsed, t1 - t0)
@@ -238,7 +246,10 @@ class LLMEngine:
             num_waiting_for_decode_slot=self.scheduler.num_waiting_for_decode_slot,
             prefill_tokens_ahead=self.scheduler.prefill_tokens_ahead(),
             prefill_queues=self.scheduler.prefill_queues(),
-            **self._counters)
+            decode_context_tokens=sum(r.num_tokens for r in running if r.is_decoding),
+            max_running=self.config.scheduler.max_running,
+            max_prefill_attention=self.config.scheduler.max_prefill_attention,
+            prefill_step_tokens_ahead=self.scheduler.prefill_step_tokens_ahead(), **self._counters)
 
     def _oldest_queued_s(self) -> float:
         arrival = self.scheduler.oldest_queued_arrival()

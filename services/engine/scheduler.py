@@ -581,6 +581,23 @@ class Scheduler:
         for ITL (each tenant's first; those behind it wait for it in FCFS)."""
         return len(self.slot_waiting) + self.held_for_itl
 
+    def prefill_unstarved(self, out: SchedulerOutput) -> bool:
+        """Whether `out` (just scheduled, not yet run) prefilled every queued prompt to its chunk
+        cap: each got a whole `chunk_size`. Such a step was neither cut short by the token budget
+        nor left idle for want of work (a prompt shorter than a chunk leaves room: its step's
+        tokens over its time would read as a slow engine), so its prefill tokens over its time
+        are the engine's rate (a lone document's 512-token chunks included). False when nothing
+        was prefilled."""
+        if not out.prefills:
+            return False
+        given = {id(c.request): c.num_tokens for c in out.prefills}
+        for qs in self.queues.values():
+            for q in qs.values():
+                for r in q:
+                    if r.num_uncomputed_tokens > 0 and given.get(id(r), 0) < self.config.chunk_size:
+                        return False
+        return True
+
     def queued_prefill_tokens(self) -> int:
         return sum(r.num_uncomputed_tokens for qs in self.queues.values() for q in qs.values()
                    for r in q)
@@ -604,6 +621,18 @@ class Scheduler:
                 if tokens:
                     out.append((cls, tenant, tokens))
         return out
+
+    def prefill_step_tokens_ahead(self) -> dict[str, int]:
+        """Per class, what the prompts a new request of it waits behind take of one step: each
+        at most its chunk (`chunk_size`), so a lone long prompt leaves the rest of the budget to
+        those behind it."""
+        by_priority: dict[int, int] = {}
+        for c in self.config.classes:
+            tokens = sum(min(self.config.chunk_size, r.num_uncomputed_tokens)
+                         for q in self.queues[c.name].values() for r in q)
+            by_priority[c.priority] = by_priority.get(c.priority, 0) + tokens
+        return {c.name: sum(n for p, n in by_priority.items() if p >= c.priority)
+                for c in self.config.classes}
 
     def num_queued(self) -> int:
         return sum(1 for qs in self.queues.values() for q in qs.values() for r in q

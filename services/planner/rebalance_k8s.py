@@ -30,6 +30,7 @@ import httpx
 import yaml
 
 from services.planner.rebalance import Outcome
+from services.protocol import env
 
 FULLNAME_MAX = 53                      # the chart's kvfleet.fullname: trunc 53 | trimSuffix "-"
 MERGE_PATCH = "application/merge-patch+json"
@@ -92,16 +93,15 @@ class KubeApi:
     def discover(cls, kubeconfig: str | None) -> "KubeApi":
         """In a pod: its service account. Else the kubeconfig's current context (--kubeconfig,
         $KUBECONFIG, ~/.kube/config)."""
-        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if kubeconfig is None and env.KUBERNETES_SERVICE_HOST.get():
             return cls.in_cluster()
-        path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or \
+        path = kubeconfig or (env.KUBECONFIG.get() or "").split(os.pathsep)[0] or \
             os.path.expanduser("~/.kube/config")
         return cls.from_kubeconfig(path)
 
     @classmethod
     def in_cluster(cls, root: Path = SERVICE_ACCOUNT) -> "KubeApi":
-        host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get(
-            "KUBERNETES_SERVICE_PORT", "443")
+        host, port = env.KUBERNETES_SERVICE_HOST.get(), env.KUBERNETES_SERVICE_PORT.get(default="443")
         try:
             token = (root / "token").read_text().strip()
             namespace = (root / "namespace").read_text().strip()

@@ -254,6 +254,7 @@ class SimAdmission:
         self.refusals: Counter[str] = Counter()
         self.queue_s: dict[str, list[float]] = defaultdict(list)
         self.predicted: dict[str, float] = {}        # request id -> predicted TTFT from arrival
+        self.terms: dict[str, Prediction] = {}       # request id -> the admitting prediction
         self.decisions: list[Decided] = []
         self.waited: dict[str, float] = {}           # request id -> seconds in the wait queue
         self._wake_due = False
@@ -305,6 +306,10 @@ class SimAdmission:
                 r.timing["predicted_ttft_s"] = predicted
                 r.timing["router_wait_s"] = self.waited.get(f"sim-{r.index}", 0.0)
                 r.timing["ttft_prediction_error"] = (predicted - actual) / actual
+                p = self.terms[f"sim-{r.index}"]
+                r.timing.update(predicted_wait_s=p.wait_s, predicted_prefill_s=p.prefill_s,
+                                predicted_transfer_s=p.transfer_s,
+                                predicted_decode_wait_s=p.decode_wait_s)
 
     def refused_indices(self) -> list[int]:
         """The planned indices of the requests the router refused (an engine may refuse more)."""
@@ -416,6 +421,7 @@ class SimAdmission:
             self.line.admitted(cls.name, tenant.name, tenant.weight)
         waited = self.now - self.waiters[rid].began
         self.predicted[rid] = waited + p.total_s - PATH_S
+        self.terms[rid] = p
         self.waited[rid] = waited
         return p
 
@@ -496,10 +502,14 @@ class SimAdmission:
                            num_queued=es.num_queued,
                            queued_prefill_tokens=es.queued_prefill_tokens,
                            block_size=w.engine.config.block_size,
-                           max_model_len=w.engine.max_model_len)
+                           max_model_len=w.engine.max_model_len, num_decoding=es.num_decoding,
+                           decode_context_tokens=es.decode_context_tokens,
+                           max_running=es.max_running,
+                           max_prefill_attention=es.max_prefill_attention)
         s.queued_prefill_tokens_ahead.update(es.prefill_tokens_ahead)
         s.prefill_queues.extend(pb.TenantQueue(traffic_class=c, tenant=t, tokens=n)
                                 for c, t, n in es.prefill_queues)
+        s.prefill_step_tokens_ahead.update(es.prefill_step_tokens_ahead)
         for tenant, seqs, kv in es.tenants:
             s.tenants.add(tenant=tenant, sequences=seqs, kv_blocks=kv)
         for k, v in self.rates[w.worker_id].fields().items():

@@ -31,6 +31,10 @@ class Var:
         """Read it and take it out of this process's environment (so children do not inherit it)."""
         return os.environ.pop(self.name, default)
 
+    def set(self, value: str) -> None:
+        """For a library that reads it: this value, whatever was set (a safety setting)."""
+        os.environ[self.name] = value
+
     def set_default(self, value: str) -> None:
         """For a library that reads it: this value unless the operator set one."""
         os.environ.setdefault(self.name, value)
@@ -85,6 +89,17 @@ FAULT_ENGINE_STEP = Var("KVFLEET_FAULT_ENGINE_STEP", "an engine core (services/w
                         "N: the engine's N-th step raises (a crashed core)")
 FAULT_ENGINE_SLOW_STEP = Var("KVFLEET_FAULT_ENGINE_SLOW_STEP", "an engine core (faults.py)",
                              "N:S: the engine's N-th step takes S seconds (a stalled core)")
+# -- Kubernetes' and Ray's own, read or set by `kvfleet rebalance --target kubernetes` / `up --ray`
+KUBERNETES_SERVICE_HOST = Var("KUBERNETES_SERVICE_HOST", "rebalance --target kubernetes "
+                              "(services/planner/rebalance_k8s.py)",
+                              "set in a pod: the API server's address (in-cluster credentials)")
+KUBERNETES_SERVICE_PORT = Var("KUBERNETES_SERVICE_PORT", "rebalance_k8s.py",
+                              "the API server's port in a pod (443 when unset)")
+KUBECONFIG = Var("KUBECONFIG", "rebalance_k8s.py",
+                 "the kubeconfig outside a pod (its first path; else ~/.kube/config)")
+RAY_LOOPBACK = Var("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "Ray, under `kvfleet up --ray` (set to 0 "
+                   "by services/cli/ray_fleet.py)",
+                   "0: Ray advertises and listens on 127.0.0.1, not the external interface")
 # -- set for libraries, unless the operator set them
 UCX_NET_DEVICES = Var("UCX_NET_DEVICES", "UCX, under NIXL (set by services/kv_transfer/nixl.py)",
                       "lo: UCX advertises loopback only")

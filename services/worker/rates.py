@@ -174,9 +174,16 @@ class Window:
         return sum(a for _, a, _ in live) / seconds if seconds > 0 else 0.0
 
     def per_wall_s(self) -> float:
-        """Sum of amounts per second of the window (events / span_s): 0 while there is none."""
+        """Sum of amounts per second of the window (events / span_s): 0 while there is none. A
+        window holding `cap` events covers only the time since its oldest one (faster events than
+        cap / span_s would otherwise read as cap / span_s)."""
         live = self._live()
-        return sum(a for _, a, _ in live) / self.span_s if live else 0.0
+        if not live:
+            return 0.0
+        span = self.span_s
+        if len(live) == self._events.maxlen:
+            span = min(span, max(self.clock() - live[0][0], 1e-6))
+        return sum(a for _, a, _ in live) / span
 
 
 MIN_DRAIN_STEPS = 4     # prefill steps in the window before the drain rate replaces the prior's

@@ -92,6 +92,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             queued_prefill_tokens_ahead=s.prefill_tokens_ahead,
             prefill_queues=[pb.TenantQueue(traffic_class=c, tenant=t, tokens=n)
                             for c, t, n in s.prefill_queues],
+            num_decoding=s.num_decoding,
+            decode_context_tokens=s.decode_context_tokens, max_running=s.max_running,
+            max_prefill_attention=s.max_prefill_attention,
+            prefill_step_tokens_ahead=s.prefill_step_tokens_ahead,
             **(self.telemetry.rates.fields() if self.telemetry.rates else {}))
 
     async def Health(self, request, context) -> pb.HealthResponse:

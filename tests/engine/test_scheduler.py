@@ -319,3 +319,38 @@ def test_prefix_cache_is_shared_within_a_tenant_and_never_across_tenants():
     assert starts[other.request_id] == 0                      # salted by tenant: no hit
     assert sched.pool.block_table(same.request_id)[:5] == first_blocks
     assert sched.pool.block_table(other.request_id)[:5] != first_blocks
+
+
+def test_a_step_that_gave_every_queued_prompt_a_whole_chunk_is_unstarved():
+    """The prefill rate is measured from such steps: a lone long prompt's chunks fill far less
+    than half a large budget, yet the step ran as fast as prefill can go."""
+    sched, _ = make_scheduler(token_budget=256, chunk_size=32, num_blocks=4000)
+    doc = add(sched, 200, cls="document", tenant="b", max_tokens=1)
+    out = sched.schedule()
+    assert out.num_prefill_tokens == 32 < 256 // 2
+    assert sched.prefill_unstarved(out)
+    sched.update(out, [])
+    add(sched, 10, tenant="a")       # a chat shorter than a chunk: its step had room to spare
+    out = sched.schedule()
+    assert doc in {c.request for c in out.prefills} and out.num_prefill_tokens == 32 + 10
+    assert not sched.prefill_unstarved(out)
+
+
+def test_a_step_cut_short_by_the_budget_or_with_nothing_to_prefill_is_not_unstarved():
+    sched, _ = make_scheduler(token_budget=64, chunk_size=32, num_blocks=4000)
+    assert not sched.prefill_unstarved(sched.schedule())          # idle: nothing prefilled
+    for tenant in "abc":
+        add(sched, 100, tenant=tenant, max_tokens=1)               # 3 x 32 wanted, 64 fit
+    out = sched.schedule()
+    assert out.num_prefill_tokens == 64
+    assert not sched.prefill_unstarved(out)
+
+
+def test_what_the_prompts_ahead_take_of_a_step_is_each_ones_chunk_at_most():
+    sched, _ = make_scheduler(token_budget=256, chunk_size=32, num_blocks=4000)
+    add(sched, 1000, cls="document", tenant="b", max_tokens=1)
+    add(sched, 10, tenant="a")
+    ahead = sched.prefill_step_tokens_ahead()
+    assert ahead["interactive"] == 10                  # only the chat is ahead of a chat
+    assert ahead["document"] == 10 + 32                # the document: one chunk, not 1,000
+    assert sched.prefill_tokens_ahead()["document"] == 1010

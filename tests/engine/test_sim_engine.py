@@ -238,3 +238,16 @@ def test_the_sim_flags_make_one_sim_config_and_kvfleet_up_passes_them_on():
                                                    output_len="fixed:3")
     assert sim_config_from_args(p.parse_args(sim_args(args))) == sim_config_from_args(args)
     assert sim_config_from_args(p.parse_args([])) is None and sim_args(p.parse_args([])) == []
+
+
+def test_a_prefill_worker_measures_its_rate_from_a_lone_documents_chunks(tiny_model_dir):
+    """The prefill role's budget (2048) is four of its chunks (512): one long prompt never fills
+    half of it, and its steps still measure the prefill rate (each gives the prompt its whole
+    chunk)."""
+    sched = SchedulerConfig(role="prefill", token_budget=2048, chunk_size=512)
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=8192, scheduler=sched,
+                          sim=SimConfig(step_s=0.02, kv_tokens=16 * 1024))
+    engine = LLMEngine(config)
+    run(engine, prompt=[40 + i % 50 for i in range(4096)], max_tokens=1)
+    assert engine.scheduler.prefill_rate.samples >= 7          # 8 chunks of 512
+    assert engine.stats().prefill_tokens_per_s > 0

@@ -22,10 +22,6 @@ _CLASS_DEFAULTS = dict(ttft_target_s=10.0, itl_target_s=1.0, output_cap=2048,
 ENGINE_CONFIG = {
     "max_model_len": CONTEXT,
     "scheduler": {
-        # every role at the scheduler's default budget (a prefill worker would otherwise take the
-        # prefill role's 2048 / 512, where one document's 512-token chunks never fill half a step,
-        # the steps its drain rate is measured from: tests/telemetry waits for that rate)
-        "token_budget": 512, "chunk_size": 256,
         "classes": [
             {"name": "interactive", "priority": 2, "max_prompt_tokens": INTERACTIVE_MAX_PROMPT,
              **_CLASS_DEFAULTS},

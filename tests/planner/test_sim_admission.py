@@ -65,16 +65,21 @@ def test_a_request_is_refused_only_when_even_its_best_case_misses_its_target():
     assert all(d.best_case_s <= d.target_s for d in chats)
     # chats whose prediction missed waited in the queue instead of being refused at once ...
     assert not any(not d.admitted and d.waited_s == 0 for d in chats)
-    # ... some were admitted after waiting, when capacity freed ...
-    assert any(d.admitted and d.waited_s > 0 for d in chats)
-    # ... and a chat was refused only once its wait ran out: from then even its best case misses
+    # ... and a chat was refused only once its wait ran out, or its best case no longer fitted
+    # what the wait left of its target (a 4K-token prompt on a replica that decodes has its deep
+    # chunks cut to the attention cap: ~0.9 s alone)
     refused = [d for d in chats if not d.admitted]
     assert refused
     for d in refused:
-        assert d.wait_bound_s is not None and d.waited_s >= d.wait_bound_s - 1e-9
-        assert d.wait_bound_s <= d.target_s
+        assert d.wait_bound_s is not None and d.wait_bound_s <= d.target_s
+        assert d.waited_s > 0
+        assert (d.waited_s >= d.wait_bound_s - 1e-9
+                or d.best_case_s > d.target_s - d.waited_s + 1e-9)
 
     records = {f"sim-{r.index}": r for r in sim._result().records}
+    # what it admitted met the target (the prediction counts the replica's decode batch)
+    assert all(records[rid].ttft_s <= d.target_s for rid, d in decided.items()
+               if d.admitted and d.target_s == 1.0)
     for rid, d in decided.items():
         r = records[rid]
         assert (r.status == 429) == (not d.admitted)

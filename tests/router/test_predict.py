@@ -104,3 +104,14 @@ def test_a_quiet_tenant_waits_behind_its_drr_turn_of_a_floods_queue_not_all_of_i
     assert at["chatty"] == pytest.approx((500 + 200 + 100) / 1000)   # flood: 1/2 x 200
     assert at["flood"] == pytest.approx((500 + 7800 + 200) / 1000)   # chatty's all (< 2 x 7800)
     assert predict(w, 10, traffic_class="interactive").wait_s == pytest.approx(8.5)  # no tenant
+
+
+def test_a_short_prompt_behind_one_long_prompt_does_not_wait_for_all_of_it():
+    """The long prompt ahead takes one 512-token chunk a step of the 2,048 budget: the chat's first
+    chunk fits the next step beside it (its own step is the shared one, priced as before)."""
+    w = cold_worker(20_000, prefill_drain_tokens_per_s=2000.0)
+    w.queued_prefill_tokens_ahead["interactive"] = 20_000
+    w.prefill_step_tokens_ahead["interactive"] = 512
+    assert predict(w, 100, traffic_class="interactive").wait_s == 0.0
+    w.prefill_step_tokens_ahead["interactive"] = 2000        # four prompts ahead fill the step
+    assert predict(w, 100, traffic_class="interactive").wait_s == pytest.approx(10.0)

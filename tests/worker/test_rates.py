@@ -93,6 +93,20 @@ def test_kv_bandwidth_and_the_decode_drain_are_measured_over_the_window():
     assert f["sequences_finished_per_s"] == 6 / 30.0 and f["kv_blocks_freed_per_s"] == 30 / 30.0
 
 
+def test_finishes_faster_than_the_window_holds_are_counted_over_the_time_it_covers():
+    """The window keeps its last 256 events: 100 sequences finishing a second filled it in 2.56 s,
+    and over the whole 30 s span they read as 8.5 a second (a co-located replica's seat wait was
+    predicted ~12x too long)."""
+    clock = FakeClock()
+    rates = WorkerRates(TINY, clock=clock)
+    for _ in range(1000):
+        clock.t += 0.01
+        rates.finished(blocks_freed=2)
+    f = rates.fields()
+    assert f["sequences_finished_per_s"] == pytest.approx(100.0, rel=0.01)
+    assert f["kv_blocks_freed_per_s"] == pytest.approx(200.0, rel=0.01)
+
+
 def test_priors_from_a_cost_model_and_by_model_size_are_positive():
     prior = prior_from_timer(CostModel.for_target("llama-3-8b", "h200", 1, "bf16"), "cost-model")
     assert prior.step_s > 0 and prior.s_per_token > 0 and prior.drain_rate(2048, 512) > 1000
