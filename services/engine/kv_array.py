@@ -29,6 +29,19 @@ def kv_dtype_name(dtype) -> str:
     return "fp8" if name == "float8_e4m3fn" else name
 
 
+def check_write(block_ids: Sequence[int], data, cache_shape, cache_dtype) -> None:
+    """What write_blocks refuses, for either kind of cache (a numpy or torch `data`): repeated ids,
+    a shape other than [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], another
+    dtype. ValueError saying which."""
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError("write_blocks: block ids must be distinct")
+    expected = (*cache_shape[:2], len(block_ids), *cache_shape[3:])
+    if tuple(data.shape) != expected:
+        raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
+    if data.dtype != cache_dtype:
+        raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype {cache_dtype}")
+
+
 def kv_itemsize(dtype) -> int:
     """Bytes per element of a KV cache of `dtype`: a torch or numpy dtype, or a name ("fp8",
     "float16", "torch.bfloat16", ...); ValueError for a name no KV cache has."""
@@ -108,13 +121,7 @@ class ArrayKVCache:
     def write_blocks(self, block_ids: Sequence[int], data: np.ndarray) -> None:
         """Inverse of read_blocks: block_ids[i] gets data[:, :, i]. Ids must be distinct."""
         index = self._index(block_ids)
-        if len(set(block_ids)) != len(block_ids):
-            raise ValueError("write_blocks: block ids must be distinct")
-        expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])
-        if tuple(data.shape) != expected:
-            raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
-        if data.dtype != self.dtype:
-            raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype {self.dtype}")
+        check_write(block_ids, data, self.data.shape, self.dtype)
         self.data[:, :, index] = data
 
     def _index(self, block_ids: Sequence[int]) -> np.ndarray:

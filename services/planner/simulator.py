@@ -528,7 +528,7 @@ def served_kv_bytes_per_token(cfg: SimRunConfig) -> int:
     """The served model's KV bytes per token (all layers, K and V) at its checkpoint dtype."""
     from services.engine.engine import resolve_model_dir  # noqa: PLC0415
     from services.engine.model.config import ModelConfig  # noqa: PLC0415
-    from services.engine.model.kv_cache import kv_bytes_per_token  # noqa: PLC0415
+    from services.engine.kv_array import kv_bytes_per_token  # noqa: PLC0415
     mc = ModelConfig.from_dir(resolve_model_dir(cfg.model))
     return kv_bytes_per_token(mc, mc.torch_dtype or "float32")
 

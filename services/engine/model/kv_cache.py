@@ -24,7 +24,7 @@ import torch
 
 from services.engine.config import KV_CACHE_DTYPES
 # the layout's torch-free half (the simulated core's cache is a numpy array), re-exported
-from services.engine.kv_array import kv_bytes_per_token, kv_cache_shape, kv_dtype_name  # noqa: F401
+from services.engine.kv_array import check_write, kv_bytes_per_token, kv_cache_shape, kv_dtype_name  # noqa: F401
 from services.engine.model.config import ModelConfig, resolve_dtype
 
 
@@ -122,13 +122,7 @@ class KVCache:
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Inverse of read_blocks: block_ids[i] gets data[:, :, i]. Ids must be distinct."""
         index = self._index(block_ids)
-        if len(set(block_ids)) != len(block_ids):
-            raise ValueError("write_blocks: block ids must be distinct")
-        expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])
-        if tuple(data.shape) != expected:
-            raise ValueError(f"write_blocks: data shape {tuple(data.shape)} != expected {expected}")
-        if data.dtype != self.dtype:
-            raise ValueError(f"write_blocks: data dtype {data.dtype} != cache dtype {self.dtype}")
+        check_write(block_ids, data, self.data.shape, self.dtype)
         flat = byte_copyable(self.data).view(self.num_layers * 2, self.num_blocks, -1)
         rows = byte_copyable(data.to(self.device)).reshape(flat.shape[0], len(block_ids), -1)
         flat.index_copy_(1, index, rows)
