@@ -16,7 +16,9 @@ fails its seal or its schema is dropped with one line on stderr, never acted on.
 
 What `kvfleet up` does with them (`OrderDesk.poll`, called from its supervise loop):
   add ROLE     starts `ROLE-<next index>` with the arguments the first worker of that role was
-               started with, on free ports; the supervisor restarts it as any child (on its port)
+               started with, on its ports of the --port-base table when the fleet has one (always
+               under `kvfleet up --ray`, so that Ray's restart of it comes back on them), else on
+               free ports; the supervisor restarts it as any child (on its port)
   drain ROLE   picks the newest worker of that role (or the one named), tells the supervisor not
                to restart it, and sends it SIGUSR1: the worker leaves Redis (routers stop placing
                on it), finishes what it holds, then exits (services/worker/drain.py)
@@ -33,6 +35,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from services.cli import ports
 from services.cli.ports import CHILD_FLAGS
 from services.state.records import RecordSeal, RejectedRecord
 
@@ -159,6 +162,19 @@ def clone_args(template: list[str], old_id: str, new_id: str) -> list[str]:
     return out
 
 
+def table_ports(base: int | None, template: list[str], name: str
+                ) -> tuple[list[ports.Listener], str]:
+    """The listeners of an added worker `name` on the --port-base table, and why none when it
+    gets free ports instead (no table; its index past the table's room). It has the listeners
+    its template was started with: a KV receiver only if the template had one (tcp backend)."""
+    if base is None:
+        return [], "the fleet has no --port-base table"
+    try:
+        return ports.plan(base, [name], kv="--kv-port" in template), ""
+    except ValueError as e:
+        return [], str(e)
+
+
 @dataclass
 class OrderDesk:
     """Reads the orders queued in Redis and carries them out on `kvfleet up`'s children.
@@ -171,6 +187,7 @@ class OrderDesk:
     ns: str = "kvfleet:"
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
     announce: Callable[[str], None] = lambda line: print(line, flush=True)
+    port_base: int | None = None        # up's --port-base: added workers take their table ports
 
     def __post_init__(self) -> None:
         # the first worker of each role at start: whom an added worker is made like
@@ -229,8 +246,16 @@ class OrderDesk:
             return OrderResult(order.order_id, False, None,
                                f"this fleet started no {order.role} worker to copy")
         name = f"{order.role}-{self._next_index(order.role)}"
-        self.launcher.spawn(name, clone_args(template[1], template[0], name))
-        self._pending.add(name)
+        plan, why = table_ports(self.port_base, template[1], name)
+        busy = ports.taken(plan)
+        if busy is not None:
+            plan, why = [], f"its table port {busy.port} ({busy.kind}) is in use"
+        if not plan and self.port_base is not None:
+            self.say(f"kvfleet up: {name} takes free ports: {why}")
+        self.launcher.spawn(name, clone_args(template[1], template[0], name)
+                            + ports.child_args(plan, name))
+        if not plan:
+            self._pending.add(name)             # pinned to the port it gets, once serving
         self.announce(f"  added        {name} (order {order.order_id})")
         return OrderResult(order.order_id, True, name, f"started {name}")
 

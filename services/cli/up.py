@@ -405,8 +405,10 @@ def stop_grace_s(limits: Timeouts) -> float:
     return min(limits.shutdown_grace_s + 1.0, SHUTDOWN_BUDGET_S - 0.5)
 
 
-def order_desk(launcher: Launcher, supervisor: Supervisor, redis_url: str):
-    """What reads `kvfleet rebalance --apply`'s orders from Redis (services/cli/fleet_orders.py)."""
+def order_desk(launcher: Launcher, supervisor: Supervisor, redis_url: str,
+               port_base: int | None = None):
+    """What reads `kvfleet rebalance --apply`'s orders from Redis (services/cli/fleet_orders.py);
+    with --port-base an added worker takes its ports of that table."""
     import redis as redis_sync  # noqa: PLC0415
 
     from services.cli.fleet_orders import OrderDesk  # noqa: PLC0415
@@ -414,7 +416,7 @@ def order_desk(launcher: Launcher, supervisor: Supervisor, redis_url: str):
         redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
         **redis_auth.RedisCredentials.from_env(launcher.env).client_kwargs())
     seal = records.RecordSeal.from_token(FleetAuth.from_env(launcher.env).token, launcher.env)
-    return OrderDesk(launcher, supervisor, client, seal)
+    return OrderDesk(launcher, supervisor, client, seal, port_base=port_base)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -469,7 +471,7 @@ def _up(args: argparse.Namespace) -> int:
         supervisor = Supervisor(launcher, RestartPolicy(unresponsive_s=limits.unresponsive_s),
                                 pinned=pinned_ports(endpoints), health=HealthWatch(FleetProbe(
                                     FleetAuth.from_env(launcher.env), limits.health_s)))
-        orders = order_desk(launcher, supervisor, redis_url)
+        orders = order_desk(launcher, supervisor, redis_url, getattr(args, "port_base", None))
         while not launcher.stopping.wait(SUPERVISE_EVERY_S):
             supervisor.poll()
             orders.poll()

@@ -55,6 +55,8 @@ def render(value_set: str) -> Rendered:
 def pod_specs(obj: dict) -> list[tuple[str, dict]]:
     """(where, pod spec) of every pod template an object holds."""
     spec = obj.get("spec", {})
+    if "jobTemplate" in spec:                                   # a CronJob's
+        return [("jobTemplate", spec["jobTemplate"]["spec"]["template"]["spec"])]
     if "template" in spec:
         return [("template", spec["template"]["spec"])]
     lws = spec.get("leaderWorkerTemplate")

@@ -80,8 +80,9 @@ def test_the_default_fleet_is_disaggregated_with_two_routers_and_one_pod_per_poo
                                                ("hybrid", {"mixed", "prefill", "decode"}),
                                                ("disaggregated", {"prefill", "decode"})])
 def test_each_mode_runs_the_pools_it_uses(value_set, pools):
+    services = ("gateway", "router", "rebalancer")
     workers = [d for d in render(value_set).of_kind("Deployment")
-               if d["metadata"]["labels"]["app.kubernetes.io/component"] not in ("gateway", "router")]
+               if d["metadata"]["labels"]["app.kubernetes.io/component"] not in services]
     assert {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in workers} == pools
 
 

@@ -70,3 +70,15 @@ def test_a_gateway_without_api_keys_is_refused_unless_made_insecure_on_purpose()
 def test_an_external_redis_needs_its_url():
     with pytest.raises(helm().HelmError, match="redis.externalUrl"):
         render_values({"gateway": {"insecure": True}, "redis": {"bundled": False}})
+
+
+@pytest.mark.parametrize("rebalancer, key", [
+    ({"mode": "sometimes"}, "/rebalancer/mode"),
+    ({"schedule": "every ten minutes"}, "/rebalancer/schedule"),
+    ({"windowS": 0}, "/rebalancer/windowS"),
+    ({"args": ["rm -rf"]}, "/rebalancer/args/0"),
+    ({"serviceAccount": "x"}, "/rebalancer"),
+])
+def test_bad_rebalancer_values_are_refused_naming_the_key(rebalancer, key):
+    base = {"enabled": True, "mode": "apply", "schedule": "*/10 * * * *", "windowS": 60}
+    assert key in refusal({"rebalancer": {**base, **rebalancer}})

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.cli import fleet_orders as fo
 from services.cli import ports, ray_fleet
 from services.cli.up import add_up_args, port_plan
 
@@ -83,3 +84,79 @@ def test_no_free_base_is_a_clear_error(monkeypatch):
         with pytest.raises(SystemExit, match="no free --port-base"):
             ray_fleet.pin_ports(up_args("--ray"),
                                 lambda base: [ports.Listener("gateway", "http", base)])
+
+
+# --- a worker `kvfleet rebalance --target ray` adds takes its own ports of the table ----------
+
+@given(base=st.integers(1024, 65535 - ports.SPAN), role=st.sampled_from(["prefill", "decode"]),
+       index=st.integers(1, 9), backend=st.sampled_from(["tcp", "nixl"]))
+def test_an_added_worker_gets_the_ports_a_fleet_started_with_it_would_have(base, role, index,
+                                                                          backend):
+    name = f"{role}-{index}"
+    started = up_args("--ray", "--port-base", str(base), "--kv-backend", backend,
+                      "--prefill", "1", "--decode", "1")
+    template = [a for x in port_plan(started, True) if x.service == f"{role}-0"
+                for a in (ports.CHILD_FLAGS.get(x.kind, ""), str(x.port))]
+    bigger = up_args("--ray", "--port-base", str(base), "--kv-backend", backend,
+                     f"--{role}", str(index + 1))
+    plan, why = fo.table_ports(base, template, name)
+    assert why == "" and plan == [x for x in port_plan(bigger, True) if x.service == name]
+
+
+def test_past_the_tables_room_or_without_a_table_an_added_worker_takes_free_ports():
+    assert fo.table_ports(None, [], "decode-1") == ([], "the fleet has no --port-base table")
+    plan, why = fo.table_ports(31000, [], "decode-10")
+    assert plan == [] and "room for 10" in why
+
+
+class StandInLauncher:
+    """A named stand-in for kvfleet up's launcher (Ray's or the process one): it records what it
+    is asked to spawn; the actor Ray restarts reruns exactly those arguments."""
+
+    kind = "ray"
+
+    def __init__(self, children: dict[str, list[str]]) -> None:
+        self.children = {n: argparse.Namespace(module_args=a, address=None)
+                         for n, a in children.items()}
+        self.spawned: dict[str, list[str]] = {}
+
+    def spawn(self, name: str, module_args: list[str]) -> None:
+        self.spawned[name] = module_args
+        self.children[name] = argparse.Namespace(module_args=module_args, address=None)
+
+
+def desk_of(base: int | None, said: list[str]) -> tuple[fo.OrderDesk, StandInLauncher]:
+    args = up_args("--ray", "--port-base", str(base or 31000), "--prefill", "1", "--decode", "1")
+    plan = port_plan(args, True) if base else []
+    launcher = StandInLauncher({"decode-0": ["services.cli.cli", "serve", "decode", "--worker-id",
+                                             "decode-0", *ports.child_args(plan, "decode-0")]})
+    supervisor = argparse.Namespace(retired=set(), retiring=set(), pinned={})
+    return fo.OrderDesk(launcher, supervisor, redis=None, seal=None, say=said.append,
+                        announce=lambda line: None, port_base=base), launcher
+
+
+def test_the_added_worker_is_started_on_its_table_ports_so_a_restart_comes_back_on_them():
+    said: list[str] = []
+    desk, launcher = desk_of(45200, said)
+    result = desk.carry_out(fo.FleetOrder(fo.Action.ADD, "decode", "o1"))
+    assert result.accepted and result.worker_id == "decode-1"
+    argv = launcher.spawned["decode-1"]
+    value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
+    assert [value(f) for f in ("--port", "--metrics-port", "--kv-port")] == ["45261", "45271",
+                                                                            "45281"]
+    assert value("--worker-id") == "decode-1" and said == []
+    assert not desk._pending                  # nothing to learn once it serves: its port is fixed
+
+
+def test_a_taken_table_port_or_no_table_means_free_ports_said_so():
+    said: list[str] = []
+    desk, launcher = desk_of(45300, said)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 45361))       # decode-1's gRPC port on that table
+        held.listen()
+        desk.carry_out(fo.FleetOrder(fo.Action.ADD, "decode", "o2"))
+    assert "--port" not in launcher.spawned["decode-1"]
+    assert said == ["kvfleet up: decode-1 takes free ports: its table port 45361 (grpc) is in use"]
+    desk, launcher = desk_of(None, said := [])
+    desk.carry_out(fo.FleetOrder(fo.Action.ADD, "decode", "o3"))
+    assert "--port" not in launcher.spawned["decode-1"] and said == []

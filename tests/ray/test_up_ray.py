@@ -4,7 +4,8 @@ the official client gets the in-process engine's greedy text; a client that hang
 leaves both workers and the tenant's stream slots at zero; a decode worker killed mid-stream is
 heard by every client and comes back through Ray's actor restart, on its port, and a frozen one is
 killed by kvfleet up's health watch and comes back the same way; `kvfleet
-rebalance --apply --target ray` adds a decode actor and drains it again; nothing listens beyond
+rebalance --apply --target ray` adds a decode actor on its table port, which Ray's restart of it
+comes back on, and drains it again; nothing listens beyond
 127.0.0.1 (`ss -ltnp`); SIGTERM leaves no process and no port. One fleet for the module: a Ray
 cluster and two model loads are its cost."""
 from __future__ import annotations
@@ -167,6 +168,10 @@ def live_workers(fleet) -> set[str]:
     return asyncio.run(read())
 
 
+def listening_ports(pid: int | None) -> set[int]:
+    return {int(address.rsplit(":", 1)[1]) for address, _ in listening({pid})}
+
+
 def orders(out: subprocess.CompletedProcess) -> list[dict]:
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])["orders"]
@@ -183,6 +188,18 @@ def test_rebalance_target_ray_adds_a_decode_actor_then_drains_it(healthy, tmp_pa
     assert added["accepted"] and added["worker_id"] == "decode-1", added
     assert "serving" in added["detail"] and {"decode-0", "decode-1"} <= live_workers(fleet)
     assert fleet.pid("decode-1") is not None                  # a service under an actor
+
+    # its ports are the table's (gRPC, /metrics, KV): Ray's restart of its actor comes back on them
+    base = int(fleet.http.rsplit(":", 1)[1])
+    table = {base + 61, base + 71, base + 81}
+    old_pid = fleet.pid("decode-1")
+    assert listening_ports(old_pid) == table
+    fleet.signal("decode-1", signal.SIGKILL)
+    assert wait_until(lambda: fleet.pid("decode-1") not in (None, old_pid), DEADLINE_S), \
+        "\n".join(fleet.lines[-20:])
+    assert wait_until(lambda: listening_ports(fleet.pid("decode-1")) == table, DEADLINE_S), \
+        "\n".join(fleet.lines[-20:])
+    assert wait_until(lambda: "decode-1" in live_workers(fleet), DEADLINE_S)
 
     [drained] = orders(rebalance(fleet, tmp_path, "--apply", "--target", "ray", "--replicas",
                                  "decode=1"))

@@ -145,3 +145,57 @@ affinity:
           {{ toYaml $term | indent 10 | trim }}
     {{- end }}
 {{- end -}}
+
+{{/* The worker pools' workloads by kind, as the chart names them (kind: [names]): what
+     `kvfleet rebalance --target kubernetes` patches, and all its Role may touch. */}}
+{{- define "kvfleet.poolWorkloads" -}}
+{{- $out := dict -}}
+{{- range $role := include "kvfleet.roles" . | fromYamlArray -}}
+{{- $pool := index $.Values.pools $role -}}
+{{- $nodes := include "kvfleet.workerNodes" (dict "root" $ "role" $role "pool" $pool) | int -}}
+{{- $kind := ternary "Deployment" "LeaderWorkerSet" (eq $nodes 1) -}}
+{{- $_ := set $out $kind (append (get $out $kind | default list) (printf "%s-%s" (include "kvfleet.fullname" $) $role)) -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* The rebalancer's pod spec (after restartPolicy): call with
+     (dict "root" $ "name" NAME "kind" KIND "mode" "--apply"|"--advisory"). */}}
+{{- define "kvfleet.rebalancerPod" -}}
+{{- $v := .root.Values.rebalancer -}}
+serviceAccountName: {{ .name }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+containers:
+  - name: rebalancer
+    image: {{ printf "%s:%s" ($v.image.repository | default .root.Values.image.repository) ($v.image.tag | default .root.Values.image.tag) | quote }}
+    imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+    command: ["kvfleet"]
+    args:
+      - rebalance
+      - --target=kubernetes
+      - {{ .mode }}
+      - --release={{ .root.Release.Name }}
+      - --namespace={{ .root.Release.Namespace }}
+      - --kube-kind={{ .kind }}
+      - --redis-url=$(KVFLEET_REDIS_URL)
+      - --window-s={{ $v.windowS }}
+      - --audit-log=/var/lib/kvfleet/rebalance-audit.jsonl
+      {{- range $v.args }}
+      - {{ . | quote }}
+      {{- end }}
+    env:
+      {{- include "kvfleet.env" .root | nindent 6 }}
+    resources:
+      {{- toYaml $v.resources | nindent 6 }}
+    volumeMounts:
+      {{- include "kvfleet.tokenMount" .root | nindent 6 }}
+      - name: audit
+        mountPath: /var/lib/kvfleet
+volumes:
+  {{- include "kvfleet.tokenVolume" .root | nindent 2 }}
+  - name: audit
+    emptyDir: {}
+{{- end -}}
