@@ -135,8 +135,9 @@ def test_a_follower_that_cannot_map_the_shared_kv_file_fails_the_start_naming_it
 
 
 def test_kvfleet_generate_refuses_an_indivisible_size_in_one_line(config_b_dir, capsys):
-    args = build_parser().parse_args(["generate", "--model", str(config_b_dir), "--prompt", "hi",
-                                      "--tensor-parallel", "2"])
+    # prompt ids: this checkpoint has no tokenizer, and generate refuses text for it before the model
+    args = build_parser().parse_args(["generate", "--model", str(config_b_dir), "--prompt-ids",
+                                      "1,2,3", "--tensor-parallel", "2"])
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvfleet generate: ") and "num_kv_heads 3 not divisible by 2" in err
