@@ -7,7 +7,8 @@ One `step()` is one model iteration:
                               simulated core's deterministic tokens, config.sim)
   3. scheduler.update()    -> counters advance, EOS / length finish and free pages
   4. output states         -> text deltas, stop strings (finish + free in this same step);
-                              none with config.detokenize off (the fleet: the gateway's text)
+                              none with config.detokenize off (the fleet: the gateway's text;
+                              its outputs are TokenOutputs, no text field)
 The engine is single-threaded: callers (a worker's event loop, the CLI) drive `step()`.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from services.engine.block_pool import BlockPool
 from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.errors import DuplicateRequestError, UnknownRequestError
 from services.engine.model.config import ModelConfig
-from services.engine.outputs import CompletionOutput, OutputState, RequestOutput
+from services.engine.outputs import CompletionOutput, OutputState, TokenOutput
 from services.engine.request import Request, Status
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput, attention_pairs
@@ -134,7 +135,8 @@ class LLMEngine:
         # samples have not sent their last output (the output that brings it to 0 is `finished`)
         self._samples: dict[str, list[str]] = {}
         self._left: dict[str, int] = {}
-        self._pending: list[RequestOutput] = []   # outputs of requests ended between steps
+        self._doomed: dict[str, set[str]] = {}    # samples cancelled before their fork
+        self._pending: list[TokenOutput] = []   # outputs of requests ended between steps
         self._ids = itertools.count()
         self._counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
                               rejections=0)
@@ -158,7 +160,7 @@ class LLMEngine:
             self._ready_since = req.arrival_time
         return req.request_id
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenOutput]:
         t0 = time.perf_counter()
         start = self.clock()
         gap = start - self._ready_since if self._ready_since is not None else 0.0
@@ -188,9 +190,13 @@ class LLMEngine:
             self.scheduler.observe_step(plan, self.last_step.duration_s)
         return outputs
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel now: frees every page the request (every sample of it) holds before returning.
-        True if it was live."""
+    def cancel(self, request_id: str, sample: int | None = None) -> bool:
+        """Cancel now: frees every page the request (every sample of it, or only sample `sample`
+        of its n) holds before returning. True if it was live. A sample ended alone sends its
+        last output with finish_reason "abort"; the request's other samples go on. A sample
+        not forked yet (a decode-role request awaiting its KV) is ended as it forks."""
+        if sample is not None:
+            return self._cancel_sample(request_id, sample)
         live = False
         for rid in [request_id, *self._samples.get(request_id, ())]:
             req = self.scheduler.cancel(rid)
@@ -199,6 +205,20 @@ class LLMEngine:
                 live = True
         return live
 
+    def _cancel_sample(self, request_id: str, sample: int) -> bool:
+        rid = request_id if sample == 0 else f"{request_id}#{sample}"
+        if sample > 0 and request_id not in self._samples:    # not forked (yet)
+            parent = self._states.get(request_id)
+            if parent is None or not 0 < sample < parent.req.params.n:
+                return False
+            self._doomed.setdefault(request_id, set()).add(rid)
+            return True
+        req = self.scheduler.cancel(rid)
+        if req is None or rid not in self._states:
+            return False
+        self._pending.append(self._delta(req))
+        return True
+
     def close(self) -> None:
         """Stop the tensor-parallel follower ranks, if any (they also exit when this process does)."""
         self.executor.close()
@@ -206,7 +226,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
-    def stream(self) -> Iterator[RequestOutput]:
+    def stream(self) -> Iterator[TokenOutput]:
         """Drive the engine until idle, yielding every delta as it is produced."""
         while self.has_unfinished():
             yield from self.step()
@@ -287,6 +307,7 @@ class LLMEngine:
             self._states[r.request_id].seed_first_token(token)
             if r.is_finished:
                 self._pending.append(self._delta(r))
+        self._end_doomed(request_id)
 
     def release(self, request_id: str) -> None:
         """Prefill role: the KV has been exported; free its pages."""
@@ -304,12 +325,12 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         req = Request(rid, tenant_cfg.name, cls, params, ids, self.clock(), eos_token_ids=eos)
-        self._states[rid] = OutputState(req, self._text_tokenizer)
+        self._states[rid] = OutputState(req, self._text_tokenizer, self.config.detokenize)
         self._generators[rid] = self.executor.new_generator(params.seed)
         self._left[rid] = 1                       # its samples join at the fork
         return req
 
-    def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
+    def _execute(self, plan: SchedulerOutput) -> list[TokenOutput]:
         sampling_chunks = [c for c in plan.chunks if c.sample]
         sampling = [c.request for c in sampling_chunks]
         # n > 1: a request sampling its first token forks; each new sample draws its first token
@@ -332,7 +353,10 @@ class LLMEngine:
             stop = self._states[req.request_id].on_token(s.token_id, s)
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req, Status.FINISHED_STOPPED, stop_reason=stop)
-        return [self._delta(r) for r in advanced]
+        outputs = [self._delta(r) for r in advanced]
+        for rid in forking:
+            self._end_doomed(rid)
+        return outputs
 
     def _forks_now(self, req: Request) -> bool:
         return req.params.n > 1 and req.num_output_tokens == 0 and req.index == 0
@@ -349,17 +373,25 @@ class LLMEngine:
                             index=i, parent_id=req.request_id,
                             first_scheduled_time=req.first_scheduled_time,
                             num_cached_tokens=req.num_cached_tokens)
-            self._states[child.request_id] = OutputState(child, self._text_tokenizer)
+            self._states[child.request_id] = OutputState(child, self._text_tokenizer,
+                                                         self.config.detokenize)
             self._generators[child.request_id] = self.executor.new_generator(params.seed)
             samples.append(child)
         self._samples[req.request_id] = [c.request_id for c in samples]
         self._left[req.request_id] += len(samples)
         return samples
 
+    def _end_doomed(self, request_id: str) -> None:
+        """End the samples cancelled before `request_id` forked them (now they exist)."""
+        for rid in self._doomed.pop(request_id, ()):
+            req = self.scheduler.cancel(rid)
+            if req is not None and rid in self._states:
+                self._pending.append(self._delta(req))
+
     def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         self.executor.copy_blocks(copies)
 
-    def _delta(self, req: Request) -> RequestOutput:
+    def _delta(self, req: Request) -> TokenOutput:
         """The request's news under the id callers know (a sample's: its request's, and its
         index). A sample's last output has its finish_reason; `finished` is set on the last
         output of the request's last sample only."""
@@ -378,6 +410,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self._doomed.pop(request_id, None)
         self._generators.pop(request_id, None)
 
     def _count(self, plan: SchedulerOutput, step_s: float, sched_s: float) -> None:

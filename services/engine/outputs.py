@@ -1,7 +1,8 @@
 """What the engine hands back: per-step deltas (streaming) and finished completions, plus the
 per-request output state that turns sampled tokens into text (detokenizer + stop strings) for
 in-process use. An engine that makes no text (EngineConfig.detokenize False: the fleet's engine
-cores) hands back token ids and logprobs, and new_text is always ""."""
+cores) hands back TokenOutputs (token ids and logprobs, no text field: the gateway makes the
+text); an in-process engine hands back RequestOutputs, the same with the delta's text."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,15 +13,15 @@ from services.engine.token_logprob import TokenLogprob
 
 
 @dataclass
-class RequestOutput:
-    """One step's news for one request (a stream delta). The last one has finished=True.
+class TokenOutput:
+    """One step's news for one request (a stream delta), without text: what an engine core
+    sends its worker. The last one has finished=True.
 
     n > 1: each output is one sample's (`index`); a sample's last output carries its
     finish_reason, and only the last output of the last sample to end has finished=True."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     new_logprobs: list[TokenLogprob]
     finished: bool                        # the engine's last output for the request
     finish_reason: str | None = None     # stop | length | abort | rejected
@@ -46,6 +47,14 @@ class RequestOutput:
 
 
 @dataclass
+class RequestOutput(TokenOutput):
+    """A TokenOutput with the text its tokens add (an in-process engine's; "" without a
+    tokenizer)."""
+
+    new_text: str = ""
+
+
+@dataclass
 class CompletionOutput:
     """A finished request, accumulated from its deltas (what `generate` returns)."""
 
@@ -61,9 +70,10 @@ class CompletionOutput:
     index: int = 0                        # which of the request's n samples
     num_cached_tokens: int = 0
 
-    def add(self, delta: RequestOutput) -> None:
+    def add(self, delta: TokenOutput) -> None:
         self.token_ids += delta.new_token_ids
-        self.text += delta.new_text
+        if isinstance(delta, RequestOutput):
+            self.text += delta.new_text
         self.logprobs += delta.new_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:
@@ -76,10 +86,12 @@ class CompletionOutput:
 class OutputState:
     """Per-request output state: its text (SampleText: incremental detokenizing, stop strings,
     what is final), pending logprobs, and what has been emitted. `tokenizer` None (a checkpoint
-    without one, or an engine that makes no text, EngineConfig.detokenize): token ids only."""
+    without one, or an engine that makes no text, EngineConfig.detokenize): token ids only.
+    `makes_text` False (an engine core's): its deltas are TokenOutputs, with no text field."""
 
-    def __init__(self, req: Request, tokenizer) -> None:
+    def __init__(self, req: Request, tokenizer, makes_text: bool = True) -> None:
         self.req = req
+        self.output_type = RequestOutput if makes_text else TokenOutput
         self.text = (SampleText.for_params(tokenizer.raw, req.prompt_token_ids, req.params)
                      if tokenizer is not None else None)
         self.emitted_tokens = 0
@@ -112,13 +124,14 @@ class OutputState:
             self.text.mark_sent()
         self.emitted_tokens = 1
 
-    def delta(self) -> RequestOutput:
+    def delta(self) -> TokenOutput:
         req = self.req
         finished = req.is_finished
-        out = RequestOutput(
+        text = {} if self.output_type is TokenOutput else {
+            "new_text": self.text.take(finished) if self.text is not None else ""}
+        out = self.output_type(
             request_id=req.external_id, index=req.index, num_cached_tokens=req.num_cached_tokens,
-            new_token_ids=req.output_token_ids[self.emitted_tokens:],
-            new_text=self.text.take(finished) if self.text is not None else "",
+            new_token_ids=req.output_token_ids[self.emitted_tokens:], **text,
             new_logprobs=self.pending_logprobs, finished=finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             error=req.reject_reason, retry_after_s=req.retry_after_s,

@@ -138,13 +138,16 @@ class Session:
 
     async def _fleet_chunk(self) -> pb.TokenChunk | None:
         """The fleet's next chunk with its text (output_processor.py). A stop string that ends
-        the request here ends the run too: the workers cancel it and free what it holds."""
+        the request here ends the run too: the workers cancel it and free what it holds. One that
+        ends a sample while others run (n > 1) ends that sample alone on its worker."""
         while (chunk := await self.run.next()) is not None:
-            ended_by_fleet = chunk.finished
+            ended_by_fleet, sample_ended_by_fleet = chunk.finished, bool(chunk.finish_reason)
             if (chunk := self.output.process(chunk)) is None:
                 continue          # a sample stopped here: what the workers still send is dropped
             if chunk.finished and not ended_by_fleet:
                 self.run.close()
+            elif chunk.finish_reason and not sample_ended_by_fleet and not chunk.finished:
+                self.run.end_sample(chunk.index)
             return chunk
         return None
 

@@ -378,19 +378,29 @@ class FleetRun:
         self._touched.clear()
         self._end_decode()
 
+    def end_sample(self, index: int) -> None:
+        """n > 1: end sample `index` alone on the worker that runs the request's decode (the
+        gateway matched a stop string in it); its KV is freed there, the other samples go on.
+        Fire-and-forget, as a whole request's Cancel is."""
+        if self.finished or self.plan is None:
+            return
+        address = (self.plan.prefill[0].address if self.plan.mode == pb.Plan.COLOCATED
+                   else self.plan.decode.address)
+        self._cancel(address, index)
+
     def _end_decode(self) -> None:
         """End the decode side once: over the link, or by a Cancel RPC when the link broke."""
         decode, self._decode = self._decode, None
         if decode is not None and not decode.cancel():
             self._cancel(decode.link.address)
 
-    def _cancel(self, address: str) -> None:
-        asyncio.get_running_loop().create_task(self._cancel_call(address))
+    def _cancel(self, address: str, sample: int | None = None) -> None:
+        asyncio.get_running_loop().create_task(self._cancel_call(address, sample))
 
-    async def _cancel_call(self, address: str) -> None:
+    async def _cancel_call(self, address: str, sample: int | None) -> None:
+        request = pb.CancelRequest(request_id=self.request_id, sample_index=sample)
         try:
-            await self.channels.worker(address).Cancel(
-                pb.CancelRequest(request_id=self.request_id), timeout=self.timeouts.cancel_s)
+            await self.channels.worker(address).Cancel(request, timeout=self.timeouts.cancel_s)
         except status.CallFailed as e:
             log.info("%s: Cancel on %s: %s", self.request_id, address, e.status.message)
 

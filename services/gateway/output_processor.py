@@ -10,8 +10,8 @@ carries finish_reason "stop" with the stop string as its stop_reason. Once every
 here the chunk is the request's last (`finished`), and if the fleet had not ended the request the
 caller ends it on the workers (a Cancel through the run's cancel path, which frees the decode
 reservation and the KV; core.Session). With n > 1, a sample stopped here while others run is
-not cancelled alone: the workers decode it on (bounded by max_tokens) and its later tokens are
-dropped here until the request ends.
+ended alone on its worker (a Cancel with its sample_index: its KV is freed, the others go on);
+what the workers sent of it before that lands is dropped here.
 
 The EOS / stop token id that ended a sample (a worker's finish_reason "stop": workers match no
 stop strings) has its text left out unless include_stop_str_in_output, as in vLLM. Bytes that

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import TokenOutput
 from services.engine.token_logprob import TokenLogprob
 from services.protocol.params import params_from_pb, params_to_pb  # noqa: F401 (re-exported)
 
@@ -14,7 +14,7 @@ def logprob_to_pb(lp: TokenLogprob | None, token_id: int = 0) -> pb.TokenLogprob
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
-def chunk_from_output(out: RequestOutput, served_by: str = "") -> pb.TokenChunk:
+def chunk_from_output(out: TokenOutput, served_by: str = "") -> pb.TokenChunk:
     """A worker's chunk: token ids and logprobs, no text (the gateway makes it)."""
     chunk = pb.TokenChunk(
         request_id=out.request_id, token_ids=out.new_token_ids,

@@ -20,7 +20,7 @@ EngineConfig, then stays open: the core exits when it reaches EOF, i.e. when thi
 
 Backpressure: the core never waits for a client. Deltas queue per stream; a reader that keeps up
 gets them one by one (one token per decode step), and a reader more than MERGE_BACKLOG behind gets
-them coalesced (tokens, text and logprobs concatenated) the next time it reads.
+them coalesced (tokens and logprobs concatenated) the next time it reads.
 
 Failure: when the core sends a Failure, or exits without one (killed, crashed), every open
 stream and every pending and later call raises EngineFailed, `failure` is set, and `on_failure`
@@ -45,7 +45,7 @@ import zmq.asyncio
 from services.engine import errors
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import TokenOutput
 from services.engine.sampling_params import SamplingParams
 from services.protocol import env
 from services.worker import engine_core as core
@@ -79,11 +79,11 @@ class OutputStream:
     """One request's deltas, delivered on the asyncio loop; iteration ends after `finished`."""
 
     def __init__(self) -> None:
-        self._pending: list[RequestOutput] = []
+        self._pending: list[TokenOutput] = []
         self._event = asyncio.Event()
         self._failure: EngineFailed | None = None
 
-    def deliver(self, out: RequestOutput) -> None:
+    def deliver(self, out: TokenOutput) -> None:
         self._pending.append(out)
         self._event.set()
 
@@ -91,7 +91,7 @@ class OutputStream:
         self._failure = error
         self._event.set()
 
-    async def next(self) -> RequestOutput:
+    async def next(self) -> TokenOutput:
         """The oldest delta, as the engine sent it (one token per decode step), while the reader
         keeps up. A reader more than MERGE_BACKLOG deltas behind (a slow client) gets them all
         merged into one (n > 1: the leading run of one sample's deltas; the others stay for the
@@ -121,15 +121,14 @@ class OutputStream:
                 return
 
 
-def merge(outs: list[RequestOutput]) -> RequestOutput:
+def merge(outs: list[TokenOutput]) -> TokenOutput:
     first = outs[0]
     if len(outs) == 1:
         return first
     last = outs[-1]
-    return RequestOutput(
+    return TokenOutput(
         request_id=first.request_id,
         new_token_ids=[t for o in outs for t in o.new_token_ids],
-        new_text="".join(o.new_text for o in outs),
         new_logprobs=[lp for o in outs for lp in o.new_logprobs],
         finished=last.finished, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
         error=last.error, retry_after_s=last.retry_after_s,
@@ -326,9 +325,10 @@ class EngineClient:
         await self._call(lambda cid: core.StartDecode(cid, request_id, first_token,
                                                       list(more_first_tokens or ())), Done)
 
-    async def cancel(self, request_id: str) -> bool:
-        """Frees every page the request holds; True if it was live."""
-        reply = await self._call(lambda cid: core.Cancel(cid, request_id), Cancelled)
+    async def cancel(self, request_id: str, sample: int | None = None) -> bool:
+        """Frees every page the request holds (`sample` set: only that sample of its n, the
+        others go on); True if it was live."""
+        reply = await self._call(lambda cid: core.Cancel(cid, request_id, sample), Cancelled)
         return reply.was_live
 
     def cancel_soon(self, request_id: str) -> None:
@@ -411,7 +411,7 @@ class EngineClient:
         except Exception:  # noqa: BLE001
             log.exception("engine client: on_step failed")
 
-    def _route(self, outputs: list[RequestOutput]) -> None:
+    def _route(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:
             stream = (self._streams.pop(out.request_id, None) if out.finished
                       else self._streams.get(out.request_id))

@@ -60,7 +60,7 @@ import zmq
 from services.engine.config import EngineConfig
 from services.engine.kv_array import ArrayKVCache
 from services.engine.engine import EngineStats, LLMEngine, StepRecord
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import TokenOutput
 from services.engine.sampling_params import SamplingParams
 from services.worker import faults, step_trace
 
@@ -111,6 +111,7 @@ class StartDecode(msgspec.Struct, tag=3, array_like=True):
 class Cancel(msgspec.Struct, tag=4, array_like=True):
     call_id: int
     request_id: str
+    sample: int | None = None     # n > 1: end only this sample (its index); None: every sample
 
 
 class GetStats(msgspec.Struct, tag=5, array_like=True):
@@ -170,8 +171,8 @@ class StepStats(msgspec.Struct, array_like=True):
 class StepOutputs(msgspec.Struct, tag=21, array_like=True):
     """Everything one step() produced, for every request, in one message. Sent for every step
     that produced outputs or ran the model (a mid-prompt prefill chunk has stats, no outputs).
-    The outputs carry token ids and logprobs, no text (new_text ""): see build_engine."""
-    outputs: list[RequestOutput]
+    The outputs carry token ids and logprobs, no text: see build_engine."""
+    outputs: list[TokenOutput]
     sent_at_s: float              # time.monotonic() at send (one clock for the whole host)
     step: StepStats | None = None  # None: the step only flushed outputs (cancelled, rejected)
 
@@ -459,7 +460,7 @@ class EngineCore:
         return Done(cmd.call_id)
 
     def _cancel(self, cmd: Cancel) -> Cancelled:
-        return Cancelled(cmd.call_id, self.engine.cancel(cmd.request_id))
+        return Cancelled(cmd.call_id, self.engine.cancel(cmd.request_id, cmd.sample))
 
     def _stats(self, cmd: GetStats) -> Stats:
         return Stats(cmd.call_id, self.engine.stats())

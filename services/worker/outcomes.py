@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from services.engine.errors import InvalidRequestError
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import TokenOutput
 from services.protocol import status
 from services.protocol.convert import params_from_pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -49,7 +49,7 @@ async def engine_failed(context, e: Exception, ending: Ending | None = None) -> 
     await status.abort(context, ending.failed(st) if ending else st)
 
 
-def output_failure(out: RequestOutput) -> pb.CallStatus | None:
+def output_failure(out: TokenOutput) -> pb.CallStatus | None:
     """The engine's own non-client endings ("rejected", "error") as the typed failure the call
     ends with, or None for an output a client may see (stop, length, abort, or still running)."""
     if out.finish_reason == "rejected":

@@ -57,7 +57,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     # ------------------------------------------------------------------ common
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        """The whole request, by its role; or one sample of its n, in the engine alone (what the
+        role holds for the request stays: its other samples go on)."""
         try:
+            if request.HasField("sample_index"):
+                return pb.CancelResponse(cancelled=await self.engine.cancel(
+                    request.request_id, request.sample_index))
             return pb.CancelResponse(cancelled=await self.role.cancel(request.request_id))
         except EngineFailed:
             return pb.CancelResponse(cancelled=False)   # a dead engine holds nothing any more

@@ -262,7 +262,7 @@ def end_span(span: Span, *, output_tokens: int | None = None, finish_reason: str
 
 
 def first_token_timing(chunk: pb.TokenChunk, out) -> None:
-    """The first chunk's engine times (RequestOutput.queue_s / prefill_s, on the output with
+    """The first chunk's engine times (TokenOutput.queue_s / prefill_s, on the output with
     the request's first token)."""
     if out.queue_s is not None:
         chunk.timing.queue_s = out.queue_s

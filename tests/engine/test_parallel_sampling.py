@@ -105,6 +105,62 @@ def test_cancel_frees_every_sample_and_the_shared_blocks(engine):
     assert not engine.cancel(rid)
 
 
+def test_one_sample_cancelled_alone_frees_its_own_blocks_and_the_others_go_on(engine):
+    """A sample ended by its index (the gateway matched a stop string in it): its own blocks and
+    reservation go back at once, the shared prompt blocks stay for the others, which run to
+    their length; the request ends once, with its last sample."""
+    pool = engine.pool
+    rid = engine.add_request(list(range(600, 610)), SamplingParams(max_tokens=12, n=3, **GREEDY))
+    engine.step()
+    engine.step()
+    used, reserved = pool.num_used, pool.num_reserved
+    own = set(pool.block_table(f"{rid}#1")) - set(pool.block_table(rid))
+    assert engine.cancel(rid, sample=1)
+    assert pool.num_used == used - len(own) and pool.num_reserved < reserved
+    assert pool.reserved(f"{rid}#1") == 0
+    pool.check_invariants()
+    assert not engine.cancel(rid, sample=1)          # already ended
+    assert not engine.cancel(rid, sample=3)          # no such sample
+    outs = list(engine.stream())
+    got, reasons = samples_of(outs, rid)
+    assert reasons == {0: "length", 1: "abort", 2: "length"}
+    assert len(got[0]) == len(got[2]) == 10          # 2 tokens came before the cancel
+    ends = [o.finished for o in outs if o.request_id == rid]
+    assert ends[-1] and not any(ends[:-1])
+    assert pool.num_used == 0 and pool.num_reserved == 0
+    pool.check_invariants()
+
+
+def test_a_sample_cancelled_after_sample_0_ended_still_ends(engine):
+    """Sample 0 (the request's own id) ended first; sample 1 is still found by its index."""
+    rid = engine.add_request(list(range(620, 630)), SamplingParams(max_tokens=12, n=2, **GREEDY))
+    engine.step()
+    assert engine.cancel(rid, sample=0)
+    engine.step()
+    assert engine.cancel(rid, sample=1)
+    outs = list(engine.stream())
+    assert engine.pool.num_used == 0 and engine.pool.num_reserved == 0
+    assert [o.finished for o in outs if o.request_id == rid][-1]
+    assert not engine.has_unfinished()
+
+
+def test_a_sample_cancelled_before_the_decode_role_forks_it_ends_as_it_forks(tiny_model_dir):
+    """Decode role: the gateway may stop sample 1 on the first token the prefill worker sent,
+    before the KV lands here. The sample ends (abort) when it forks; sample 0 decodes on."""
+    params = SamplingParams(max_tokens=5, n=2, **GREEDY)
+    ids = list(range(700, 710))
+    decode = LLMEngine(engine_config(str(tiny_model_dir), role="decode", kv_cache_mib=16,
+                                     block_size=BLOCK))
+    assert decode.reserve_remote(ids, params, request_id="r")
+    assert decode.cancel("r", sample=1)
+    decode.start_decode("r", 5, [6])
+    got, reasons = samples_of(list(decode.stream()), "r")
+    assert reasons == {0: "length", 1: "abort"}
+    assert len(got[0]) == 4 and got[1] == []
+    assert decode.pool.num_used == 0 and decode.pool.num_reserved == 0
+    decode.pool.check_invariants()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(engine):
     ids = list(range(300, 321))                      # 21 tokens: 5 full blocks
     (first,) = engine.generate([ids], SamplingParams(max_tokens=2, **GREEDY))
@@ -151,10 +207,12 @@ def test_prefill_and_decode_roles_fork_after_the_kv_lands(tiny_model_dir, engine
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 19), st.integers(1, 9)),
                 min_size=1, max_size=4),
-       st.integers(0, 6), st.integers(0, 3))
-def test_no_block_leaks_whatever_n_lengths_and_cancel_points(engine, requests, cancel_at, victim):
-    """Random requests (n, prompt length, max_tokens), one cancelled after `cancel_at` steps:
-    the pool's invariants hold after every step, and everything is free at the end."""
+       st.integers(0, 6), st.integers(0, 3), st.none() | st.integers(0, 3))
+def test_no_block_leaks_whatever_n_lengths_and_cancel_points(engine, requests, cancel_at, victim,
+                                                            sample):
+    """Random requests (n, prompt length, max_tokens), one cancelled (whole, or one sample of
+    it) after `cancel_at` steps: the pool's invariants hold after every step, and everything is
+    free at the end."""
     pool = engine.pool
     rids = [engine.add_request(list(range(500 + i, 500 + i + length)),
                                SamplingParams(max_tokens=m, n=n, seed=i, ignore_eos=True))
@@ -162,10 +220,10 @@ def test_no_block_leaks_whatever_n_lengths_and_cancel_points(engine, requests, c
     steps = 0
     while engine.has_unfinished():
         if steps == cancel_at:
-            engine.cancel(rids[victim % len(rids)])
+            engine.cancel(rids[victim % len(rids)], sample)
             pool.check_invariants()
         engine.step()
         pool.check_invariants()
         steps += 1
     assert pool.num_used == 0 and pool.num_reserved == 0
-    assert not engine._left and not engine._samples
+    assert not engine._left and not engine._samples and not engine._doomed

@@ -111,3 +111,46 @@ def test_a_stop_string_in_every_sample_ends_the_request_and_frees_it_everywhere(
     assert [c.text for c in out.choices] == [text[:text.index(stop)]] * 2
     assert all(c.finish_reason == "stop" for c in out.choices)
     assert wait_until(lambda: fleet_idle(fleet, workers), 1.0)
+
+
+def test_a_stop_string_in_one_sample_ends_it_alone_and_frees_its_blocks_at_once(setup):
+    """Two seeded samples: a stop string found early in one and nowhere in the other. The gateway
+    ends the stopped sample alone on the worker that decodes it (its blocks go back while the
+    request runs on: one sequence left there), and the other runs to its length."""
+    fleet, workers, client, gw = setup
+    ask = dict(model=gw.model, prompt=PROMPT, max_tokens=1000, n=2, temperature=1.0, seed=5,
+               extra_body=IGNORE_EOS)
+    texts = [c.text for c in client.completions.create(**ask).choices]   # no stop: both in full
+    stopped, stop = one_sample_stop(texts)
+    runner = 1 - stopped
+    stream = client.completions.create(**ask, stop=[stop], stream=True)
+    text, finish = {0: "", 1: ""}, {}
+    checked = False
+    for event in stream:
+        for choice in event.choices:
+            text[choice.index] += choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+        if finish.get(stopped) == "stop" and not checked:
+            # the request still runs (the other sample has ~1000 tokens to go); the stopped
+            # sample's sequence has left the decoding worker
+            assert wait_until(lambda: fleet.stats(workers[-1]).num_running == 1, 5.0)
+            assert fleet.stats(workers[-1]).kv_blocks_used > 0
+            checked = True
+    assert checked
+    assert text[stopped] == texts[stopped][:texts[stopped].index(stop)]
+    assert text[runner] == texts[runner] and finish == {stopped: "stop", runner: "length"}
+    assert wait_until(lambda: fleet_idle(fleet, workers), 1.0)
+
+
+def one_sample_stop(texts: list[str]) -> tuple[int, str]:
+    """(which sample, a stop string) such that the string is early in that sample's text and
+    nowhere in the other's."""
+    for stopped in (0, 1):
+        mine, other = texts[stopped], texts[1 - stopped]
+        for size in range(2, 12):
+            for i in range(2, min(40, len(mine) - size)):
+                stop = mine[i:i + size]
+                if stop.strip() and stop not in other:
+                    return stopped, stop
+    raise AssertionError("no string tells the two samples apart")

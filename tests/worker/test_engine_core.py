@@ -121,6 +121,30 @@ def test_cancel_frees_the_requests_pages_and_errors_come_back_typed(tiny_model_d
     assert isinstance(empty, InvalidRequestError) and empty.code == "empty_prompt" and empty.message
 
 
+def test_one_sample_cancelled_alone_frees_its_blocks_while_the_others_run(tiny_model_dir):
+    """Cancel with a sample index ends that sample of n: its own KV blocks go back at once, the
+    others decode on, and the core sends text-free outputs (token ids and logprobs only)."""
+    params = SamplingParams(max_tokens=40, n=2, temperature=0, ignore_eos=True)
+
+    async def scenario(client: EngineClient):
+        stream = client.stream("two")
+        await client.add_request("two", PROMPT, params, None, None)
+        first = await asyncio.wait_for(stream.next(), DEADLINE_S)       # forked: both decode
+        both = (await client.stats()).kv_blocks_used
+        was_live = await client.cancel("two", sample=1)
+        one = (await client.stats()).kv_blocks_used
+        rest = await collect(stream)
+        return first, both, was_live, one, rest, await client.stats()
+
+    first, both, was_live, one, rest, after = with_core(config(tiny_model_dir), scenario)
+    assert was_live and 0 < one < both
+    assert not hasattr(first, "new_text")
+    reasons = {o.index: o.finish_reason for o in [first, *rest] if o.finish_reason}
+    assert reasons == {0: "length", 1: "abort"}
+    assert sum(len(o.new_token_ids) for o in [first, *rest] if o.index == 0) == 40
+    assert rest[-1].finished and after.kv_blocks_used == 0
+
+
 def test_on_step_gets_every_steps_stats_and_the_first_token_its_times(tiny_model_dir):
     steps: list[StepStats] = []
 

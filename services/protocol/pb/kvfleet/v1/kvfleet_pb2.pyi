@@ -200,10 +200,12 @@ class CallStatus(_message.Message):
     def __init__(self, reason: _Optional[_Union[Reason, str]] = ..., code: _Optional[str] = ..., param: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "sample_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    sample_index: int
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("cancelled",)
