@@ -30,11 +30,11 @@ def engine_config(tmp_path) -> str:
     path = tmp_path / "engine.yaml"
     path.write_text(yaml.safe_dump({"scheduler": {"classes": [
         {"name": "interactive", "priority": 2, "ttft_target_s": TEST_TTFT_TARGET_S,
-         "itl_target_s": 0.1, "max_prompt_tokens": 8192, "output_cap": OUTPUT_CAP, "predicted_output_tokens": 32,
-         "aging_s": 10.0},
+         "itl_target_s": 0.1, "max_prompt_tokens": 8192, "output_cap": OUTPUT_CAP,
+         "predicted_output_tokens": 32, "aging_s": 10.0},
         {"name": "document", "priority": 1, "ttft_target_s": TEST_TTFT_TARGET_S,
-         "itl_target_s": 0.1, "max_prompt_tokens": 32768, "output_cap": 1024, "predicted_output_tokens": 256,
-         "aging_s": 10.0, "share_while_interactive_waits": 0.5}]}}))
+         "itl_target_s": 0.1, "max_prompt_tokens": 32768, "output_cap": 1024,
+         "predicted_output_tokens": 256, "aging_s": 10.0, "share_while_interactive_waits": 0.5}]}}))
     return str(path)
 
 
