@@ -17,21 +17,35 @@ model, mode, ...)` yields a `Fleet` (redis db of its own, one Launcher, one flee
 
 `ENGINE` is the engine every fleet here runs unless a test passes `engine=` ("real": the model;
 "sim": the simulated engine core, no weights, with `sim_args`).
+
+TTFT targets: a fleet started here without an engine config of its own (`up_fleet`, and every
+worker and router of `running_fleet` not given `--config`) runs `fleet_targets_config()`: the
+production classes with TTFT targets of at least TEST_TTFT_TARGET_S. Its routers predict from the
+rates the fleet measures, so on a loaded box they would refuse a test's request at admission
+against the production targets (1 s interactive); a test whose claim is about cancellation, KV
+transfer, leaks, streaming or kills is then not about that. A test about admission, refusals or
+stages passes `targets="production"` (or its own config). docs/loadtests.md, "Test fleets' TTFT
+targets".
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import itertools
 import os
 import threading
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import cache
 
 import grpc
 import httpx
+import yaml
 
 from loadtests import local_fleet
 from loadtests.local_fleet import Service, UpFleet  # noqa: F401 - the harness's types
@@ -55,6 +69,35 @@ TINY_KV_TOKENS_PER_MIB = 512
 SIM_STEP_MS = 2
 SIM_OUTPUT_LEN = "fixed:100000"
 UP_READY_S = 300.0          # a loaded 2-core box takes minutes to load the model in every worker
+# The least TTFT target of every class in a test fleet (targets="test"): far above what a loaded
+# 2-core box's rates predict for a test's few small requests, so admission never refuses them.
+TEST_TTFT_TARGET_S = 60.0
+TARGETS = ("test", "production")
+
+
+# ------------------------------------------------------------------ the classes' TTFT targets
+
+@cache
+def fleet_targets_config() -> str:
+    """An engine config YAML (written once per test process, removed at its exit): the production
+    classes of services/engine/config.py, each TTFT target raised to TEST_TTFT_TARGET_S; every
+    other knob, tenants included, is the production default."""
+    from services.engine.config import SchedulerConfig  # noqa: PLC0415
+    classes = [asdict(replace(c, ttft_target_s=max(c.ttft_target_s, TEST_TTFT_TARGET_S)))
+               for c in SchedulerConfig().classes]
+    folder = tempfile.mkdtemp(prefix="kvfleet-test-targets-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = os.path.join(folder, "engine.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump({"scheduler": {"classes": classes}}, f)
+    return path
+
+
+def targets_args(targets: str) -> tuple[str, ...]:
+    """The --config a process of a fleet with these `targets` gets ("production": none)."""
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
+    return ("--config", fleet_targets_config()) if targets == "test" else ()
 
 
 # ------------------------------------------------------------------ the whole fleet: kvfleet up
@@ -95,11 +138,15 @@ def _engine_args(engine: str | None, args: tuple[str, ...], kv_cache_mib: int) -
     return (*(() if given else ("--engine", engine or ENGINE, *sim_args(kv_cache_mib))), *args)
 
 
-def up_fleet(model, *args: str, env: dict[str, str] | None = None, **flags):
+def up_fleet(model, *args: str, env: dict[str, str] | None = None, targets: str = "test",
+             **flags):
     """loadtests.local_fleet.kvfleet_up with the tests' defaults (KV_CACHE_MIB per worker, ENGINE,
     UP_READY_S, the embedded Redis's password REDIS_PASSWORD; on the simulated core, sim_args of
-    the fleet's KV_CACHE_MIB unless the test gives its own or passes --engine itself)."""
+    the fleet's KV_CACHE_MIB unless the test gives its own or passes --engine itself; the test
+    TTFT targets unless `targets="production"` or the test gives its own config)."""
     defaults = dict(kv_cache_mib=KV_CACHE_MIB, engine=ENGINE, ready_s=UP_READY_S)
+    if "--config" not in args and targets_args(targets):
+        defaults["config"] = targets_args(targets)[1]
     if "--engine" in args:                       # the test starts its own engine flags
         defaults["engine"] = "real"
     elif flags.get("engine", ENGINE) != "real" and "sim_args" not in flags:
@@ -211,9 +258,10 @@ async def _result(future: asyncio.Future):
 
 
 class Fleet:
-    def __init__(self, launcher: Launcher, redis_url: str) -> None:
+    def __init__(self, launcher: Launcher, redis_url: str, targets: str = "test") -> None:
         self.launcher = launcher
         self.redis_url = redis_url
+        self.targets = targets_args(targets)   # the --config of a process not given its own
         self.workers: dict[str, str] = {}
         self.routers: list[str] = []
         self.auth = FleetAuth.from_env(launcher.env)      # the token its processes ask for
@@ -247,16 +295,20 @@ class Fleet:
     def worker(self, name: str, role: str, model: str, kv_backend: str = "tcp",
                extra_args: tuple[str, ...] = (), engine: str | None = None) -> str:
         """`kvfleet serve ROLE` as a process; returns its gRPC address once READY."""
-        extra_args = _engine_args(engine, tuple(extra_args), 64)
+        extra_args = self._with_targets(_engine_args(engine, tuple(extra_args), 64))
         args = ["services.cli.cli", "serve", role, "--model", model, "--worker-id", name,
                 "--redis-url", self.redis_url, "--kv-backend", kv_backend, "--kv-cache-mib", "64",
                 "--timeout-heartbeat-s", "0.3", "--timeout-heartbeat-ttl-s", "0.9", *extra_args]
         self.workers[name] = self.launcher.start(name, args)
         return self.workers[name]
 
+    def _with_targets(self, args: tuple[str, ...]) -> tuple[str, ...]:
+        return args if "--config" in args else (*args, *self.targets)
+
     def start_router(self, mode: str, name: str = "router", *extra: str) -> str:
         address = self.launcher.start(name, ["services.router", "--redis-url", self.redis_url,
-                                             "--mode", mode, "--router-id", name, *extra])
+                                             "--mode", mode, "--router-id", name,
+                                             *self._with_targets(extra)])
         self.routers.append(address)
         return address
 
@@ -311,12 +363,14 @@ def token_channel(address: str, auth: FleetAuth) -> grpc.Channel:
 @contextmanager
 def running_fleet(redis_base_url: str, model: str, mode: str, prefill: int = 1, decode: int = 1,
                   kv_backend: str = "tcp", worker_args: tuple[str, ...] = (), routers: int = 1,
-                  engine: str | None = None, hybrid_threshold_tokens: int = 0):
+                  engine: str | None = None, hybrid_threshold_tokens: int = 0,
+                  targets: str = "test"):
     """Yields a Fleet; always stops every process it started. `worker_args`: more flags for
     every worker. mode "hybrid": one mixed worker besides the prefill and decode ones, and routers
-    splitting at `hybrid_threshold_tokens` (0: the router's default)."""
+    splitting at `hybrid_threshold_tokens` (0: the router's default). `targets`: the classes' TTFT
+    targets of every worker and router not given its own --config ("test" or "production")."""
     launcher = Launcher()
-    fleet = Fleet(launcher, f"{redis_base_url.rsplit('/', 1)[0]}/{next(_db) % 16}")
+    fleet = Fleet(launcher, f"{redis_base_url.rsplit('/', 1)[0]}/{next(_db) % 16}", targets)
     import redis
     redis.Redis.from_url(fleet.redis_url).flushdb()
     try:

@@ -4,13 +4,17 @@ it left: no process of its tree, no port it listened on."""
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import httpx
 import pytest
 
 from loadtests.local_fleet import up_command
-from services.cli.launcher import running
-from tests.harness import ENGINE, _engine_args, holds_nothing, up_fleet, serves, sim_args
+from services.cli.launcher import Launcher, running
+from services.engine.config import SchedulerConfig
+from services.engine.config_file import load_engine_config
+from tests.harness import (ENGINE, TEST_TTFT_TARGET_S, Fleet, _engine_args, fleet_targets_config,
+                           holds_nothing, serves, sim_args, targets_args, up_fleet)
 
 
 def port_open(address: str) -> bool:
@@ -66,3 +70,29 @@ def test_a_simulated_worker_gets_the_kv_capacity_its_kv_cache_mib_gives_the_tiny
     assert int(tokens) == 16 * 1024 * 1024 // (4 * 2 * 2 * 32 * 4)   # the tiny model's fp32 KV
     assert _engine_args("sim", ("--engine", "sim", "--sim-kv-tokens", "9"), 64) == \
         ("--engine", "sim", "--sim-kv-tokens", "9")                  # the test's own flags
+
+
+def test_test_fleets_run_the_production_classes_with_test_sized_ttft_targets():
+    production = SchedulerConfig()
+    for role in ("prefill", "decode", "mixed"):
+        loaded = load_engine_config(fleet_targets_config(), role).scheduler
+        # every class as in production but its TTFT target, raised to the test fleets' least
+        assert [replace(c, ttft_target_s=p.ttft_target_s)
+                for c, p in zip(loaded.classes, production.classes)] == list(production.classes)
+        assert [c.ttft_target_s for c in loaded.classes] == [
+            max(p.ttft_target_s, TEST_TTFT_TARGET_S) for p in production.classes]
+        assert loaded.tenants == production.tenants and loaded.role == role
+
+
+def test_a_fleet_process_gets_the_test_targets_unless_it_has_a_config_or_asks_for_production(
+        tmp_path):
+    fleet = Fleet(Launcher(log_dir=str(tmp_path)), "redis://127.0.0.1:1/1")
+    assert fleet._with_targets(("--kv-cache-mib", "4")) == (
+        "--kv-cache-mib", "4", "--config", fleet_targets_config())
+    assert fleet._with_targets(("--config", "own.yaml")) == ("--config", "own.yaml")
+    production = Fleet(Launcher(log_dir=str(tmp_path)), "redis://127.0.0.1:1/1",
+                       targets="production")
+    assert production._with_targets(("--kv-cache-mib", "4")) == ("--kv-cache-mib", "4")
+    assert targets_args("production") == ()
+    with pytest.raises(ValueError, match="targets must be one of"):
+        targets_args("relaxed")

@@ -14,7 +14,7 @@ import httpx
 import redis
 import yaml
 
-from tests.harness import up_fleet
+from tests.harness import TEST_TTFT_TARGET_S, up_fleet
 
 TOKEN = "fault-suite-fleet-token-0123456789"
 OUTPUT_CAP = 48           # the interactive class's output cap in these fleets
@@ -25,15 +25,16 @@ _db = itertools.count(8)
 
 def engine_config(tmp_path) -> str:
     """The workers' and the gateway's engine YAML: default classes, but a small interactive
-    output cap so that max_tokens past it is cheap to reach."""
+    output cap so that max_tokens past it is cheap to reach, and the test fleets' TTFT target
+    (tests/harness.py): these tests are about kills and freezes, not admission."""
     path = tmp_path / "engine.yaml"
     path.write_text(yaml.safe_dump({"scheduler": {"classes": [
-        {"name": "interactive", "priority": 2, "ttft_target_s": 1.0, "itl_target_s": 0.1,
-         "max_prompt_tokens": 8192, "output_cap": OUTPUT_CAP, "predicted_output_tokens": 32,
-         "aging_s": 10.0},
-        {"name": "document", "priority": 1, "ttft_target_s": 10.0, "itl_target_s": 0.1,
-         "max_prompt_tokens": 32768, "output_cap": 1024, "predicted_output_tokens": 256,
-         "aging_s": 10.0, "share_while_interactive_waits": 0.5}]}}))
+        {"name": "interactive", "priority": 2, "ttft_target_s": TEST_TTFT_TARGET_S,
+         "itl_target_s": 0.1, "max_prompt_tokens": 8192, "output_cap": OUTPUT_CAP,
+         "predicted_output_tokens": 32, "aging_s": 10.0},
+        {"name": "document", "priority": 1, "ttft_target_s": TEST_TTFT_TARGET_S,
+         "itl_target_s": 0.1, "max_prompt_tokens": 32768, "output_cap": 1024,
+         "predicted_output_tokens": 256, "aging_s": 10.0, "share_while_interactive_waits": 0.5}]}}))
     return str(path)
 
 

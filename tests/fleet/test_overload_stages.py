@@ -23,7 +23,8 @@ S2_CAP = 256            # AdmissionConfig.s2_output_cap, the router's default
 
 @pytest.fixture(scope="module")
 def setup(redis_url, tiny_model_dir):
-    with running_fleet(redis_url, str(tiny_model_dir), "disagg") as fleet:
+    # the production TTFT targets: the stages' caps and refusals are the claim
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", targets="production") as fleet:
         yield fleet, start_gateway(fleet, str(tiny_model_dir))
 
 

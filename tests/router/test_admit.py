@@ -31,7 +31,9 @@ PROMPT = list(range(100, 166))          # 66 tokens: 5 blocks of 16
 @pytest.fixture(scope="module")
 def workers(redis_url, tiny_model_dir):
     """One prefill and one decode worker process (no router process: the tests bring theirs)."""
-    with running_fleet(redis_url, str(tiny_model_dir), "disagg", routers=0) as fleet:
+    # the production TTFT targets: what these tests admit or refuse is the claim
+    with running_fleet(redis_url, str(tiny_model_dir), "disagg", routers=0,
+                       targets="production") as fleet:
         assert wait_until(lambda: len(fleet.workers) == 2 and all(
             fleet.stats(n).kv_blocks_total for n in fleet.workers), 30)
         yield fleet

@@ -40,8 +40,9 @@ CLIENT_SPAN = "b7ad6b7169203331"
 @pytest.fixture(scope="module")
 def decode_only(redis_url, tiny_model_dir):
     """One real decode worker with a small KV pool (a prompt can be too big for all of it)."""
+    # the production TTFT targets: the refusals and predictions are the claim
     with running_fleet(redis_url, str(tiny_model_dir), "disagg", prefill=0, decode=1, routers=0,
-                       worker_args=("--kv-cache-mib", "4")) as fleet:
+                       worker_args=("--kv-cache-mib", "4"), targets="production") as fleet:
         assert wait_until(lambda: fleet.stats("decode-0").kv_blocks_total > 0, 30)
         yield fleet
 
