@@ -199,7 +199,7 @@ class DecodeGraphRunner:
                                           num_decodes=size, decode_groups=(group,), prefills=(),
                                           k_scale=kv.k_scale, v_scale=kv.v_scale,
                                           pad_slot=s.pad_slot)
-        from kernels.backend import TritonAttentionMetadata  # noqa: PLC0415 (imports triton)
+        from services.engine.model.triton_backend import TritonAttentionMetadata  # noqa: PLC0415
         rows32 = rows.to(torch.int32)
         return TritonAttentionMetadata(
             slot_mapping=s.slot_mapping[:size],
