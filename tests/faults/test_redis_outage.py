@@ -43,6 +43,7 @@ LEASE_TTL_S = 3.0
 LEASE_FLAGS = ("--timeout-lease-ttl-s", str(LEASE_TTL_S), "--timeout-lease-renew-s",
                str(LEASE_TTL_S / 5))
 RECOVERY_S = 10.0          # the promise: serving again within this long of Redis coming back
+READY_S = 30.0             # the fixture's fleet serving its first request
 ANSWER_S = 2.5             # a request while Redis is down is answered within this long
 
 
@@ -134,6 +135,9 @@ def world(tiny_model_dir, tmp_path_factory):
         assert fleet.serving()
         gateway = start_gateway(fleet, str(tiny_model_dir), "gateway", "--config", engine_yaml,
                                 "--api-keys", keys_yaml, *LEASE_FLAGS)
+        # ready means serving: the gateway's first request may come before it has read the
+        # routers and the fleet's stage from Redis (a clean-clone run's first two tests met that)
+        assert wait_until(lambda: serves(gateway), READY_S)
         yield OutageFleet(redis, fleet, gateway)
     finally:
         launcher.stop_all()
