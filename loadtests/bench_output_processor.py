@@ -5,7 +5,8 @@ for a greedy completion of the model.
     python -m loadtests.bench_output_processor [--model tiny] [--tokens 256] [--runs 30]
 
 Prints one JSON line per stop-string setting: microseconds per token (median and min over the
-runs). Numbers go to docs/benchmarks.md, the section on the text the gateway makes (its output processor).
+runs). Numbers go to docs/benchmarks.md, the section on the text the gateway makes (its output
+processor).
 """
 from __future__ import annotations
 
