@@ -19,6 +19,7 @@ from services.planner.simulator import Fleet, SimRunConfig, simulate
 
 SETUPS = ("colocated:4", "disagg:2:2", "hybrid:2:1:1")
 WORKLOADS = ("mixed", "azure-conv", "overload-ramp")
+CACHED = "cached_from_commit"     # EvalPoint.extra: the sweep was reused from --cache, made there
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,16 @@ def cached_sweep(cfg: DesConfig, workload: str, setup: str, cache: Path | None) 
     key = json.loads(json.dumps(asdict(cfg), default=str))
     if path is not None and path.is_file():
         saved = json.loads(path.read_text())
-        if saved["config"] == key:
-            return [EvalPoint.from_dict(p) for p in saved["points"]]
+        if saved["config"] == key:       # each point says the commit its sweep was made at
+            made = saved.get("commit", "unknown")
+            return [replace(EvalPoint.from_dict(p), extra={**p.get("extra", {}), CACHED: made})
+                    for p in saved["points"]]
     points = sweep_one(cfg, workload, setup)
     if path is not None:
+        from loadtests.evaluation import commit  # noqa: PLC0415 - the entry point's helper
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"config": key, "points": [p.to_dict() for p in points]}))
+        path.write_text(json.dumps({"config": key, "commit": commit(),
+                                    "points": [p.to_dict() for p in points]}))
     return points
 
 

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loadtests.eval_des import gpus  # noqa: E402
+from loadtests.eval_des import CACHED, gpus  # noqa: E402
 from loadtests.eval_points import EvalPoint  # noqa: E402
 from loadtests.knee import Knee, find_knee  # noqa: E402
 
@@ -191,6 +191,25 @@ DEFINITIONS = """\
   not in TTFT."""
 
 
+ANCHORS = ("The anchors: DistServe reports up to 7.4x more requests within SLO than co-located "
+           "serving on its workloads, TaiChi +29-77% goodput for a hybrid. docs/capacity.md "
+           "(\"Hybrid fleets: the split\" and the 70B study) says where these figures agree "
+           "and why not.")
+
+
+def cached_note(results: dict) -> list[str]:
+    """Which sweeps `--cache` reused, with the commit each was made at (empty when none)."""
+    reused = [f"{wl} {setup} (`{raw[0]['extra'][CACHED]}`)"
+              for wl, by_setup in results.items() for setup, raw in by_setup.items()
+              if raw and CACHED in raw[0].get("extra", {})]
+    if not reused:
+        return []
+    swept = sum(len(by_setup) for by_setup in results.values()) - len(reused)
+    rest = f"; the other {swept} were swept by this run" if swept else ""
+    return [f"Sweeps reused from `--cache` as they were saved, at the commit that made them: "
+            f"{', '.join(reused)}{rest}.", ""]
+
+
 def des_section(saved: dict, folder: Path) -> list[str]:
     m, results = saved["meta"], saved["results"]
     cfg = m["config"]
@@ -209,7 +228,8 @@ def des_section(saved: dict, folder: Path) -> list[str]:
         for setup, raw in by_setup.items():
             out.append(f"| {wl} | {setup} | {gpus(setup, tp)} | "
                        + " | ".join(knee_cells(points(raw), gpus(setup, tp))) + " |")
-    out += ["", *des_findings(results, tp), ""]
+    out += ["", *des_findings(results, tp), "", ANCHORS, ""]
+    out += cached_note(results)
     for wl, by_setup in results.items():
         groups = {s: points(raw) for s, raw in by_setup.items()}
         name = f"des-{wl}.png"

@@ -283,8 +283,9 @@ def write_fleet_config(tenants: list[TenantSpec], setup: FleetSetup, folder: Pat
     """engine.yaml (tenants with their weights and classes) and keys.yaml (a key per tenant, quotas
     high enough never to be what limits a load test, unless `setup.key_overrides` says otherwise)."""
     scheduler = {"default_tenant": tenants[0].name,
-                 "tenants": [{"name": t.name, "weight": t.weight, "classes": [t.traffic_class]}
-                             for t in tenants],
+                 "tenants": [{"name": t.name, "weight": t.weight, "classes": [t.traffic_class],
+                              **({"min_kv_blocks": t.min_kv_blocks} if t.min_kv_blocks else {}),
+                              **({"critical": True} if t.critical else {})} for t in tenants],
                  **setup.scheduler}
     keys = [{"key": tenant_key(t.name), "tenant": t.name, "traffic_class": t.traffic_class,
              "max_concurrent_streams": 4096, "requests_per_minute": 1_000_000,

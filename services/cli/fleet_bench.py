@@ -179,12 +179,9 @@ def bench_engine(model: str, threads: int, device: str = "auto", sim=None,
     difference is the serving path, not the core split. It sits idle while the fleet serves.
     `sim` (a SimConfig, --engine sim): the simulated core, each step paced on the wall clock to
     its modelled time as the fleet's engine core paces it."""
-    import torch
-
     from services.engine.engine import LLMEngine, engine_config
-    torch.set_num_threads(threads)
     engine = LLMEngine(engine_config(model, **SCHEDULER, enable_prefix_caching=False, device=device,
-                                     sim=sim, cuda_graphs=cuda_graphs))
+                                     sim=sim, cuda_graphs=cuda_graphs, torch_threads=threads))
     if sim is not None:
         engine.step = paced(engine)
     return engine

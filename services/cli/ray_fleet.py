@@ -8,8 +8,17 @@ are the ones of the plain fleet. What Ray adds:
 
   placement   workers ask for GPUs (`num_gpus`: their tensor-parallel ranks) only when the cluster
               has GPUs and `--device` is not cpu; prefill-i and decode-i of a disaggregated fleet
-              are one slice, one placement group (PACK: one node when it fits, so the KV moves
-              over that node's NVLink)
+              are one slice, one placement group. `--ray-slice pack` (the default): STRICT_PACK,
+              the slice on one node (its KV moves over that node's NVLink), each slice aimed at
+              the next node in turn so that replicas spread; `--ray-slice spread`: STRICT_SPREAD,
+              prefill and decode of a slice on two nodes (workers too big to share one; the KV
+              crosses the network). Routers spread over the nodes (SPREAD); the gateway stays on
+              kvfleet up's node (its --host is an address of that node)
+  nodes       without `--allow-external-bind` every service listens on 127.0.0.1, so a cluster
+              whose nodes have other addresses than kvfleet up's is refused. With it, routers and
+              workers listen on their node's address (ray_host.py, `bind_node`) and advertise it;
+              a cluster over several hosts also needs a --redis-url and --allowed-networks every
+              node can use (the embedded Redis listens on kvfleet up's loopback)
   restarts    a service that exits makes its actor exit (status 1); Ray restarts the actor
               (`max_restarts`), whose new process starts the service again on the same ports
               (under --ray every listener is on the --port-base table: kvfleet up finds a free
@@ -46,7 +55,8 @@ from dataclasses import dataclass, field
 from services.cli import ports
 from services.cli.launcher import LaunchError, STOP_GRACE_S
 from services.cli.ray_host import RESTART_STATUS, ServiceHost, say
-from services.protocol import env, fleet_token
+from services.protocol import bind, env, fleet_token
+from services.state import records
 
 LOCAL = "local"                 # `--ray` without an address: a local cluster on 127.0.0.1
 NAMESPACE = "kvfleet"
@@ -60,7 +70,12 @@ PLACEMENT_TIMEOUT_S = 60.0      # a placement group the cluster cannot place fai
 NOT_PASSED = ("CUDA_VISIBLE_DEVICES", "RAY_ADDRESS")
 WORKER_ROLES = ("prefill", "decode", "mixed")
 MAX_TEMP_ROOT = 20              # longer temp folders leave Ray's socket paths too long
-PORT_BASE_FROM, PORT_BASE_TO, PORT_BASE_STEP = 20000, 60000, 100    # where a free base is sought
+# where a free base is sought: below Linux's ephemeral ports (32768 and up by default), which any
+# process's outgoing connection or port-0 listener may take between the check and the bind
+PORT_BASE_FROM, PORT_BASE_TO, PORT_BASE_STEP = 20000, 32768 - ports.SPAN, 100
+NODE_PREFIX = "ray-node"        # the banner's `  ray-node  <service> <node ID> <node IP>` lines
+# --ray-slice: the strategy of a slice's placement group
+SLICE_STRATEGIES = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}
 
 
 # ------------------------------------------------------------------ the cluster
@@ -73,6 +88,7 @@ class RayCluster:
     owned: bool
     temp_dir: str = ""
     gpus: float = 0.0
+    node_id: str = ""               # kvfleet up's own node (the driver's)
 
     @classmethod
     def connect(cls, address: str) -> "RayCluster":
@@ -91,7 +107,17 @@ class RayCluster:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
             cluster = cls(address, False)
         cluster.gpus = float(ray.cluster_resources().get("GPU", 0.0))
+        cluster.node_id = ray.get_runtime_context().get_node_id()
         return cluster
+
+    def nodes(self) -> list[dict]:
+        """The cluster's live nodes, as ray.nodes() describes them, in NodeID order."""
+        import ray  # noqa: PLC0415
+        return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+
+    def node_ips(self) -> dict[str, str]:
+        """Each live node's ID -> the address Ray knows it by."""
+        return {n["NodeID"]: n["NodeManagerAddress"] for n in self.nodes()}
 
     def shutdown(self) -> None:
         """Leave the cluster; a local one is stopped and its temp folder removed (the services'
@@ -136,6 +162,46 @@ def passed_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in NOT_PASSED}
 
 
+def check_nodes(node_ips: dict[str, str], own_node: str, external_bind: bool,
+                redis_url: str | None, allowed_networks: str | None) -> str | None:
+    """Why a fleet cannot run on a cluster of these nodes (None: it can). All on kvfleet up's
+    address (one host, or a local cluster on 127.0.0.1): anything goes. Nodes elsewhere need the
+    opt-in (services listen on their node's address), a Redis every node reaches (the embedded
+    one is on kvfleet up's loopback) and allowed networks (--allowed-networks or
+    $KVFLEET_ALLOWED_NETWORKS) that take the nodes' addresses (routers accept only worker records
+    whose address is in them)."""
+    own_ip = node_ips.get(own_node, "")
+    others = sorted({ip for ip in node_ips.values() if ip != own_ip})
+    if not others:
+        return None
+    missing = [what for what, given in ((bind.FLAG, external_bind), ("--redis-url", redis_url),
+                                        ("--allowed-networks", allowed_networks)) if not given]
+    if missing:
+        return (f"the Ray cluster has nodes at {', '.join(others)} beside kvfleet up's {own_ip}: "
+                f"a fleet across hosts needs {', '.join(missing)} (services then listen on their "
+                "node's address; see docs/deploy.md, Ray)")
+    networks = records.parse_networks(allowed_networks)
+    outside = [ip for ip in [own_ip, *others]
+               if records.address_problem(f"{ip}:0" if ":" not in ip else f"[{ip}]:0", networks)]
+    if outside:
+        return (f"--allowed-networks {allowed_networks} does not take the Ray nodes at "
+                f"{', '.join(outside)}: their workers' records would be refused")
+    return None
+
+
+def target_node(nodes: list[dict], bundle: dict[str, float], turn: int) -> str | None:
+    """The node a packed group is aimed at on its `turn`: the nodes whose resources could hold
+    its `bundle`, each in turn (ray.nodes()' NodeID and Resources); None when none could."""
+    fits = [n["NodeID"] for n in nodes
+            if all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items())]
+    return fits[turn % len(fits)] if fits else None
+
+
+def slice_strategy(name: str | None) -> str:
+    """The placement strategy of a slice's group for `--ray-slice NAME` (default pack)."""
+    return SLICE_STRATEGIES[name or "pack"]
+
+
 # ------------------------------------------------------------------ kvfleet up's side
 
 @dataclass
@@ -167,6 +233,8 @@ class RayChild:
     ready: threading.Event = field(default_factory=threading.Event)
     restarts: int = 0               # service pids seen replaced by Ray's restarts
     refusals: int = 0               # calls its actor refused in a row
+    node_id: str = ""               # the Ray node its actor runs on, once it answered
+    node_ip: str = ""
 
 
 class RayLauncher:
@@ -174,8 +242,14 @@ class RayLauncher:
 
     def __init__(self, cluster: RayCluster, env: dict[str, str] | None = None,
                  log_dir: str | None = None, worker_gpus: int = 0,
-                 say: Callable[[str], None] = say) -> None:
+                 say: Callable[[str], None] = say, external_bind: bool = False,
+                 slices_as: str = "pack") -> None:
+        """`external_bind`: routers and workers listen on their node's address (the operator's
+        opt-in); `slices_as`: `--ray-slice` (pack | spread)."""
         self.cluster = cluster
+        self.external_bind = external_bind
+        self.slice_strategy = slice_strategy(slices_as)
+        self._slices_placed = 0                         # pack: the next slice's node, in turn
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env = {**env, **fleet_token.child_env(env)}     # one token, as Launcher's
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvfleet-logs-")
@@ -196,15 +270,25 @@ class RayLauncher:
         from ray.util.placement_group import placement_group  # noqa: PLC0415
         for group in slices(names):
             bundle = {"CPU": ACTOR_CPUS, **({"GPU": self.worker_gpus} if self.worker_gpus else {})}
-            pg = placement_group([dict(bundle) for _ in group], strategy="PACK",
-                                 name=f"kvfleet-{'+'.join(group)}")
+            strategy = self.slice_strategy if len(group) > 1 else "STRICT_PACK"
+            pg = placement_group([dict(bundle) for _ in group], strategy=strategy,
+                                 name=f"kvfleet-{'+'.join(group)}",
+                                 _soft_target_node_id=self._next_node(strategy, bundle))
             try:
                 ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
-                raise LaunchError(f"Ray could not place {', '.join(group)} within "
+                raise LaunchError(f"Ray could not place {', '.join(group)} ({strategy}) within "
                                   f"{PLACEMENT_TIMEOUT_S:.0f}s (asked {bundle} each)") from None
             for k, name in enumerate(group):
                 self._groups[name] = (pg, k)
+
+    def _next_node(self, strategy: str, bundle: dict[str, float]) -> str | None:
+        """A STRICT_PACK group's soft target: the nodes that could hold it, each in turn (Ray
+        places it elsewhere when that one has no room); None for other strategies."""
+        if strategy != "STRICT_PACK":
+            return None
+        self._slices_placed += 1
+        return target_node(self.cluster.nodes(), bundle, self._slices_placed - 1)
 
     def start(self, name: str, module_args: list[str], ready_timeout_s: float = 120.0) -> str:
         return self.start_many({name: module_args}, ready_timeout_s)[name]
@@ -252,14 +336,18 @@ class RayLauncher:
         import ray  # noqa: PLC0415
         from ray.util.scheduling_strategies import \
             PlacementGroupSchedulingStrategy  # noqa: PLC0415
+        role = name.partition("-")[0]
         options = dict(max_restarts=MAX_RESTARTS, max_concurrency=4, num_cpus=ACTOR_CPUS,
-                       num_gpus=self.worker_gpus if name.partition("-")[0] in WORKER_ROLES else 0)
+                       num_gpus=self.worker_gpus if role in WORKER_ROLES else 0)
         if name in self._groups:
             pg, k = self._groups[name]
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=k)
+        else:
+            options["scheduling_strategy"] = self._where(role)
         actor = _host_class().options(**options).remote(
-            name, list(module_args), passed_env(self.env), self.log_dir)
+            name, list(module_args), passed_env(self.env), self.log_dir,
+            bind_node=self.external_bind and role != "gateway")
         child = RayChild(name, actor, list(module_args))
         with self._lock:
             self.children[name] = child
@@ -267,6 +355,15 @@ class RayLauncher:
             threading.Thread(target=self._ready, args=(child, time.monotonic() + 600.0),
                              daemon=True).start()
         return child
+
+    def _where(self, role: str):
+        """A service outside the placement groups: the gateway on kvfleet up's node (its --host
+        is that node's), routers spread over the nodes."""
+        from ray.util.scheduling_strategies import \
+            NodeAffinitySchedulingStrategy  # noqa: PLC0415
+        if role == "gateway" and self.cluster.node_id:
+            return NodeAffinitySchedulingStrategy(self.cluster.node_id, soft=False)
+        return "SPREAD"
 
     def log_path(self, name: str) -> str:
         return os.path.join(self.log_dir, f"{name}.log")
@@ -362,6 +459,7 @@ class RayLauncher:
         if old is not None and info["pid"] != old:
             child = self._restarted(child, info["pid"])
         child.proc.pid = info["pid"]
+        child.node_id, child.node_ip = info.get("node_id", ""), info.get("node_ip", "")
         if info["address"]:
             child.address = info["address"]
             child.lines[:] = info["lines"]
@@ -395,6 +493,24 @@ def add_args(p) -> None:
                         "local Ray cluster bound to 127.0.0.1 (no ADDRESS), or on the cluster at "
                         "ADDRESS; every listener is on the --port-base table (a free base is "
                         "found when none is given)")
+    p.add_argument("--ray-slice", choices=sorted(SLICE_STRATEGIES), default=None,
+                   help="with --ray: pack (default) puts prefill-i and decode-i on one node "
+                        "(STRICT_PACK; slices spread over the nodes); spread puts them on two "
+                        "(STRICT_SPREAD; the KV crosses the network)")
+    p.add_argument(bind.FLAG, action="store_true",
+                   help="with --ray: routers and workers listen on their Ray node's address and "
+                        "advertise it (needed when the cluster spans hosts); off: 127.0.0.1 only")
+
+
+def check_args(args) -> None:
+    """The Ray-only flags without --ray: one line, before anything starts."""
+    if getattr(args, "ray", None):
+        return
+    for flag, given in ((bind.FLAG, getattr(args, "allow_external_bind", False)),
+                        ("--ray-slice", getattr(args, "ray_slice", None))):
+        if given:
+            raise SystemExit(f"kvfleet up: {flag} is for a Ray fleet (--ray); a fleet of local "
+                             "processes listens on 127.0.0.1 (the gateway on --host)")
 
 
 def pin_ports(args, plan_of: Callable[[int], list]) -> None:
@@ -416,16 +532,24 @@ def pin_ports(args, plan_of: Callable[[int], list]) -> None:
                      f"{PORT_BASE_TO}; give one")
 
 
-def launcher_for(args, env: dict[str, str]) -> RayLauncher:
+def launcher_for(args, child_env: dict[str, str]) -> RayLauncher:
     """Join (or start) the cluster and make the launcher of `kvfleet up --ray`."""
     try:
         cluster = RayCluster.connect(args.ray)
     except Exception as e:  # noqa: BLE001 - Ray's own errors: one line, not a traceback
         raise SystemExit(f"kvfleet up --ray {args.ray}: cannot start or join the Ray cluster: "
                          f"{type(e).__name__}: {e}") from None
+    external = getattr(args, "allow_external_bind", False)
+    networks = (getattr(args, "allowed_networks", None)
+                or env.ALLOWED_NETWORKS.get())
+    why = check_nodes(cluster.node_ips(), cluster.node_id, external, args.redis_url, networks)
+    if why:
+        cluster.shutdown()
+        raise SystemExit(f"kvfleet up --ray {args.ray}: {why}")
     gpus = gpus_per_worker(cluster.gpus, getattr(args, "device", None),
                            getattr(args, "tensor_parallel", 1))
-    return RayLauncher(cluster, env=env, worker_gpus=gpus)
+    return RayLauncher(cluster, env=child_env, worker_gpus=gpus, external_bind=external,
+                       slices_as=getattr(args, "ray_slice", None) or "pack")
 
 
 def banner(launcher) -> list[str]:
@@ -434,4 +558,8 @@ def banner(launcher) -> list[str]:
         return []
     c = launcher.cluster
     where = f"local cluster, its files in {c.temp_dir}" if c.owned else "joined"
-    return [f"  ray          {c.address} ({where}; {launcher.worker_gpus} GPU(s) per worker)"]
+    binds = "node addresses" if launcher.external_bind else "127.0.0.1"
+    return [f"  ray          {c.address} ({where}; {launcher.worker_gpus} GPU(s) per worker; "
+            f"slices {launcher.slice_strategy}; services on {binds})",
+            *(f"  {NODE_PREFIX:<12} {name} {child.node_id} {child.node_ip}"
+              for name, child in sorted(launcher.children.items()))]

@@ -6,6 +6,13 @@ folder), so the service dies with the actor (a parent-death signal). When the se
 actor exits with RESTART_STATUS, so that Ray restarts the actor, and with it the service; a
 restarted actor says so on its stderr (Ray forwards it to kvfleet up). A service being drained
 (SIGUSR1) or stopped ends without that: kvfleet up then kills the actor for good.
+
+A fleet spread over several Ray nodes (`kvfleet up --ray ADDRESS --allow-external-bind`) hosts its
+routers and workers with `bind_node`: the service is told to listen on its node's address, the one
+Ray knows the node by (`--host <node IP> --allow-external-bind`), so what it advertises (its READY
+address, its record in Redis, its tcp KV receiver's descriptors) is reachable from the other nodes,
+and NIXL's UCX is pointed at the interface holding that address (`UCX_NET_DEVICES`, unless the
+operator set it). Without it a service listens on 127.0.0.1, as in a plain fleet.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import threading
 import warnings
 
 from services.cli.launcher import Launcher
+from services.protocol import bind, env as env_vars
 
 RESTART_STATUS = 1              # an actor whose service died exits with this
 
@@ -25,11 +33,15 @@ class ServiceHost:
     (so that Ray restarts the actor), and answers about it."""
 
     def __init__(self, name: str, module_args: list[str], env: dict[str, str],
-                 log_dir: str) -> None:
+                 log_dir: str, bind_node: bool = False) -> None:
         import ray  # noqa: PLC0415
         os.makedirs(log_dir, exist_ok=True)
         self.name = name
         self.draining = False
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        if bind_node:
+            module_args, env = on_node(module_args, env, self.node_ip)
         self.launcher = Launcher(env=env, log_dir=log_dir)
         with warnings.catch_warnings():        # deprecated in 2.60, with no replacement yet
             warnings.simplefilter("ignore")
@@ -56,6 +68,7 @@ class ServiceHost:
         return {"address": self.child.address, "lines": list(self.child.lines),
                 "pid": self.child.proc.pid, "status": self.child.proc.poll(),
                 "draining": self.draining, "restarted": self.restarted,
+                "node_id": self.node_id, "node_ip": self.node_ip,
                 "log_tail": _tail(self.launcher.log_path(self.name))}
 
     def signal(self, sig: int) -> None:
@@ -78,6 +91,28 @@ class ServiceHost:
     def stop(self, grace_s: float) -> None:
         self.launcher.stopping.set()
         self.launcher.stop_all(grace_s)
+
+
+def on_node(module_args: list[str], env: dict[str, str], node_ip: str
+            ) -> tuple[list[str], dict[str, str]]:
+    """A router's or worker's command and environment to listen on `node_ip`: the last --host
+    wins in its arguments, and UCX uses the interface that holds `node_ip` (loopback: `lo`)
+    unless the environment names one already."""
+    env = dict(env)
+    if not env.get(env_vars.UCX_NET_DEVICES.name):
+        device = interface_of(node_ip)
+        if device:
+            env[env_vars.UCX_NET_DEVICES.name] = device
+    return [*module_args, "--host", node_ip, bind.FLAG], env
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface that holds address `ip` (None: no interface does)."""
+    import psutil  # noqa: PLC0415
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addresses):
+            return name
+    return None
 
 
 def say(line: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, a named model, or a checkpoint dir")
     p.add_argument("--out", default="step-profile.json", help="the profile file to write")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads; default: what kvfleet up gives one worker (the cores less "
+                   help="torch threads; default: the engine's (vLLM's rule: the physical cores less "
                         "one, at least 1). Measure with the threads the fleet's workers use")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds): a smoke test")
     p.add_argument("--seed", type=int, default=0)
@@ -58,7 +57,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         print("kvfleet sim calibrate: --threads must be >= 1", file=sys.stderr)
         return 2
-    threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1)
+    from services.engine.model.threads import engine_threads  # noqa: PLC0415
+    threads = args.threads if args.threads is not None else engine_threads(0)
     if args.in_fleet:
         return run_in_fleet(args, threads)
     try:

@@ -157,11 +157,13 @@ def fallback_roles(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def worker_threads(args: argparse.Namespace) -> int:
-    """Torch threads per worker process: the host's cores less one, split between the workers
-    (a tensor-parallel worker's N ranks each run with this many)."""
+    """Torch threads per worker process: the engine's own count for this host (vLLM's rule,
+    services/engine/model/threads.py) split between the workers (a tensor-parallel worker's N
+    ranks each run with this many)."""
+    from services.engine.model.threads import engine_threads  # noqa: PLC0415
     tp = getattr(args, "tensor_parallel", 1)
     workers = sum(n * tp for _, n in worker_roles(args)) + sum(n for _, n in fallback_roles(args))
-    return max(1, ((os.cpu_count() or 1) - 1) // workers)
+    return max(1, engine_threads(0) // workers)
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
@@ -433,6 +435,7 @@ def _up(args: argparse.Namespace) -> int:
     started = time.monotonic()
     limits = timeouts.from_args(args)       # SystemExit naming every contradiction
     check_routers(args)
+    ray_fleet.check_args(args)
     check_keys(args)
     check_fallback(args)
     check_device(args)

@@ -3,7 +3,8 @@
 A reservation's life, all of it owned here:
 
   Reserve   engine.reserve (authoritative: refused when it cannot be backed), transport.expect on
-            its blocks, the engine output stream opened (so no token is missed whenever decode
+            its blocks for the class's lifetime (Timeouts.reservation_for: the base reservation_s
+            plus a multiple of the class's TTFT target, capped), the engine output stream opened (so no token is missed whenever decode
             starts), a watcher task started;
   watcher   awaits the transfer handle. Landed: the first token from the transfer's HandOff seeds
             the engine (`start_decode`) at once: no one relays it here. n > 1: the HandOff holds
@@ -50,6 +51,7 @@ from services.worker.engine_client import EngineClient, EngineFailed, OutputStre
 from services.worker.outcomes import Ending, engine_failed, invalid_request, output_failure
 from services.worker.role import RoleCalls, RoleLoad, RoleParts, RoleState
 from services.worker.telemetry import TRANSFER_S, WorkerTelemetry, end_span
+from services.worker.token_stream import serve_token_stream
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +159,9 @@ class DecodeRole:
                 f"cannot back the reservation: "
                 f"{stats.kv_blocks_free - stats.kv_blocks_reserved - self.held_blocks} blocks "
                 f"available, {stats.num_running} running"))
-        t = self.config.timeouts
-        expires = time.time() + t.reservation_s
-        handle = self.transport.expect(rid, blocks, t.reservation_s)
+        lifetime_s = self._lifetime_s(request.traffic_class)
+        expires = time.time() + lifetime_s
+        handle = self.transport.expect(rid, blocks, lifetime_s)
         target = self.transport.descriptor(blocks)
         res = self._reservations[rid] = Reservation(
             rid, len(blocks), handle, stream, expires, asyncio.get_running_loop().create_future(),
@@ -172,6 +174,13 @@ class DecodeRole:
             context.add_done_callback(lambda ctx: self._answered(ctx, res))
         return pb.ReserveResponse(request_id=rid, accepted=True, target=target,
                                   expires_at_unix_s=expires)
+
+    def _lifetime_s(self, class_name: str) -> float:
+        """How long a reservation of this class waits for its KV (Timeouts.reservation_for): a
+        document's prefill may take as long as its target allows, and more on a loaded fleet."""
+        sched = self.engine.config.scheduler
+        cls = sched.traffic_class(class_name or sched.interactive_class)
+        return self.config.timeouts.reservation_for(cls.ttft_target_s if cls else None)
 
     def _abandoned(self, rid: str, how: str) -> None:
         """A Reserve whose caller had gone was undone (services/worker/telemetry.py, ABANDONED)."""
@@ -284,58 +293,11 @@ class DecodeRole:
         if res.landed_at is not None:
             chunk.timing.decode_s = time.monotonic() - res.landed_at
 
-    async def decode_stream(self, subscriptions, context=None) -> AsyncIterator[pb.DecodeBatch]:
-        """One gateway's decode streams over one call: each subscribed request is pumped by a
-        task of its own into a shared outbox, and whatever is in the outbox when the sender
-        wakes goes as one batch (a decode step's tokens for all of them). The call ending (the
-        gateway gone) ends every request it carried. The worker stopping (`stop`) ends the call
-        from this side: each request it carries ends SHUTTING_DOWN, then the call returns, so the
-        server's stop finds no call left to cancel."""
-        outbox = _Outbox()
-        pumps: dict[str, asyncio.Task] = {}
-
-        def stop() -> None:
-            for rid in pumps:
-                outbox.put_end(pb.DecodeEnd(request_id=rid, failure=status.failed(
-                    pb.SHUTTING_DOWN, f"decode worker {self.config.worker_id} is stopping")))
-            outbox.stop()
-
-        async def pump(rid: str) -> None:
-            try:
-                async for chunk in self.decode(rid):
-                    outbox.put_chunk(chunk)
-                outbox.put_end(pb.DecodeEnd(request_id=rid))
-            except status.CallFailed as e:
-                outbox.put_end(pb.DecodeEnd(request_id=rid, failure=e.status))
-            finally:
-                pumps.pop(rid, None)
-
-        async def read() -> None:
-            async for sub in subscriptions:
-                if sub.cancel:
-                    task = pumps.pop(sub.request_id, None)
-                    if task is not None:
-                        task.cancel()
-                    else:
-                        self.end(sub.request_id)
-                elif sub.request_id not in pumps:
-                    pumps[sub.request_id] = asyncio.get_running_loop().create_task(
-                        pump(sub.request_id))
-            outbox.close()                  # the gateway half-closed: no more subscriptions
-
-        reader = asyncio.get_running_loop().create_task(read())
-        self._calls.add(stop)
-        try:
-            while True:
-                batch = await outbox.take(lambda: reader.done() and not pumps)
-                if batch is None:
-                    return
-                yield batch
-        finally:
-            self._calls.discard(stop)
-            reader.cancel()
-            for task in list(pumps.values()):
-                task.cancel()
+    def decode_stream(self, subscriptions, context=None) -> AsyncIterator[pb.DecodeBatch]:
+        """One gateway's decode streams over one call (services/worker/token_stream.py): each
+        subscription relays its request's tokens 2..N (`decode`)."""
+        return serve_token_stream(subscriptions, lambda sub: self.decode(sub.request_id),
+                                  self.end, self._calls, self.config.worker_id)
 
     def end(self, rid: str) -> bool:
         """End a reservation whatever its state (synchronous: safe in `finally`). Its blocks go
@@ -375,40 +337,3 @@ def _deadline(context) -> float | None:
     """The Reserve call's deadline on this host's monotonic clock (the engine core's too)."""
     left = context.time_remaining() if context is not None else None
     return None if left is None else time.monotonic() + left
-
-
-class _Outbox:
-    """What a DecodeStream call has to send: chunks and ends in arrival order, taken as one batch."""
-
-    def __init__(self) -> None:
-        self._batch = pb.DecodeBatch()
-        self._ready = asyncio.Event()
-        self._closed = False
-        self._stopped = False
-
-    def put_chunk(self, chunk: pb.TokenChunk) -> None:
-        self._batch.chunks.append(chunk)
-        self._ready.set()
-
-    def put_end(self, end: pb.DecodeEnd) -> None:
-        self._batch.ends.append(end)
-        self._ready.set()
-
-    def close(self) -> None:
-        self._closed = True
-        self._ready.set()
-
-    def stop(self) -> None:
-        """The worker is stopping: what is in the outbox goes, then `take` returns None."""
-        self._stopped = True
-        self._ready.set()
-
-    async def take(self, finished) -> pb.DecodeBatch | None:
-        """The next batch; None once `finished()` holds and nothing is left to send."""
-        while not (self._batch.chunks or self._batch.ends):
-            if self._stopped or (self._closed and finished()):
-                return None
-            self._ready.clear()
-            await self._ready.wait()
-        batch, self._batch = self._batch, pb.DecodeBatch()
-        return batch

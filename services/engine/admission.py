@@ -119,7 +119,8 @@ class LateRequest:
 
 def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rate: float,
                   now: float, weights: Mapping[str, float],
-                  factor: float = 2.0) -> list[LateRequest]:
+                  factor: float = 2.0,
+                  interactive_class: str = "interactive") -> list[LateRequest]:
     """Queued requests that would clearly miss their class TTFT target: predicted TTFT over
     `factor` times the target. Conservative on purpose (docs/engine.md, "Late rejection"): the
     target is a p99 and the prediction is rough, so a request is refused only when even an
@@ -130,7 +131,9 @@ def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rat
       - the uncomputed prompt tokens of admitted requests of the same or a higher class priority
         (prefill goes by priority, so a chat never waits behind an admitted document's prefill);
       - queued requests of other classes that sort before this one by (effective priority desc,
-        arrival asc);
+        arrival asc), except, for an interactive request, those of a capped class
+        (`share_while_interactive_waits` < 1: an aged document): while interactive work waits they
+        take at most their share of each step, the rest is the interactive class's;
       - within its class, weighted DRR: its own tenant's earlier requests, and of each other
         tenant u at most weight_u / weight_own times that (u's queue if smaller). A quiet
         tenant's first request is next in line however long a flooding tenant's queue is.
@@ -149,13 +152,17 @@ def late_requests(queued: Iterable[Request], in_progress: Iterable[Request], rat
         queue[r.traffic_class.name][r.tenant] += r.num_uncomputed_tokens
     own_before: dict[tuple[str, str], int] = defaultdict(int)     # accepted earlier, same tenant
     class_before: dict[str, int] = defaultdict(int)               # accepted earlier, per class
+    capped = {r.traffic_class.name for r in order
+              if r.traffic_class.share_while_interactive_waits < 1}
     late: list[LateRequest] = []
     for req in order:
         cls, tenant = req.traffic_class.name, req.tenant
         own = own_before[cls, tenant]
         others = drr_others_ahead(own, tenant, queue[cls], weights)
         ahead = (sum(n for p, n in admitted.items() if p >= req.traffic_class.priority)
-                 + sum(n for c, n in class_before.items() if c != cls) + own + int(others))
+                 + sum(n for c, n in class_before.items()
+                      if c != cls and not (cls == interactive_class and c in capped))
+                + own + int(others))
         waited = now - req.arrival_time
         ttft = waited + (ahead + req.num_uncomputed_tokens) / rate
         target = req.traffic_class.ttft_target_s

@@ -13,6 +13,7 @@ AdmissionPolicy = Literal["reserve", "predict"]
 WorkerRole = Literal["mixed", "prefill", "decode"]
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")   # --kv-cache-dtype
 DEVICES = ("auto", "cpu", "cuda")                                        # --device
+CPU_GEMMS = ("auto", "onednn", "torch")                                 # EngineConfig.cpu_gemm
 CUDA_GRAPHS = ("auto", "on", "off")                                      # --cuda-graphs (auto: on CUDA)
 # A worker's KV cache when nothing names one (--kv-cache-mib of kvfleet serve / up, the benches,
 # the simulator): the one default, defined here.
@@ -303,6 +304,14 @@ class EngineConfig:
     # auto | on | off (services/engine/model/decode_graphs.py): decode-only steps padded to a
     # captured batch size and replayed as CUDA graphs; auto is on when the device is CUDA
     cuda_graphs: str = "auto"
+    # auto | onednn | torch (services/engine/model/cpu_gemm.py): a CPU model's projections through
+    # oneDNN with weights packed at start-up (auto: for bfloat16 only, where the bits are F.linear's;
+    # onednn: float32 too, whose log-probs then move by ~1e-4) or plain F.linear (torch)
+    cpu_gemm: str = "auto"
+    # torch intra-op (OpenMP) threads of a CPU engine (services/engine/model/threads.py), set when
+    # the model loads: 0 is vLLM's rule (one per physical core this process may use, less one
+    # reserved for the front end; at least one: 1 on a 2-core host); N > 0 is exactly N
+    torch_threads: int = 0
     # ranks the model is sharded over (services/engine/tp_ranks.py): this process is rank 0 and
     # starts the other N - 1; heads, KV heads and MLP width must divide by it
     tensor_parallel_size: int = 1
@@ -323,6 +332,10 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r} ({'|'.join(DEVICES)})")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"unknown cuda_graphs {self.cuda_graphs!r} ({'|'.join(CUDA_GRAPHS)})")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"unknown cpu_gemm {self.cpu_gemm!r} ({'|'.join(CPU_GEMMS)})")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0 (0: vLLM's rule), got {self.torch_threads}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} ({'|'.join(KV_CACHE_DTYPES)})")
         if len(self.kv_cache_scales) != 2 or not all(0 < float(x) < float("inf") for x in self.kv_cache_scales):

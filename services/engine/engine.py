@@ -68,6 +68,9 @@ class EngineStats:
     max_prefill_attention: int = 0   # its cap on a decoding step's prefill pairs (0: none)
     # per class, what the prompts ahead take of one step (Scheduler.prefill_step_tokens_ahead)
     prefill_step_tokens_ahead: dict[str, int] = field(default_factory=dict)
+    # (class, tenant) -> each queued prompt's tokens not yet computed, in queue order (the first
+    # PUBLISHED_PROMPTS of each tenant)
+    prefill_prompts: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +272,8 @@ class LLMEngine:
             decode_context_tokens=sum(r.num_tokens for r in running if r.is_decoding),
             max_running=self.config.scheduler.max_running,
             max_prefill_attention=self.config.scheduler.max_prefill_attention,
-            prefill_step_tokens_ahead=self.scheduler.prefill_step_tokens_ahead(), **self._counters)
+            prefill_step_tokens_ahead=self.scheduler.prefill_step_tokens_ahead(),
+            prefill_prompts=queued_prompts(self.scheduler), **self._counters)
 
     def _oldest_queued_s(self) -> float:
         arrival = self.scheduler.oldest_queued_arrival()
@@ -444,6 +448,16 @@ class LLMEngine:
             self._ready_since = None
         elif ran or self._ready_since is None:
             self._ready_since = end
+
+
+PUBLISHED_PROMPTS = 64   # queued prompts of one tenant a worker lists in its stats, at most
+
+
+def queued_prompts(scheduler) -> dict[tuple[str, str], list[int]]:
+    """(class, tenant) -> the tokens not yet computed of each of its queued prompts, in the
+    order its queue is served (the first PUBLISHED_PROMPTS)."""
+    return {(cls, tenant): [r.num_uncomputed_tokens for r in itertools.islice(q, PUBLISHED_PROMPTS)]
+            for cls, qs in scheduler.queues.items() for tenant, q in qs.items() if q}
 
 
 def clamp_to_output_cap(params: SamplingParams, cls) -> SamplingParams:

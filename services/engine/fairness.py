@@ -40,6 +40,16 @@ def class_budget(cls: TrafficClass, remaining: int, token_budget: int,
     return max(0, min(remaining, cap))
 
 
+def capped_base(role: str, token_budget: int, chunk_size: int) -> int:
+    """The tokens a capped class's share (`class_budget`'s B) is of: the token budget; on a
+    prefill worker two chunks. Its budget there is wide for throughput, and a document filling it
+    stretches every step the chats wait through, while each of those chats holds a decode seat
+    reserved on another worker, empty until its KV lands. (The router's step-ahead uses it too.)"""
+    if role == "prefill":
+        return min(token_budget, 2 * chunk_size)
+    return token_budget
+
+
 def drr_others_ahead(own: int, tenant: str, queued: Mapping[str, int],
                      weights: Mapping[str, float]) -> int:
     """Prefill tokens of the other tenants of a class that weighted DRR serves before a request of

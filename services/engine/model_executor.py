@@ -13,6 +13,7 @@ from services.engine.model.decode_graphs import DecodeGraphConfig, DecodeGraphRu
 from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape, resolve_kv_dtype
 from services.engine.model.loader import load_model
 from services.engine.model.runner import ModelRunner
+from services.engine.model.threads import set_engine_threads
 from services.engine.request import Request
 from services.engine.sampler import Sampler, TokenLogprob, make_generator, prompt_logprobs
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -28,6 +29,8 @@ class ModelExecutor:
         (rank 0 keeps the first part); a kv_alloc with a `path` (the file it maps) lets each
         follower rank map its own part of that file (services/engine/tp_ranks.py)."""
         self.device = resolve_device(config.device)   # the model, the KV cache, the logits
+        if self.device.type == "cpu":             # before loading: packing and ranks use them
+            log.info("torch threads: %d", set_engine_threads(config.torch_threads))
         tp = config.tensor_parallel_size
         self.tp_leader: TPLeader | None = None   # rank 0 of config.tensor_parallel_size
         if tp > 1:                                # model.config is the rank's (its KV heads)
@@ -60,7 +63,8 @@ class ModelExecutor:
         self.kv_cache = KVCache(model.config, self.num_blocks, config.block_size, dtype,
                                 device=self.device, data=kv_data, k_scale=k_scale, v_scale=v_scale)
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, dtype)  # all layers, K+V (a rank's)
-        self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend)
+        self.runner = ModelRunner(model, self.kv_cache, backend=config.attention_backend,
+                                  cpu_gemm=config.cpu_gemm)
         if use_cuda_graphs(config.cuda_graphs, self.device):
             self.runner = self._padded_decodes(config, model)
         if self.tp_leader is not None:

@@ -29,6 +29,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from services.engine.admission import (RateEstimator, blocks_to_reserve, cdiv, late_requests,
@@ -37,8 +38,8 @@ from services.engine.block_pool import BlockPool, hash_full_blocks, usable_prefi
 from services.engine.config import SchedulerConfig
 from services.engine.decode_protection import Seat, decode_admissions
 from services.engine.errors import UnknownRequestError
-from services.engine.fairness import (DeficitRoundRobin, class_budget, effective_priority,
-                                     priority_slot)
+from services.engine.fairness import (DeficitRoundRobin, capped_base, class_budget,
+                                     effective_priority, priority_slot)
 from services.engine.request import Request, Status
 from services.engine.step_model import StepModel
 from services.planner.step_time import BatchShape
@@ -208,9 +209,28 @@ class Scheduler:
             if budget <= 0:
                 return
             capped = interactive_waits and cls.name != self.config.interactive_class
-            allowed = class_budget(cls, budget, self.config.token_budget, capped)
+            base = capped_base(self.config.role, self.config.token_budget, self.config.chunk_size)
+            allowed = class_budget(cls, budget, base, capped)
             take = lambda tenant, n, c=cls.name: self._take(c, tenant, n, out)  # noqa: E731
-            budget -= self.drr[cls.name].serve(self._tenants_with_work(cls.name), allowed, take)
+            with self._attention_share(out, cls.share_while_interactive_waits if capped else 1.0):
+                budget -= self.drr[cls.name].serve(self._tenants_with_work(cls.name), allowed,
+                                                   take)
+
+    @contextmanager
+    def _attention_share(self, out: SchedulerOutput, share: float) -> Iterator[None]:
+        """A capped class (documents while chats wait) may spend at most `share` of the
+        iteration's attention pairs, as of its tokens: an aged document deep in its prompt would
+        otherwise spend them all, leaving each chat behind it only the floor chunk."""
+        whole = out.attention_left
+        if share >= 1.0 or math.isinf(whole):
+            yield
+            return
+        mine = min(whole, share * self.config.max_prefill_attention)
+        out.attention_left = mine
+        try:
+            yield
+        finally:
+            out.attention_left = whole - (mine - out.attention_left)
 
     def _take(self, cls: str, tenant: str, max_tokens: int, out: SchedulerOutput) -> int:
         """Schedule up to max_tokens of one tenant's prefill work, FCFS. Returns tokens used.
@@ -221,12 +241,16 @@ class Scheduler:
         for req in list(self.queues[cls].get(tenant, ())):
             if used >= max_tokens:
                 break
-            if req.status != Status.RUNNING and not self._admit(req, out):
-                break                      # FCFS: the tenant's head waits for capacity or caps
             prev = out.prefill_of(req)
             have = prev.num_tokens if prev else 0
+            floor = not have and not any(c.request.traffic_class.name == cls for c in out.prefills)
+            if not have and self._attention_fit(req.num_computed_tokens, floor, out) < min(
+                    req.num_uncomputed_tokens, MIN_CHUNK):
+                break                      # the pairs are spent: it waits whole, in its order
+            if req.status != Status.RUNNING and not self._admit(req, out):
+                break                      # FCFS: the tenant's head waits for capacity or caps
             n = min(req.num_uncomputed_tokens - have, self.config.chunk_size - have, max_tokens - used)
-            n = min(n, self._attention_fit(req.num_computed_tokens + have, have, out))
+            n = min(n, self._attention_fit(req.num_computed_tokens + have, floor, out))
             if n <= 0:
                 continue
             if not self._ensure_slots(req, req.num_computed_tokens + have + n, out):
@@ -241,17 +265,20 @@ class Scheduler:
         return used
 
     @staticmethod
-    def _attention_fit(start: int, have: int, out: SchedulerOutput) -> int:
+    def _attention_fit(start: int, floor: bool, out: SchedulerOutput) -> int:
         """The most tokens from position `start` whose attention fits what the iteration has left.
-        A sequence's first chunk of the iteration gets at least MIN_CHUNK tokens, so a long prompt
-        always progresses however deep it is."""
+        With `floor` (the first chunk of its class this iteration) at least MIN_CHUNK tokens, so
+        a long prompt always progresses however deep it is. Only one per class: were every
+        queued prompt given the floor once the pairs ran out, a class's prompts would advance
+        MIN_CHUNK tokens each, all together, and every one of them start late (processor
+        sharing) instead of the first ones on time."""
         if math.isinf(out.attention_left):
             return 1 << 62
         # attention_pairs(start, n) = n * start + n * (n + 1) / 2 <= left, solved for n
         left = max(0.0, out.attention_left)
         b = start + 0.5
         n = int(math.sqrt(b * b + 2 * left) - b)
-        return max(n, 0 if have else MIN_CHUNK)
+        return max(n, MIN_CHUNK if floor else 0)
 
     def _prefill_chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -561,7 +588,7 @@ class Scheduler:
         in_progress = [r for r in queued if r.status == Status.RUNNING]
         late = late_requests(waiting, in_progress, self.prefill_rate.optimistic, now,
                              {t.name: t.weight for t in self.config.tenants},
-                             self.config.reject_late_factor)
+                             self.config.reject_late_factor, self.config.interactive_class)
         for item in late:
             item.request.reject_reason = item.reason
             item.request.retry_after_s = item.retry_after_s

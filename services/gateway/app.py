@@ -196,6 +196,7 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
     with telemetry.phase("gateway.auth"):
         key = core.authenticate(request.headers.get("authorization"))
         telemetry.named(request_id, key.tenant, key.traffic_class)
+        core.quotas.refuse_early(key)          # before the body is read
     with telemetry.phase("gateway.validate"):
         body = await read_body(request, core.config.max_body_bytes)
         req = schema.parse(model_cls, body)

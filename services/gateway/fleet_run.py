@@ -1,17 +1,23 @@
 """How the gateway runs one request through the fleet: ask a router for a plan, then stream from
 the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
 
-  1. `Routers.admit`: Router.Admit on one of the routers (round robin; a router that does not
-     answer is skipped for the next, so killing one router only moves new requests to another);
-  2. co-located plan: Worker.Generate on the mixed worker, streamed as is;
-     disaggregated plan: Worker.Prefill on prefill[0], and a subscription on the gateway's one
-     long-lived DecodeStream call to the decode worker (a decode step's tokens for all of this
-     gateway's streams come as one message), opened together. The first token comes from the prefill stream (before any KV moves;
-     n > 1: each sample's, indexed);
-     tokens 2..N from the decode stream, which the decode worker starts on its own when the KV
-     (carrying the first token) has landed. A prefill that fails before its first token is
-     retried once on prefill[1], and so is one whose worker does not accept it (services/protocol/
-     accept.py) within Timeouts.prefill_start_s (a frozen worker or engine core);
+  1. `Routers.admit`: Admit on one of the routers (round robin; a router that does not answer is
+     skipped for the next, so killing one router only moves new requests to another), as one
+     ask on the gateway's long-lived AdmitStream call to that router (services/protocol/
+     shared_call.py: the request's deadline and trace context travel in the ask);
+  2. co-located plan: a subscription carrying the request on the gateway's one long-lived
+     DecodeStream call to the mixed worker (a step's tokens for all of this gateway's requests
+     there come as one message);
+     disaggregated plan: Prefill on prefill[0] (an ask on the gateway's long-lived PrefillStream
+     call to that worker; its accept, first token and end come back as notes), and a
+     subscription on the gateway's one long-lived DecodeStream call to the decode worker (a
+     decode step's tokens for all of this gateway's streams come as one message), opened
+     together. The first token comes from the prefill stream (before any KV moves; n > 1: each
+     sample's, indexed); tokens 2..N from the decode stream, which the decode worker starts on
+     its own when the KV (carrying the first token) has landed. A prefill that fails before its
+     first token is retried once on prefill[1], and so is one whose worker does not accept it
+     (services/protocol/accept.py) within Timeouts.prefill_start_s (a frozen worker or engine
+     core);
   3. `close()`: a run that did not finish cancels its calls and sends Cancel to every worker it
      touched (fire and forget: the decode worker owns the safety of its blocks, so the order of
      these Cancels does not matter).
@@ -34,14 +40,15 @@ import time
 import grpc
 from opentelemetry import context as otel_context
 
-from services.protocol import status
+from services.protocol import shared_call, status
 from services.protocol.accept import accepted_within
 from services.protocol.aio import internal_channel
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.protocol.timeouts import Timeouts
-from services.protocol.typed_stub import TypedCall, TypedStub
+from services.protocol.shared_call import StreamedRequest
+from services.protocol.typed_stub import TypedStub
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,8 @@ class Channels:
         self._auth = auth
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._links: dict[str, DecodeLink] = {}
+        self._admits: dict[str, shared_call.SharedCall] = {}
+        self._prefills: dict[str, shared_call.SharedCall] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -68,8 +77,25 @@ class Channels:
         """A Worker stub whose calls raise status.CallFailed."""
         return TypedStub(pb_grpc.WorkerStub(self.get(address)))
 
+    def admit_call(self, address: str) -> shared_call.SharedCall:
+        """The one AdmitStream call to this router (a new one once the last broke)."""
+        call = self._admits.get(address)
+        if call is None:
+            call = self._admits[address] = shared_call.admit_call(
+                TypedStub(pb_grpc.RouterStub(self.get(address))), address)
+        return call
+
+    def prefill_call(self, address: str) -> shared_call.SharedCall:
+        """The one PrefillStream call to this prefill worker (a new one once the last broke)."""
+        call = self._prefills.get(address)
+        if call is None:
+            call = self._prefills[address] = shared_call.prefill_call(self.worker(address),
+                                                                      address)
+        return call
+
     def decode_link(self, address: str) -> DecodeLink:
-        """The one DecodeStream call to this decode worker (a new one once the last broke)."""
+        """The one DecodeStream call to this decode or mixed worker (a new one once the last
+        broke)."""
         link = self._links.get(address)
         if link is None or link.broken:
             link = self._links[address] = DecodeLink(self.worker(address), address)
@@ -78,6 +104,8 @@ class Channels:
     async def close(self) -> None:
         for link in self._links.values():
             link.close()
+        for call in [*self._admits.values(), *self._prefills.values()]:
+            call.close()
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
@@ -97,10 +125,17 @@ class DecodeLink:
         self._call = stub.DecodeStream(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    def subscribe(self, request_id: str, deadline_s: float) -> Subscription:
+    def subscribe(self, request_id: str, deadline_s: float, generate: pb.WorkRequest | None = None,
+                  metadata: tuple[tuple[str, str], ...] | None = None) -> Subscription:
+        """Subscribe to a request's tokens; `generate` (a mixed worker) starts the request there,
+        with `deadline_s` and the trace context in `metadata`."""
         queue: asyncio.Queue = asyncio.Queue()
         self._subs[request_id] = queue
-        self._out.put_nowait(pb.DecodeSubscribe(request_id=request_id))
+        sub = pb.DecodeSubscribe(request_id=request_id)
+        if generate is not None:
+            sub.generate.CopyFrom(generate)
+            sub.terms.CopyFrom(shared_call.terms(deadline_s, metadata))
+        self._out.put_nowait(sub)
         return Subscription(self, request_id, queue, deadline_s)
 
     def cancel(self, request_id: str) -> bool:
@@ -158,10 +193,9 @@ class Subscription:
 
     async def __aiter__(self):
         while True:
-            left = self._deadline - asyncio.get_running_loop().time()
             try:
-                item = await asyncio.wait_for(self._queue.get(), max(0.0, left))
-            except asyncio.TimeoutError:
+                item = await shared_call.next_item(self._queue, self._deadline)
+            except TimeoutError:
                 self.cancel()
                 raise status.CallFailed(status.failed(
                     pb.UNAVAILABLE, f"{self.request_id}: no end from decode worker "
@@ -204,8 +238,8 @@ class Routers:
         for i in range(len(self.addresses)):
             address = self.addresses[(first + i) % len(self.addresses)]
             try:
-                return await self.stub(address).Admit(
-                    request, timeout=self._timeouts.admit_call_s(), metadata=metadata)
+                return await shared_call.admit(self._channels.admit_call(address), request,
+                                               self._timeouts.admit_call_s(), metadata)
             except status.CallFailed as e:
                 if not _router_unreachable(e):
                     raise           # the router decided (a refusal, a bad request): final
@@ -237,9 +271,10 @@ class FleetRun:
     """One request's run through the fleet. `next()` returns TokenChunks (client-visible fields
     only) until None; any failure raises status.CallFailed.
 
-    `trace` is the request's span context (services/telemetry/tracing.py): the Admit, Prefill
-    and Generate calls carry it in their metadata. It is passed explicitly, since `_read` runs in
-    whatever task asks for the next chunk (a streaming response's task, not the request's)."""
+    `trace` is the request's span context (services/telemetry/tracing.py): the Admit ask and
+    the co-located subscription carry it in their terms, the Prefill call in its metadata. It is
+    passed explicitly, since `_read` runs in whatever task asks for the next chunk (a streaming
+    response's task, not the request's)."""
 
     def __init__(self, request: pb.WorkRequest, routers: Routers, channels: Channels,
                  timeouts: Timeouts, trace: otel_context.Context | None = None) -> None:
@@ -250,9 +285,9 @@ class FleetRun:
         self.plan: pb.Plan | None = None
         self.admitted_at: float | None = None       # monotonic time the router's plan came
         self._metadata = tracing.outgoing(trace) if trace is not None else None
-        self._calls: list[TypedCall] = []          # Generate / Prefill calls, to stop early
-        self._touched: set[str] = set()            # prefill / mixed workers, to Cancel on
-        self._decode: Subscription | None = None   # the decode side, ended once (_end_decode)
+        self._calls: list[StreamedRequest] = []    # Prefill asks, to stop early
+        self._touched: set[str] = set()            # prefill workers, to Cancel on
+        self._decode: Subscription | None = None   # decode / mixed side, ended once (_end_decode)
         self._reader = self._read()
         self._prefill_tail: asyncio.Task | None = None
         self.finished = False
@@ -286,15 +321,12 @@ class FleetRun:
         self.finished = True
 
     async def _colocated(self, plan: pb.Plan):
-        worker = plan.prefill[0].address
-        self._touched.add(worker)
         if plan.output_cap and plan.output_cap < self.request.params.max_tokens:
             self.request.params.max_tokens = plan.output_cap    # the stage capped it
-        call = self.channels.worker(worker).Generate(
-            self.request, timeout=self.timeouts.stream_s(self.request.params.max_tokens),
-            metadata=self._metadata)
-        self._calls.append(call)
-        async for chunk in call:
+        self._decode = self.channels.decode_link(plan.prefill[0].address).subscribe(
+            self.request_id, self.timeouts.stream_s(self.request.params.max_tokens),
+            generate=self.request, metadata=self._metadata)
+        async for chunk in self._decode:
             yield chunk
 
     async def _disaggregated(self, plan: pb.Plan):
@@ -315,8 +347,14 @@ class FleetRun:
         _TAILS.add(self._prefill_tail)
         self._prefill_tail.add_done_callback(_tail_done)
         try:
-            async for chunk in decode:
-                yield chunk
+            # the KV write can only fail before decode's first chunk: until then its failure ends
+            # the run at once (the decode stream alone would wait out the reservation's lifetime)
+            chunks = aiter(decode)
+            first_chunk = await _first_unless_failed(chunks, self._prefill_tail)
+            if first_chunk is not None:
+                yield first_chunk
+                async for chunk in chunks:
+                    yield chunk
         except status.CallFailed:
             # the decode stream failed: if the KV write failed, that is the cause to report
             failed_write = await _failure_of(self._prefill_tail)
@@ -327,15 +365,15 @@ class FleetRun:
     async def _first_token(self, plan: pb.Plan):
         """The prefill call that produced the first token, and that token's chunk."""
         attempts = list(plan.prefill)
+        request = pb.PrefillRequest(
+            request_id=self.request_id, tenant=self.request.tenant,
+            traffic_class=self.request.traffic_class,
+            prompt_token_ids=self.request.prompt_token_ids, params=self.request.params,
+            target=plan.target, kv_deadline_unix_s=plan.deadline_unix_s)
         for attempt, worker in enumerate(attempts):
             self._touched.add(worker.address)
-            call = self.channels.worker(worker.address).Prefill(pb.PrefillRequest(
-                request_id=self.request_id, tenant=self.request.tenant,
-                traffic_class=self.request.traffic_class,
-                prompt_token_ids=self.request.prompt_token_ids, params=self.request.params,
-                target=plan.target, kv_deadline_unix_s=plan.deadline_unix_s),
-                timeout=self.timeouts.prefill_s(),
-                metadata=self._metadata)
+            call = shared_call.prefill(self.channels.prefill_call(worker.address), request,
+                                       self.timeouts.prefill_s(), self._metadata)
             self._calls.append(call)
             try:
                 await self._accepted(call, worker)
@@ -418,6 +456,26 @@ async def _drain(call) -> None:
     """The rest of a prefill call after its first token: `shipped`, or a KV failure (raised)."""
     async for _ in call:
         pass
+
+
+_ENDED = object()
+
+
+async def _first_unless_failed(decode, tail: asyncio.Task):
+    """Decode's first chunk (None: the stream ended without one), or the prefill call's KV
+    failure if that comes first (raised)."""
+    first = asyncio.ensure_future(anext(decode, _ENDED))
+    try:
+        await asyncio.wait((first, tail), return_when=asyncio.FIRST_COMPLETED)
+        if not first.done() and not tail.cancelled() and isinstance(tail.exception(),
+                                                                     status.CallFailed):
+            raise tail.exception()
+        chunk = await first
+    finally:
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+    return None if chunk is _ENDED else chunk
 
 
 async def _failure_of(task: asyncio.Task | None) -> status.CallFailed | None:

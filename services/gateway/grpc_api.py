@@ -98,6 +98,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                 key = self._authenticate(context)
                 rid = internal_request_id(request.request_id, key.tenant) or new_request_id("cmpl")
                 telemetry.named(rid, key.tenant, key.traffic_class)
+                self.core.quotas.refuse_early(key)     # before the prompt is tokenized
             with telemetry.phase("gateway.validate"):
                 gen = await build_generation(request.ByteSize(), self._generation, request, key,
                                              rid)

@@ -75,10 +75,24 @@ class Quotas:
         # Every lease this gateway holds -> when its stream started. Invariant: a lease is here
         # from its admission until its stream ends (finish), so it is renewed exactly that long.
         self._held: dict[StreamLease, float] = {}
+        self._by_tenant: dict[str, int] = {}      # the same leases, counted by tenant
 
     @property
     def held(self) -> int:
         return len(self._held)
+
+    def refuse_early(self, key: ApiKey) -> None:
+        """429 at once, before the request's body is read, when this gateway alone already holds
+        every stream slot of the key's tenant (the fleet-wide count in Redis can only be higher,
+        so `admit` would refuse it too): a tenant flooding past its quota costs the gateway a
+        header read, not a body parse, a tokenization and a Redis call per request."""
+        mine = self._by_tenant.get(key.tenant, 0)
+        if mine >= key.max_concurrent_streams:
+            estimate = self.durations.first_end_in(key.tenant, mine)
+            raise errors.rate_limited(
+                f"tenant {key.tenant!r} already has {key.max_concurrent_streams} concurrent "
+                f"streams (max_concurrent_streams); retry when one ends (estimated in "
+                f"{estimate:.1f} s)", estimate).tagged("quota_streams_early")
 
     async def admit(self, key: ApiKey, prompt_tokens: int) -> StreamLease:
         """Take a stream slot and charge the request and its prompt, or raise 429 having taken no slot
@@ -97,6 +111,7 @@ class Quotas:
         if admission.lease is None:
             raise self._refusal(key, admission).tagged(f"quota_{admission.refused}")
         self._held[admission.lease] = self._clock()
+        self._by_tenant[key.tenant] = self._by_tenant.get(key.tenant, 0) + 1
         return admission.lease
 
     def unavailable(self, e: BaseException) -> errors.GatewayError:
@@ -127,6 +142,9 @@ class Quotas:
         started = self._held.pop(lease, None)
         if started is not None:
             self.durations.record(lease.tenant, self._clock() - started)
+            left = self._by_tenant.pop(lease.tenant, 0) - 1
+            if left > 0:
+                self._by_tenant[lease.tenant] = left
         try:
             await self.redis.call(self.state.finish_stream, lease, output_tokens)
         except UNREACHABLE as e:

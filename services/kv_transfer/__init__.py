@@ -1,7 +1,7 @@
 """kv_transfer: copy a request's KV blocks from a prefill worker's pool into a decode worker's reserved blocks.
 
 One small interface (base.KVTransport), one file per backend: `nixl` (UCX: cma / shared memory / tcp / RDMA),
-`tcp` (plain sockets on 127.0.0.1) and `local` (same process). The sequence, target = decode worker,
+`tcp` (plain sockets, on 127.0.0.1 unless its worker opted in to another host) and `local` (same process). The sequence, target = decode worker,
 source = prefill worker:
 
     1. target.register(kv_cache); source.register(kv_cache)          once per process, the whole pool
@@ -32,15 +32,15 @@ __all__ = ["BACKENDS", "PROCESS_BACKENDS", "KVLayout", "KVTransferError", "KVTra
            "wait_done"]
 
 
-def make_transport(backend: str, worker_id: str, port: int = 0) -> KVTransport:
-    """A transport for this worker; nixl is imported only when asked for (it loads UCX). `port`:
-    the tcp backend's receiver port (0: a free one); the others have none of their own."""
+def make_transport(backend: str, worker_id: str, port: int = 0, host: str = "127.0.0.1") -> KVTransport:
+    """A transport for this worker; nixl is imported only when asked for (it loads UCX). `host`,
+    `port`: the tcp backend's receiver (port 0: a free one); the others have none of their own."""
     if backend == "local":
         from services.kv_transfer.local import LocalTransport
         return LocalTransport(worker_id)
     if backend == "tcp":
         from services.kv_transfer.tcp import TcpTransport
-        return TcpTransport(worker_id, port=port)
+        return TcpTransport(worker_id, port=port, host=host)
     if backend == "nixl":
         from services.kv_transfer.nixl import NixlTransport
         return NixlTransport(worker_id)

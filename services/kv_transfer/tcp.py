@@ -1,6 +1,8 @@
-"""tcp backend: plain sockets on 127.0.0.1, the payload streamed from pool memory into pool memory.
+"""tcp backend: plain sockets, the payload streamed from pool memory into pool memory.
 
-The target listens on 127.0.0.1:<chosen port> (descriptor.address); one connection = one transfer. One gate
+The target listens on its worker's host (127.0.0.1 unless the worker was started with another --host and
+--allow-external-bind: a Ray node's or a pod's address) at <chosen port>, and advertises that host:port as
+descriptor.address, so a source on another node connects there; one connection = one transfer. One gate
 thread (tcp_gate.py) accepts and reads every header without trusting it: bounded in count, size and time, and
 the token checked there; an admitted transfer is received on a bounded pool of threads (TcpReceiverConfig).
 The source sends from its own thread, so write() returns at once.
@@ -64,14 +66,16 @@ class TcpTransport(PoolTransport):
     receiver_stops_writes = True
 
     def __init__(self, worker_id: str, auth: fleet_token.FleetAuth | None = None, port: int = 0,
-                 config: TcpReceiverConfig = TcpReceiverConfig(), staged: bool | None = None):
+                 config: TcpReceiverConfig = TcpReceiverConfig(), staged: bool | None = None,
+                 host: str = HOST):
         """`auth`: the fleet token writers present and this target asks for (else this process's);
-        `port`: where the receiver listens (0: a free port); `config`: the receiver's bounds;
+        `host`, `port`: where the receiver listens and what its descriptors name (0: a free port;
+        the worker checked a host off loopback against its opt-in); `config`: the receiver's bounds;
         `staged`: move blocks through host staging (None: exactly when the pool is not on the
         CPU; True on a CPU pool runs a device pool's path up to the device copy, for tests)."""
         super().__init__(worker_id)
         self._staged = staged
-        self._port, self.config = port, config
+        self._host, self._port, self.config = host, port, config
         self._gate: HeaderGate | None = None
         self._receivers = ThreadPoolExecutor(config.max_transfers, thread_name_prefix=f"kv-tcp-recv-{worker_id}")
         self._auth = auth if auth is not None else fleet_token.active()
@@ -89,7 +93,8 @@ class TcpTransport(PoolTransport):
         staged = self._staged if self._staged is not None else not on_host(kv_cache.data)
         if not staged:
             self._flat = byte_view(kv_cache.data)
-        self._listener = socket.create_server((HOST, self._port))
+        self._listener = socket.create_server((self._host, self._port),
+                                               family=_family(self._host))
         self._gate = HeaderGate(self._listener, self._auth, self.config, self._admit,
                                 f"kv-tcp-gate-{self.worker_id}")
 
@@ -100,8 +105,9 @@ class TcpTransport(PoolTransport):
 
     @property
     def address(self) -> str:
+        """host:port where sources reach this receiver ([host]:port for IPv6)."""
         host, port = self._listener.getsockname()[:2]
-        return f"{host}:{port}"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def descriptor(self, block_ids: Sequence[int]) -> pb.KVDescriptor:
         return make_descriptor(self.worker_id, self.name, self._layout, self._target_ids(block_ids),
@@ -142,6 +148,7 @@ class TcpTransport(PoolTransport):
         deadline = handle.deadline
         try:
             host, port = target.address.rsplit(":", 1)
+            host = host.removeprefix("[").removesuffix("]")
             with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock, self._tracked(sock):
                 _tune(sock)
                 views = self._source_views(src)
@@ -338,6 +345,10 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError("timed out")
     return left
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _tune(sock: socket.socket) -> None:

@@ -1,19 +1,25 @@
 """What only a mixed (co-located) worker does: a whole request here, its first token to its last
 (DESIGN 3, co-located mode).
 
-Generate(WorkRequest) streams TokenChunk: the request is queued on the engine core and every
-output goes back as it comes, the first chunk carrying the first token's timing and the last the
-decode time. The call ending early (the caller gone, a failure) cancels the request in the core;
-each ended request tells waiting routers a sequence's room is free.
+The gateway's one DecodeStream call to this worker carries all its co-located requests
+(services/worker/token_stream.py): a subscription carrying the WorkRequest, its deadline and trace
+context (`pb.CallTerms`) starts the request here, and a step's chunks for every request on the
+call go as one message. Generate(WorkRequest) does the same for one request on a call of its own.
+Either way the request is queued on the engine core and every output goes back as it comes, the
+first chunk carrying the first token's timing and the last the decode time. Ending early (the
+caller gone or cancelled, its deadline, a failure) cancels the request in the core; each ended
+request tells waiting routers a sequence's room is free.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from opentelemetry.trace import SpanKind
 
 from services.protocol import status
+from services.protocol.shared_call import StreamedContext, deadline_passed
 from services.protocol.convert import chunk_from_output
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.telemetry import tracing
@@ -21,6 +27,7 @@ from services.worker.engine_client import EngineFailed
 from services.worker.outcomes import Ending, add_request, engine_failed, output_failure
 from services.worker.role import RoleCalls, RoleLoad, RoleParts, RoleState
 from services.worker.telemetry import end_span, first_token_timing
+from services.worker.token_stream import serve_token_stream
 
 
 class MixedRole:
@@ -30,16 +37,20 @@ class MixedRole:
     def __init__(self) -> None:
         self.state = RoleState()
         self.parts: RoleParts | None = None
+        self._calls: set[Callable[[], None]] = set()   # each open DecodeStream call's `stop`
 
     def calls(self) -> RoleCalls:
-        return RoleCalls(generate=self.generate)
+        return RoleCalls(generate=self.generate, decode_stream=self.decode_stream)
 
     async def start(self, parts: RoleParts) -> None:
         self.parts = parts
         self.state.started = True
 
     def stop(self) -> None:
-        self.state.stopped = True     # each open Generate ends with the server's stop
+        """End every DecodeStream call (each open Generate ends with the server's stop)."""
+        self.state.stopped = True
+        for stop in list(self._calls):
+            stop()
 
     def readiness(self) -> str | None:
         return self.state.readiness()
@@ -49,6 +60,33 @@ class MixedRole:
 
     def load(self) -> RoleLoad:
         return RoleLoad()
+
+    def decode_stream(self, subscriptions, context=None) -> AsyncIterator[pb.DecodeBatch]:
+        """One gateway's co-located requests over one call: each subscription starts one."""
+        return serve_token_stream(subscriptions, self._subscribed,
+                                  lambda rid: self.parts.engine.cancel_soon(rid), self._calls,
+                                  self.parts.config.worker_id)
+
+    async def _subscribed(self, sub: pb.DecodeSubscribe) -> AsyncIterator[pb.TokenChunk]:
+        """A subscription's request, run as Generate runs it, within the deadline it carries."""
+        if not sub.HasField("generate") or sub.generate.request_id != sub.request_id:
+            raise status.CallFailed(status.failed(
+                pb.INVALID_REQUEST, f"{sub.request_id}: a mixed worker's subscription carries "
+                "its request (DecodeSubscribe.generate, with the same request id)"))
+        context = StreamedContext(sub.terms)
+        cancelled = True
+        try:
+            async with asyncio.timeout(context.time_remaining()):
+                async for chunk in self.generate(sub.generate, context):
+                    yield chunk
+            cancelled = False
+        except TimeoutError:
+            raise status.CallFailed(deadline_passed(sub.request_id)) from None
+        except status.CallFailed:
+            cancelled = False
+            raise
+        finally:
+            context.end(cancelled)
 
     async def generate(self, request: pb.WorkRequest, context) -> AsyncIterator[pb.TokenChunk]:
         """The request's `generate` span runs from receipt to its last token."""

@@ -58,7 +58,7 @@ QUICK = Grid(chunk_sizes=(256,), decode_steps=3, repeats=2, scenarios=(
 @dataclass(frozen=True)
 class CalibrateConfig:
     model: str = "tiny"
-    threads: int | None = None      # torch intra-op threads; None: torch's default
+    threads: int | None = None      # torch intra-op threads; None: the engine's (EngineConfig.torch_threads)
     quick: bool = False
     seed: int = 0
     stat: str = "median"            # a step's time over the repeats: median | min
@@ -105,7 +105,7 @@ def _engine(cfg: CalibrateConfig, chunk: int):
     return LLMEngine(engine_config(
         cfg.model, enable_prefix_caching=False, token_budget=max(cfg.token_budget, chunk),
         chunk_size=chunk, max_running=cfg.max_running, reject_late=False,
-        max_prefill_attention=0))
+        max_prefill_attention=0, torch_threads=cfg.threads or 0))
 
 
 def _run(engine, sc: Scenario, rng: np.random.Generator,

@@ -7,7 +7,8 @@ the simulated fleet would publish.
   * signals a worker publishes: `services/worker/rates.py`'s `WorkerRates` per simulated worker
     (its prior from the target's cost model, fed every step, KV write and finished sequence),
     with the engine's stats (prefill tokens ahead per class, tenant shares), read fresh at each
-    decision (no heartbeat lag);
+    decision (no heartbeat lag), and the step in flight (its start, and its length by the
+    worker's fitted cost of its batch: what a worker could say as a step begins);
   * one decision (`services/router/service.py`, `_try`): the stage rule (`admission.stage_rule`),
     the prediction (`predict.predict`, with `decode_wait_s`), the best case
     (`admission.best_case_s`; its wait term in the engine's tenant-fair order), the queue-first
@@ -41,12 +42,14 @@ from dataclasses import dataclass, field, replace
 
 from services.engine.config import Tenant
 from services.planner.step_time import StepTimer
+from services.protocol.convert import tenant_queues
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.timeouts import Timeouts
 from services.router import admission, fair_order
 from services.router.admission import AdmissionConfig
 from services.router.keeper import COUNT_WINDOW_S, RecentPredictions
 from services.router.placement import can_ever_hold, kv_blocks_needed, rank_decode, rank_prefill
+from services.router.path_choice import choose
 from services.router.predict import (PATH_S, Prediction, decode_wait_s,
                                      free_unreserved_blocks, kv_bytes_of, predict)
 from services.router.stages import S0, Signals, StageMachine, stage_name
@@ -218,14 +221,16 @@ def worker_rates(timer: StepTimer, engine, kv_bytes_per_token: int, clock) -> Wo
     else:
         prior = default_prior(kv_bytes_per_token)
     return WorkerRates(prior, token_budget=sched.token_budget, chunk_size=sched.chunk_size,
-                       kv_bytes_per_token=kv_bytes_per_token, clock=clock)
+                       kv_bytes_per_token=kv_bytes_per_token, clock=clock, wall=clock)
 
 
 def policy_for(spec, network_gbps: float, base: AdmissionConfig | None = None) -> AdmissionConfig:
-    """The router's policy for a simulated run: the workload's tenants (as the engines know
-    them), the router's prior KV bandwidth the simulated network's."""
+    """The router's policy for a simulated run: the workload's tenants (as the engines and the
+    router know them: weight, guaranteed KV, critical), the router's prior KV bandwidth the
+    simulated network's."""
     base = base or AdmissionConfig()
-    tenants = tuple(Tenant(t.name, weight=t.weight) for t in spec.tenants)
+    tenants = tuple(Tenant(t.name, weight=t.weight, min_kv_blocks=t.min_kv_blocks,
+                           critical=t.critical) for t in spec.tenants)
     return replace(base, tenants=tenants, prior=replace(base.prior, kv_gbps=network_gbps))
 
 
@@ -260,6 +265,7 @@ class SimAdmission:
         self._wake_due = False
         self._changes = 0
         self._cached: tuple | None = None
+        self._step: dict[str, tuple[float, float]] = {}   # worker id -> (began, predicted length)
 
     @property
     def now(self) -> float:
@@ -277,6 +283,10 @@ class SimAdmission:
         s = w.engine.last_step
         self._changes += 1
         if s is not None:
+            # the step in flight as the worker publishes it: its start, its length by the fit
+            fit = self.rates[w.worker_id].fit
+            self._step[w.worker_id] = (self.now, fit.step_time(s.prefill_tokens + s.decode_tokens,
+                                                               s.attention_pairs))
             self.rates[w.worker_id].on_step(s.prefill_tokens, s.decode_tokens, s.attention_pairs,
                                             s.duration_s, s.gap_s)
 
@@ -373,7 +383,10 @@ class SimAdmission:
         stats = self._stats()
         n = len(track.prompt)
         params = pb.SamplingParams(max_tokens=track.params.max_tokens, n=max(1, track.params.n))
-        colocated = sim.path(n) == "colocated"          # hybrid: by prompt length
+        track.path = choose(sim.paths, stats, n, params, sim.roles, traffic_class=cls.name,
+                            prior=pol.prior, tenant=pol.tenant(planned.tenant).name,
+                            weights=self.weights)
+        colocated = track.path == "colocated"           # hybrid: by length and predicted TTFT
         role = "mixed" if colocated else "decode"
         ranked = rank_decode(stats, role, None, sim.turn)
         ranked = [s for s in ranked if can_ever_hold(s, n, params)] or ranked[:1]
@@ -385,7 +398,8 @@ class SimAdmission:
         p = predict(prefill, n, traffic_class=cls.name,
                     kv_bytes=0 if colocated else kv_bytes_of(prefill, n),
                     decode_wait_s=decode_wait_s(ranked[0], blocks), prior=pol.prior,
-                    tenant=tenant.name, weights=self.weights)
+                    tenant=tenant.name, weights=self.weights, now_unix_s=self.now,
+                    classes=pol.classes)
         target = cls.ttft_target_s
         if first and admission.best_case_s(p) <= target:
             self.recent.add(p.total_s / target)
@@ -507,12 +521,12 @@ class SimAdmission:
                            max_running=es.max_running,
                            max_prefill_attention=es.max_prefill_attention)
         s.queued_prefill_tokens_ahead.update(es.prefill_tokens_ahead)
-        s.prefill_queues.extend(pb.TenantQueue(traffic_class=c, tenant=t, tokens=n)
-                                for c, t, n in es.prefill_queues)
+        s.prefill_queues.extend(tenant_queues(es))
         s.prefill_step_tokens_ahead.update(es.prefill_step_tokens_ahead)
         for tenant, seqs, kv in es.tenants:
             s.tenants.add(tenant=tenant, sequences=seqs, kv_blocks=kv)
         for k, v in self.rates[w.worker_id].fields().items():
             setattr(s, k, v)
+        s.step_started_unix_s, s.step_predicted_s = self._step.get(w.worker_id, (0.0, 0.0))
         return s
 

@@ -55,6 +55,7 @@ from services.planner.overhead import FleetOverhead
 from services.planner.step_time import StepTimer
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.planner.hybrid import threshold_tokens
+from services.router.path_choice import choose
 from services.router.paths import DEFAULT_THRESHOLD_TOKENS, Paths
 from services.router.placement import can_ever_hold, rank_decode, rank_prefill
 
@@ -142,6 +143,7 @@ class _Track:
     landed_s: float | None = None
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    path: str | None = None      # the router's choice ("colocated" | "disagg"); None: by length
 
 
 @dataclass
@@ -241,10 +243,16 @@ class Simulation:
     def place(self, rid: str, track: _Track, only: list[str] | None = None) -> bool:
         """Place a request (on the workers `only` names, when given); False: no decode worker
         could reserve KV for it (nothing placed)."""
-        if self.path(len(track.prompt)) == "colocated":
+        if (track.path or self._choose(track)) == "colocated":
             self._place_colocated(rid, track, only)
             return True
         return self._place_disagg(rid, track, only)
+
+    def _choose(self, track: _Track) -> str:
+        """The router's path without its admission: by length, and in a hybrid fleet a short
+        prompt where the earlier first token is predicted (services/router/path_choice.py)."""
+        return choose(self.paths, self._stats(), len(track.prompt), _pb_params(track.params),
+                      self.roles, traffic_class=track.planned.traffic_class)
 
     def path(self, prompt_tokens: int) -> str:
         """"colocated" or "disagg": the router's path for a prompt (services/router/paths.py)."""
@@ -437,12 +445,17 @@ def worker_stats(worker_id: str, role: str, engine) -> pb.WorkerStats:
     """What the worker would heartbeat (services/worker/servicer.py, stats): the fields the
     router's placement reads."""
     s = engine.stats()
-    return pb.WorkerStats(worker_id=worker_id, role=role, kv_blocks_total=s.kv_blocks_total,
-                          kv_blocks_free=s.kv_blocks_free, kv_blocks_used=s.kv_blocks_used,
-                          kv_blocks_reserved=s.kv_blocks_reserved, num_running=s.num_running,
-                          num_queued=s.num_queued, queued_prefill_tokens=s.queued_prefill_tokens,
-                          block_size=engine.config.block_size,
-                          max_model_len=engine.max_model_len)
+    out = pb.WorkerStats(worker_id=worker_id, role=role, kv_blocks_total=s.kv_blocks_total,
+                         kv_blocks_free=s.kv_blocks_free, kv_blocks_used=s.kv_blocks_used,
+                         kv_blocks_reserved=s.kv_blocks_reserved, num_running=s.num_running,
+                         num_queued=s.num_queued, queued_prefill_tokens=s.queued_prefill_tokens,
+                         block_size=engine.config.block_size,
+                         max_model_len=engine.max_model_len)
+    # a hybrid's path choice prices a chat behind the tokens its class waits for, not the
+    # documents queued below it (services/router/path_choice.py)
+    out.queued_prefill_tokens_ahead.update(s.prefill_tokens_ahead)
+    out.prefill_step_tokens_ahead.update(s.prefill_step_tokens_ahead)
+    return out
 
 
 def _pb_params(params: SamplingParams) -> pb.SamplingParams:

@@ -4,7 +4,10 @@ By default only on loopback (`LOOPBACK`): on one host the fleet talks over 127.0
 service that listened on another address would take calls from the network. A pod has no
 loopback peer: the chart (helm/kvfleet) starts its routers and workers with `--host=$(POD_IP)
 --allow-external-bind`, the explicit opt-in, and the NetworkPolicy and the fleet token guard them
-there. With it, a worker's /metrics listens on the same host (Prometheus scrapes the pod).
+there. With it, a worker's /metrics and its tcp KV receiver listen on the same host (Prometheus
+scrapes the pod; a prefill worker on another node writes KV there). A Ray fleet spread over nodes
+(`kvfleet up --ray ADDRESS --allow-external-bind`) starts each router and worker with its Ray
+node's address and this flag (services/cli/ray_host.py).
 """
 from __future__ import annotations
 

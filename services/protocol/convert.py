@@ -26,3 +26,11 @@ def chunk_from_output(out: TokenOutput, served_by: str = "") -> pb.TokenChunk:
     if out.prompt_logprobs is not None:
         chunk.prompt_logprobs.extend(logprob_to_pb(lp) for lp in out.prompt_logprobs)
     return chunk
+
+
+def tenant_queues(stats) -> list[pb.TenantQueue]:
+    """An engine's queued prefill work (EngineStats `prefill_queues`, `prefill_prompts`) as a
+    worker publishes it: per class and tenant, the tokens and each queued prompt's."""
+    prompts = getattr(stats, "prefill_prompts", {})
+    return [pb.TenantQueue(traffic_class=c, tenant=t, tokens=n, prompts=prompts.get((c, t), ()))
+            for c, t, n in stats.prefill_queues]

@@ -89,6 +89,8 @@ FAULT_ENGINE_STEP = Var("KVFLEET_FAULT_ENGINE_STEP", "an engine core (services/w
                         "N: the engine's N-th step raises (a crashed core)")
 FAULT_ENGINE_SLOW_STEP = Var("KVFLEET_FAULT_ENGINE_SLOW_STEP", "an engine core (faults.py)",
                              "N:S: the engine's N-th step takes S seconds (a stalled core)")
+FAULT_ENGINE_STEP_DELAY = Var("KVFLEET_FAULT_ENGINE_STEP_DELAY", "an engine core (faults.py)",
+                              "S: every step of the engine takes S seconds more (a slower core)")
 # -- Kubernetes' and Ray's own, read or set by `kvfleet rebalance --target kubernetes` / `up --ray`
 KUBERNETES_SERVICE_HOST = Var("KUBERNETES_SERVICE_HOST", "rebalance --target kubernetes "
                               "(services/planner/rebalance_k8s.py)",

@@ -11,6 +11,11 @@ The orderings that matter, and why:
   queue_s (any)                    a request waits in the router's queue at most queue_s; the
                                    gateway's Admit deadline is queue_s + admit_s, so the router
                                    always has admit_s left to place it after its wait;
+  reservation_s <= reservation_max_s
+                                   a reservation lives reservation_s plus reservation_per_target
+                                   times its class's TTFT target, at most reservation_max_s
+                                   (`reservation_for`): a document's long prefill still finds its
+                                   reservation, one whose KV never comes is still freed;
   kv_deadline_margin_s < reservation_s
                                    the prefill worker ends its write kv_deadline_margin_s before
                                    the reservation expires; the decode worker still frees the
@@ -47,7 +52,11 @@ class Timeouts:
     queue_s: float = 20.0              # ... plus at most this long in the router's wait queue
     reserve_s: float = 3.0             # router -> decode Reserve: a silent worker is skipped (its
                                        # engine reserves nothing past this deadline)
-    reservation_s: float = 30.0        # a decode reservation whose KV has not landed is freed after this
+    reservation_s: float = 30.0        # a decode reservation whose KV has not landed is freed after this,
+    reservation_per_target: float = 4.0  # ... plus this many times its class's TTFT target (an
+                                       # admitted request's predicted TTFT is within its target; a
+                                       # loaded CPU fleet's prefill ran up to 4x its prediction)
+    reservation_max_s: float = 120.0   # ... and never longer than this (a class with a long target)
     kv_transfer_s: float = 30.0        # one KV write, at most (also bounded by the reservation)
     kv_deadline_margin_s: float = 1.0  # a KV write ends this long before its reservation expires
     first_token_s: float = 600.0       # gateway -> prefill: a prompt's first token (queueing included)
@@ -71,7 +80,10 @@ class Timeouts:
 
     def problems(self) -> list[str]:
         out = [f"{f.name} must be > 0 (got {getattr(self, f.name)!r})"
-               for f in fields(self) if not getattr(self, f.name) > 0]
+               for f in fields(self) if f.name != "reservation_per_target"
+               and not getattr(self, f.name) > 0]
+        if not self.reservation_per_target >= 0:
+            out.append(f"reservation_per_target must be >= 0 (got {self.reservation_per_target!r})")
         if out:
             return out
         if not self.reserve_s < self.admit_s:
@@ -80,6 +92,9 @@ class Timeouts:
         if not self.kv_deadline_margin_s < self.reservation_s:
             out.append(f"kv_deadline_margin_s ({self.kv_deadline_margin_s:g}) must be < "
                        f"reservation_s ({self.reservation_s:g}): no KV write could ever start")
+        if not self.reservation_s <= self.reservation_max_s:
+            out.append(f"reservation_max_s ({self.reservation_max_s:g}) must be >= reservation_s "
+                       f"({self.reservation_s:g}): a reservation could not wait its base lifetime")
         if not self.heartbeat_s * 2 <= self.heartbeat_ttl_s:
             out.append(f"heartbeat_ttl_s ({self.heartbeat_ttl_s:g}) must be >= 2 * heartbeat_s "
                        f"({self.heartbeat_s:g}): one late beat would drop a live worker")
@@ -111,13 +126,20 @@ class Timeouts:
             raise SystemExit("inconsistent timeouts:\n  " + "\n  ".join(problems))
         return self
 
+    def reservation_for(self, ttft_target_s: float | None) -> float:
+        """How long a decode reservation waits for its KV, for a request of a class with this TTFT
+        target (None: an unknown class, the base lifetime): its prefill may run as long as the class
+        allows, and the reservation still ends by itself when the KV never comes."""
+        extra = self.reservation_per_target * ttft_target_s if ttft_target_s else 0.0
+        return min(self.reservation_max_s, self.reservation_s + extra)
+
     def admit_call_s(self) -> float:
         """The gateway's deadline of an Admit call: a wait in the queue, then the placement."""
         return self.queue_s + self.admit_s
 
     def stream_s(self, max_tokens: int) -> float:
         """The deadline of a call that streams up to `max_tokens` tokens (Decode, Generate)."""
-        return self.first_token_s + self.reservation_s + self.token_s * max(1, max_tokens)
+        return self.first_token_s + self.reservation_max_s + self.token_s * max(1, max_tokens)
 
     def prefill_s(self) -> float:
         """The deadline of a Prefill call: its first token, then its KV write."""
@@ -131,6 +153,8 @@ class Timeouts:
 
 
 def _flag(name: str) -> str:
+    if not name.endswith("_s"):                 # a factor, not seconds
+        return "--timeout-" + name.replace("_", "-")
     return "--timeout-" + name.removesuffix("_s").replace("_", "-") + "-s"
 
 
@@ -138,7 +162,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("timeouts (seconds; one config for the whole fleet, checked at start)")
     for f in fields(Timeouts):
         g.add_argument(_flag(f.name), dest=f"timeout_{f.name}", type=float, default=f.default,
-                       metavar="S")
+                       metavar="S" if f.name.endswith("_s") else "X")
 
 
 def from_args(args: argparse.Namespace) -> Timeouts:

@@ -90,9 +90,11 @@ def stage_rule(cfg: AdmissionConfig, stage: int, cls: TrafficClass, protected: b
     return StageRule(hold=hold, output_cap=cap, note=note)
 
 
-def tenant_kv(workers: Sequence[pb.WorkerStats]) -> dict[str, int]:
-    """Decode KV blocks each tenant holds fleet-wide, from the workers' published shares."""
-    out: dict[str, int] = {}
+def tenant_kv(workers: Sequence[pb.WorkerStats],
+              placed: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Decode KV blocks each tenant holds fleet-wide: the workers' published shares, plus
+    `placed` (blocks by tenant routers placed since those beats: placements.tenant_blocks)."""
+    out: dict[str, int] = dict(placed or {})
     for w in workers:
         if w.role in ("decode", "mixed"):
             for share in w.tenants:

@@ -8,6 +8,11 @@
              pay), a longer one disaggregated (its prefill would stall the co-located decodes for
              many steps; the transfer is small against it). The whole prompt counts, cached or
              not: where its KV ends up is what the split is about.
+             A short prompt may also go disaggregated (`options`): the router prices both paths
+             and takes the earlier predicted first token, the co-located one on a tie
+             (services/router/path_choice.py). Without it the short prompts, most of the
+             requests, would all queue on the co-located pool while the disaggregated one served
+             only the long ones: the split of the GPUs, not the load, would set the pools' shares.
              When one path has lost a role (no live `mixed`, or no `prefill` / `decode`), the
              other serves every request: a hybrid fleet degrades to the path it still has.
 
@@ -45,6 +50,15 @@ class Paths:
         if not PATH_ROLES[preferred] <= live_roles and PATH_ROLES[other] <= live_roles:
             return other
         return preferred
+
+    def options(self, prompt_tokens: int, live_roles: Set[str]) -> tuple[str, ...]:
+        """The paths a prompt may take, `path`'s first: a hybrid fleet's short prompt may also go
+        disaggregated; a long one never goes co-located while the disaggregated path is whole."""
+        first = self.path(prompt_tokens, live_roles)
+        if (self.mode == "hybrid" and first == "colocated"
+                and PATH_ROLES["disagg"] <= live_roles):
+            return first, "disagg"
+        return (first,)
 
     def serving(self, live_roles: Set[str]) -> bool:
         """Whether the live roles can serve every request (some path is whole)."""

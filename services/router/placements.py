@@ -9,6 +9,13 @@ within one beat spreads instead of taking the same best replica every time.
 
 A placement whose Reserve is refused, or fails, is taken back (both counts). One that ends before the next
 beat stays counted until that beat: the beat is what says it ended.
+
+Each placement's KV blocks are also counted under its tenant (`tenant_blocks`), so a tenant's
+decode KV fleet-wide is what the workers published at their beats (their tenant shares, which
+count reservations) plus what routers placed since: a tenant's burst within one beat reaches its
+guaranteed minimum (admission.protected) as it is placed, not a beat later. Nothing of it outlives
+the beat it is keyed to, so when requests finish, are cancelled or fail, the next beats say so and
+the count comes back to zero.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from collections.abc import Sequence
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.router.placement import NOTHING, Placed
-from services.state.fleet_state import FleetState
+from services.state.fleet_state import FleetState, PlacedCounts
 from services.state.outage import UNREACHABLE, Outage
 
 PLACED_TTL_S = 10.0   # well past a beat (heartbeat_s 0.5 s): a count outlives the beat it is keyed to
@@ -27,6 +34,8 @@ class PlacementLedger:
         self._state, self._redis = state, redis
         self._own: dict[str, tuple[float, Placed]] = {}   # worker id -> (beat, placed since it)
         self._fleet: dict[str, tuple[float, Placed]] = {}  # worker id -> (beat, last Redis read)
+        self._own_t: dict[str, tuple[float, dict[str, int]]] = {}    # the same, blocks by tenant
+        self._fleet_t: dict[str, tuple[float, dict[str, int]]] = {}
         self.turn = 0                                     # where ties start (placement.ring)
 
     def own(self, w: pb.WorkerStats) -> Placed:
@@ -39,10 +48,24 @@ class PlacementLedger:
             rows = await self._redis.call(self._state.placed,
                                           [(w.worker_id, w.updated_at_unix_s) for w in workers])
         except UNREACHABLE:
-            rows = [(0, 0)] * len(workers)
-        for w, (blocks, streams) in zip(workers, rows):
-            self._fleet[w.worker_id] = (w.updated_at_unix_s, Placed(blocks, streams))
+            rows = [PlacedCounts()] * len(workers)
+        for w, row in zip(workers, rows):
+            self._fleet[w.worker_id] = (w.updated_at_unix_s, Placed(row.blocks, row.streams))
+            self._fleet_t[w.worker_id] = (w.updated_at_unix_s, dict(row.tenants))
         return self.now(workers)
+
+    def tenant_blocks(self, workers: Sequence[pb.WorkerStats]) -> dict[str, int]:
+        """KV blocks placed on `workers` since their beats, by tenant, as this router knows it now
+        (the last fleet read for each beat, or its own count where larger)."""
+        out: dict[str, int] = {}
+        for w in workers:
+            fleet = _at_beat(self._fleet_t, w)
+            own = _at_beat(self._own_t, w)
+            for t in fleet.keys() | own.keys():
+                n = max(fleet.get(t, 0), own.get(t, 0))
+                if n > 0:
+                    out[t] = out.get(t, 0) + n
+        return out
 
     def now(self, workers: Sequence[pb.WorkerStats]) -> dict[str, Placed]:
         """Placed on each worker as this router knows it at this instant, without awaiting: the
@@ -57,19 +80,28 @@ class PlacementLedger:
             out[w.worker_id] = Placed(max(fleet.blocks, own.blocks), max(fleet.streams, own.streams))
         return out
 
-    async def add(self, w: pb.WorkerStats, blocks: int) -> None:
+    async def add(self, w: pb.WorkerStats, blocks: int, tenant: str = "") -> None:
         self.turn += 1
-        await self._count(w, blocks, 1)
+        await self._count(w, blocks, 1, tenant)
 
-    async def take_back(self, w: pb.WorkerStats, blocks: int) -> None:
-        await self._count(w, -blocks, -1)
+    async def take_back(self, w: pb.WorkerStats, blocks: int, tenant: str = "") -> None:
+        await self._count(w, -blocks, -1, tenant)
 
-    async def _count(self, w: pb.WorkerStats, blocks: int, streams: int) -> None:
+    async def _count(self, w: pb.WorkerStats, blocks: int, streams: int, tenant: str) -> None:
         mine = self.own(w)
         self._own[w.worker_id] = (w.updated_at_unix_s, Placed(max(0, mine.blocks + blocks),
                                                               max(0, mine.streams + streams)))
+        if tenant:
+            by_tenant = dict(_at_beat(self._own_t, w))
+            by_tenant[tenant] = max(0, by_tenant.get(tenant, 0) + blocks)
+            self._own_t[w.worker_id] = (w.updated_at_unix_s, by_tenant)
         try:
             await self._redis.call(self._state.add_placed, w.worker_id, w.updated_at_unix_s,
-                                   blocks, streams, PLACED_TTL_S)
+                                   blocks, streams, PLACED_TTL_S, tenant)
         except UNREACHABLE:
             pass  # peers rank without it until the next beat; self._redis logged the outage
+
+
+def _at_beat(counts: dict[str, tuple[float, dict[str, int]]], w: pb.WorkerStats) -> dict[str, int]:
+    beat, by_tenant = counts.get(w.worker_id, (None, {}))
+    return by_tenant if beat == w.updated_at_unix_s else {}

@@ -1,6 +1,7 @@
 """Predicted time to first token for a placement (DESIGN.md section 3, router):
 
     TTFT = path        the hops from the plan to the gateway's first token (PATH_S, a constant)
+         + in flight   what is left of the step the prefill worker is running
          + wait        prefill tokens queued ahead on the chosen prefill worker / its drain rate
          + prefill     this prompt's uncached tokens through the worker's fitted prefill cost model
          + transfer    the prompt's KV bytes / the KV path's measured bandwidth (disaggregated only)
@@ -37,18 +38,38 @@ then prefill chunks fill the budget), from `num_decoding` and `decode_context_to
             `sequences_finished_per_s`; the queue's wait and the seat's overlap (the queued
             prompts start as seats free), so the wait term is what the queue adds beyond it
 
+The step in flight, from `step_started_unix_s` and `step_predicted_s` (when the worker publishes
+them; `in_flight_s`), while the published step still runs (the beat is younger than a step, so
+its queue is the one a new prompt meets: the simulator's fresh stats, a slow worker's long steps):
+  in flight the published step's start + its predicted length - now
+  prefill   priced as the steps it shares: each carries, besides its own chunk, the chunks
+            of the other queued prompts that fit beside it (`prefill_step_tokens_ahead`, else
+            all queued, within the budget) and of those expected to arrive before it starts
+            (`prefill_tokens_per_wall_s`), each step through the fitted cost (`shared_prefill_s`)
+  wait, prefill  when the worker lists each queued prompt's tokens (`prefill_queues[].prompts`):
+            its scheduler stepped forward (step_ahead.py: classes, the tenants' DRR turns, each
+            prompt at most its chunk a step, the arrivals as above), from the end of the step in
+            flight to the step that takes the prompt's last token, each step through the fitted cost
+Otherwise (no step published, or it has ended: a beat older than a step, whose queue has moved
+on and whose current step's phase is unknown; and on a co-located replica, whose rule above was
+measured on its own ramp and is not re-measured with these terms) the older rule above: a whole
+busy step in flight inside `prefill`.
+
 A worker that publishes none of it (an older build) is predicted with the router's `Prior`,
 never as 0: a cold fleet does not admit blindly.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from services.engine.config import INTERACTIVE, TrafficClass
 from services.engine.scheduler import MIN_CHUNK
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.router import fair_order
+from services.router.step_ahead import CLASSES, step_ahead
 
 # A decode worker that has freed nothing recently: how long a missing block is assumed to take.
 UNKNOWN_DRAIN_S_PER_BLOCK = 1.0
@@ -71,6 +92,12 @@ LOWER_CLASS_SHARE = 0.5
 # the worker's IPC to its engine core and back, the first token's relay (docs/benchmarks.md: the
 # hops of an idle fleet's TTFT, ~10 ms on the 2-core CPU machine).
 PATH_S = 0.01
+# Of the prompt tokens expected to arrive (at the worker's recent prefill throughput) while the
+# step in flight ends, the part counted into the step a new prompt starts in: arrivals in a window
+# of a few ms are mostly none and sometimes a burst, so the typical step sees fewer than the mean
+# (the simulator's `mixed` and `azure-conv` at the 70B pace: 0.5 beside 0 and 1;
+# docs/benchmarks.md).
+ARRIVALS_JOINING = 0.5
 
 
 
@@ -93,21 +120,23 @@ class Prediction:
     prefill_s: float
     transfer_s: float
     decode_wait_s: float
+    in_flight_s: float = 0.0      # what is left of the step in flight (part of the queue)
 
     @property
     def total_s(self) -> float:
-        return PATH_S + self.wait_s + self.prefill_s + self.transfer_s + self.decode_wait_s
+        return (PATH_S + self.in_flight_s + self.wait_s + self.prefill_s + self.transfer_s
+                + self.decode_wait_s)
 
     def dominant(self) -> str:
         """The term that costs the most, for a refusal's message."""
-        parts = {"queue": self.wait_s, "prefill": self.prefill_s, "kv transfer": self.transfer_s,
-                 "decode slot": self.decode_wait_s}
+        parts = {"queue": self.wait_s + self.in_flight_s, "prefill": self.prefill_s,
+                 "kv transfer": self.transfer_s, "decode slot": self.decode_wait_s}
         return max(parts, key=parts.get)
 
     def fill(self, plan: pb.Plan) -> pb.Plan:
         """Write the prediction and its terms into `plan`."""
         plan.predicted_ttft_s = self.total_s
-        plan.predicted_wait_s = self.wait_s
+        plan.predicted_wait_s = self.wait_s + self.in_flight_s
         plan.predicted_prefill_s = self.prefill_s
         plan.predicted_transfer_s = self.transfer_s
         plan.predicted_decode_wait_s = self.decode_wait_s
@@ -150,7 +179,61 @@ def queued_ahead(w: pb.WorkerStats, traffic_class: str = "", tenant: str = "",
     return w.queued_prefill_tokens
 
 
-def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior) -> float:
+def publishes_step(w: pb.WorkerStats) -> bool:
+    """Whether `w` publishes its step in flight (a worker that has stepped, of a newer build)."""
+    return w.step_predicted_s > 0 and fitted(w)
+
+
+def in_flight_s(w: pb.WorkerStats, now_unix_s: float) -> float:
+    """What is left at `now_unix_s` of the step `w` published as running (a worker publishes no
+    step while it is idle); 0 once it has ended."""
+    left = w.step_started_unix_s + w.step_predicted_s - now_unix_s
+    return max(0.0, min(left, w.step_predicted_s))
+
+
+def beside_tokens(w: pb.WorkerStats, first: int, in_flight: float = 0.0) -> int:
+    """Prefill tokens of other prompts that share a step with a new prompt's `first` chunk: the
+    queued ones, ahead of it and, in what they leave of the budget, behind it (the scheduler fills
+    the budget): what all of them take of the next step (each at most its chunk) when `w` says,
+    else all queued; plus ARRIVALS_JOINING of those expected to arrive while the step
+    `in_flight` seconds from its end runs (`prefill_tokens_per_wall_s`); within what the decode
+    batch and the chunk leave of the budget."""
+    step = w.prefill_step_tokens_ahead
+    queued = max(step.values()) if step else w.queued_prefill_tokens
+    queued += round(ARRIVALS_JOINING * w.prefill_tokens_per_wall_s * max(0.0, in_flight))
+    room = (w.token_budget or queued + first) - decode_batch(w)[0] - first
+    return max(0, min(queued, room))
+
+
+def shared_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, in_flight: float = 0.0) -> float:
+    """Seconds to prefill `tokens` new tokens after `cached` on `w` in steps it shares with the
+    chunks of other prompts (fresh chunks), each step through the fitted cost with the decode
+    batch in it: its first step with those queued and arriving before it starts
+    (`beside_tokens`), each later one with those arriving while a step runs."""
+    if tokens <= 0:
+        return 0.0
+    steps = prefill_steps(w, cached, tokens)
+    share = min(tokens, chunk_share(w))
+    own = tokens * w.prefill_s_per_token + attention_pairs(cached, tokens) * w.prefill_s_per_pair
+    total = own + with_chunks_s(w, beside_tokens(w, share, in_flight))
+    if steps > 1:
+        step = own / steps + with_chunks_s(w, 0)
+        room = (w.token_budget or share) - decode_batch(w)[0] - share
+        later = max(0, min(room, round(w.prefill_tokens_per_wall_s * step)))
+        total += (steps - 1) * with_chunks_s(w, later)
+    return total
+
+
+def with_chunks_s(w: pb.WorkerStats, others: int) -> float:
+    """A step of `w` (its decode batch in it) carrying `others` tokens of other prompts' fresh
+    chunks, besides a prompt's own part (not counted here)."""
+    chunk = max(1, min(others, w.chunk_size or others)) if others else 1
+    pairs = others // chunk * attention_pairs(0, chunk) + attention_pairs(0, others % chunk)
+    return step_s(w, others, pairs)
+
+
+def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior,
+                  attention_share: float = 1.0) -> float:
     """Seconds to prefill `tokens` new tokens after `cached` ones on `w`: its chunks through the
     fitted cost (with a mixed worker's running decodes in every step), and at least, while other
     prompts are queued there, a busy step each (the others' chunks share its steps: the worker's
@@ -161,7 +244,7 @@ def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior) -> 
     pairs = attention_pairs(cached, tokens)
     if not fitted(w):
         return tokens / prefill_rate(w, prior) + pairs * prior.attention_s_per_pair
-    steps = prefill_steps(w, cached, tokens)
+    steps = prefill_steps(w, cached, tokens, attention_share)
     alone = steps * step_s(w, 0, 0) + tokens * w.prefill_s_per_token + pairs * w.prefill_s_per_pair
     if not w.queued_prefill_tokens:
         # a co-located replica with a decode batch is always stepping: the step in flight first
@@ -170,6 +253,19 @@ def own_prefill_s(w: pb.WorkerStats, tokens: int, cached: int, prior: Prior) -> 
         min(w.token_budget or w.chunk_size or tokens, w.queued_prefill_tokens + tokens)
         / prefill_rate(w, prior))
     return max(alone, (steps + IN_FLIGHT_STEP) * busy_step)
+
+
+def capped_share(w: pb.WorkerStats, traffic_class: str) -> float:
+    """The share of a co-located replica's prefill attention a prompt of a lower class gets while
+    chats wait there (the scheduler's `share_while_interactive_waits`), taken for its whole
+    prefill: a replica that decodes chats keeps receiving them (the router's own wait queue
+    holds them when the replica's is empty); 1 for a chat or on another role."""
+    return LOWER_CLASS_SHARE if w.role == "mixed" and _lower(traffic_class) else 1.0
+
+
+def _lower(traffic_class: str) -> bool:
+    """A class below the interactive one ("" is the interactive class)."""
+    return traffic_class not in ("", INTERACTIVE.name)
 
 
 def fitted(w: pb.WorkerStats) -> bool:
@@ -203,13 +299,14 @@ def chunk_share(w: pb.WorkerStats) -> int:
     return max(1, chunk)
 
 
-def prefill_steps(w: pb.WorkerStats, cached: int, tokens: int) -> int:
+def prefill_steps(w: pb.WorkerStats, cached: int, tokens: int,
+                  attention_share: float = 1.0) -> int:
     """Steps to prefill positions [cached, cached + tokens) on `w`: chunks of `chunk_share`, and
     while a co-located replica decodes, chunks whose attention fits `max_prefill_attention`
     pairs (the scheduler's cap: n (pos + n/2) <= cap, so about cap / pos tokens deep in a prompt,
-    never under its MIN_CHUNK)."""
+    never under its MIN_CHUNK); a lower class while chats wait gets `attention_share` of them."""
     share = chunk_share(w)
-    cap = w.max_prefill_attention if decode_batch(w)[0] else 0
+    cap = int(w.max_prefill_attention * attention_share) if decode_batch(w)[0] else 0
     if not cap:
         return math.ceil(tokens / share)
     end = cached + tokens
@@ -278,9 +375,12 @@ def decode_wait_s(d: pb.WorkerStats, blocks_needed: int) -> float:
 def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
             kv_bytes: int = 0, decode_wait_s: float = 0.0, traffic_class: str = "",
             prior: Prior = Prior(), tenant: str = "",
-            weights: Mapping[str, float] | None = None) -> Prediction:
+            weights: Mapping[str, float] | None = None,
+            now_unix_s: float | None = None,
+            classes: Sequence[TrafficClass] = CLASSES) -> Prediction:
     """TTFT of a prompt placed on prefill (or mixed) worker `w`; `kv_bytes` > 0 when its KV
-    moves to a decode worker afterwards (`kv_bytes_of`), `decode_wait_s` from `decode_wait_s()`."""
+    moves to a decode worker afterwards (`kv_bytes_of`), `decode_wait_s` from `decode_wait_s()`;
+    `now_unix_s` (default: the wall clock) on the clock of the worker's `step_started_unix_s`."""
     own = max(0, prompt_tokens - cached_tokens)
     ahead = queued_ahead(w, traffic_class, tenant, weights)
     decode_wait_s = max(0.0, decode_wait_s)
@@ -291,5 +391,24 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
         wait = max(0.0, colocated_wait_s(w, ahead) - decode_wait_s)
     else:
         wait = ahead / prefill_rate(w, prior)
-    return Prediction(wait_s=wait, prefill_s=own_prefill_s(w, own, cached_tokens, prior),
-                      transfer_s=transfer_s(w, kv_bytes, prior), decode_wait_s=decode_wait_s)
+    now = time.time() if now_unix_s is None else now_unix_s
+    # a co-located replica keeps its decode-batch rule (measured on the co-located ramp)
+    flight = in_flight_s(w, now) if publishes_step(w) and w.role != "mixed" else 0.0
+    if flight > 0 or (publishes_step(w) and w.role != "mixed" and not w.queued_prefill_tokens):
+        # a beat younger than a step (or an idle worker): its queue is the one the prompt meets
+        forward = step_ahead(w, own, cached_tokens, traffic_class or INTERACTIVE.name,
+                            tenant, weights or {}, flight, ARRIVALS_JOINING, classes)
+        if forward is not None:
+            return Prediction(wait_s=forward.wait_s, prefill_s=forward.prefill_s,
+                              transfer_s=transfer_s(w, kv_bytes, prior),
+                              decode_wait_s=decode_wait_s, in_flight_s=flight)
+    if flight > 0:
+        prefill = shared_prefill_s(w, own, cached_tokens, flight)
+    else:
+        flight, prefill = 0.0, own_prefill_s(w, own, cached_tokens, prior,
+                                             capped_share(w, traffic_class))
+    if w.role == "mixed" and _lower(traffic_class) and ahead and own:
+        # the documents ahead go as deep in their prompts as this one: its own pace a token
+        wait = max(wait, ahead / own * prefill)
+    return Prediction(wait_s=wait, prefill_s=prefill, transfer_s=transfer_s(w, kv_bytes, prior),
+                      decode_wait_s=decode_wait_s, in_flight_s=flight)

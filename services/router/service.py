@@ -53,7 +53,7 @@ from opentelemetry import trace
 from redis.exceptions import RedisError
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.protocol import status
+from services.protocol import shared_call, status
 from services.protocol.aio import internal_channel
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -65,6 +65,7 @@ from services.router.admission import AdmissionConfig
 from services.router.keeper import DecisionCounts, RecentPredictions, StageKeeper
 from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, rank_decode,
                                        rank_mixed, rank_prefill, room_after)
+from services.router.path_choice import choose
 from services.router.paths import DEFAULT_THRESHOLD_TOKENS, PATH_ROLES, Paths
 from services.router.placements import PlacementLedger
 from services.router.pools import choose_pool, in_pool, served_by
@@ -144,6 +145,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.policy = policy or AdmissionConfig()
         self._weights = {t.name: t.weight for t in self.policy.tenants}   # the fair order's
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._reserve_calls: dict[str, shared_call.SharedCall] = {}
         self._workers: tuple[float, list[pb.WorkerStats]] = (float("-inf"), [])
         self._refreshing: asyncio.Task | None = None
         self.redis = Outage("router worker list", log)
@@ -259,6 +261,13 @@ class RouterServicer(pb_grpc.RouterServicer):
             self.counts.count(error=False)
             self._decided(span, cls, started, "OK", plan)
             return plan
+
+    async def AdmitStream(self, asks, context):
+        """Admit for each of a gateway's requests on one long-lived call (shared_call.py): each
+        ask runs Admit with its own deadline, trace context and cancellation."""
+        async for answer in shared_call.answer_asks(
+                asks, lambda ask, ctx: self.Admit(ask.request, ctx), shared_call.ADMIT):
+            yield answer
 
     def _attributes(self, request: pb.WorkRequest) -> dict:
         return {tracing.REQUEST_ID: request.request_id, tracing.TENANT: request.tenant,
@@ -386,6 +395,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         path = self.paths.path(prompt, {w.role for w in workers})   # colocated | disagg
         pool = choose_pool(workers, self.keeper.stage, request.degradable, PATH_ROLES[path])
         workers = in_pool(workers, pool)          # one pool per request: KV layouts differ
+        path = choose(self.paths, workers, prompt, request.params, traffic_class=cls.name,
+                      prior=self.policy.prior, tenant=self.policy.tenant(request.tenant).name,
+                      weights=self._weights)      # hybrid: by length and predicted TTFT
         role = "mixed" if path == "colocated" else "decode"
         decode = [w for w in workers if w.role == role]
         placed = await self.placements.read(decode)
@@ -407,14 +419,15 @@ class RouterServicer(pb_grpc.RouterServicer):
                 raise unhealthy("no healthy prefill worker")
         blocks = kv_blocks_needed(ranked[0], prompt, request.params)
         tenant = self.policy.tenant(request.tenant)
-        protected = admission.protected(tenant, admission.tenant_kv(workers), blocks)
+        held = admission.tenant_kv(workers, self.placements.tenant_blocks(decode))
+        protected = admission.protected(tenant, held, blocks)
         rule = admission.stage_rule(self.policy, self.keeper.stage, cls, protected,
                                     request.params.max_tokens, fallback_pool=pool != "primary")
         p = predict(self._with_placed(prefill[0]), prompt, traffic_class=cls.name,
                     cached_tokens=cached.get(prefill[0].worker_id, 0),
                     kv_bytes=0 if path == "colocated" else kv_bytes_of(prefill[0], prompt),
                     decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior,
-                    tenant=tenant.name, weights=self._weights)
+                    tenant=tenant.name, weights=self._weights, classes=self.policy.classes)
         if first and admission.best_case_s(p) <= cls.ttft_target_s:
             # load, not a hopeless prompt: a request whose own prefill breaks its target says
             # nothing about the fleet
@@ -513,7 +526,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _colocated(self, request: pb.WorkRequest, candidates, p: Prediction) -> pb.Plan:
         prompt = len(request.prompt_token_ids)
         await self.placements.add(candidates[0],
-                                  kv_blocks_needed(candidates[0], prompt, request.params))
+                                  kv_blocks_needed(candidates[0], prompt, request.params),
+                                  self.policy.tenant(request.tenant).name)
         return p.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
                               prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
                               router_id=self.router_id))
@@ -545,13 +559,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         ask = pb.ReserveRequest(request_id=request.request_id, tenant=request.tenant,
                                 traffic_class=request.traffic_class,
                                 prompt_token_ids=request.prompt_token_ids, params=request.params)
+        tenant = self.policy.tenant(request.tenant).name
         for w in candidates:
             blocks = kv_blocks_needed(w, len(request.prompt_token_ids), request.params)
-            await self.placements.add(w, blocks)   # counted before the Reserve: a burst sees it
+            await self.placements.add(w, blocks, tenant)   # counted before the Reserve
             try:
                 resp = await self._reserve_on(w, ask)
             except status.CallFailed as e:
-                await self.placements.take_back(w, blocks)
+                await self.placements.take_back(w, blocks, tenant)
                 st = e.status
                 if st.reason == pb.INVALID_REQUEST:
                     raise
@@ -563,7 +578,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 continue
             if resp.accepted:
                 return w, resp
-            await self.placements.take_back(w, blocks)
+            await self.placements.take_back(w, blocks, tenant)
             reasons.append(f"{w.worker_id}: {resp.reason}")
         if not reasons:
             raise unhealthy("no decode replica can reserve KV for this request: "
@@ -593,8 +608,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                                      "server.address": w.grpc_address, WORKER_ATTR: w.worker_id,
                                      tracing.REQUEST_ID: ask.request_id,
                                      tracing.REPLICA: self.router_id})
-            resp = await self._stub(w.grpc_address).Reserve(
-                ask, timeout=self.timeouts.reserve_s, metadata=tracing.outgoing())
+            resp = await shared_call.reserve(self._reserve_call(w.grpc_address), ask,
+                                             self.timeouts.reserve_s, tracing.outgoing())
             if span.is_recording():
                 span.set_attribute(ACCEPTED_ATTR, resp.accepted)
             return resp
@@ -621,7 +636,17 @@ class RouterServicer(pb_grpc.RouterServicer):
             channel = self._channels[address] = internal_channel(address, self.auth)
         return TypedStub(pb_grpc.WorkerStub(channel))
 
+    def _reserve_call(self, address: str) -> shared_call.SharedCall:
+        """This router's one ReserveStream call to a decode worker (a new one once it broke)."""
+        call = self._reserve_calls.get(address)
+        if call is None:
+            call = self._reserve_calls[address] = shared_call.reserve_call(
+                self._stub(address), address)
+        return call
+
     async def close(self) -> None:
+        for call in self._reserve_calls.values():
+            call.close()
         if self._refreshing is not None:
             self._refreshing.cancel()
         for task in self._background:

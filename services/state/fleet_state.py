@@ -11,7 +11,7 @@ Key layout (`ns` is the namespace, "kvfleet:" by default; ids are used verbatim)
 | `{ns}tenant:{t}:leases`              | zset          | until its latest lease expires| admit, renew, finish (Lua)      |
 | `{ns}tenant:{t}:tokens:{minute}`     | string int    | rest of the window + 60 s     | admit/finish_stream (Lua)       |
 | `{ns}tenant:{t}:requests:{minute}`   | string int    | rest of the window + 60 s     | admit, charge_request (Lua)     |
-| `{ns}placed:{worker_id}:{beat_ms}`  | hash blocks, streams | 10 s (router's choice) | routers: add_placed (MULTI)  |
+| `{ns}placed:{worker_id}:{beat_ms}`  | hash blocks, streams, t:{tenant} | 10 s (router's choice) | routers: add_placed (MULTI) |
 | `{ns}kv-events`                      | stream, ~MAXLEN | none; capped by length      | workers: add_kv_events (XADD)   |
 
 `minute` is `int(now // 60)`: a fixed 60-s window. A worker's key holds its `pb.WorkerStats`, serialized
@@ -50,7 +50,7 @@ import math
 import time
 import typing
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
@@ -251,6 +251,30 @@ return removed
 """
 
 
+TENANT_FIELD = "t:"    # a placed hash's field naming a tenant's KV blocks: "t:{tenant}"
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedCounts:
+    """What routers placed on one worker since its beat."""
+    blocks: int = 0
+    streams: int = 0
+    tenants: typing.Mapping[str, int] = field(default_factory=dict)   # KV blocks by tenant
+
+
+def _placed_counts(row: typing.Mapping[str, str]) -> PlacedCounts:
+    """A placed hash as counts; a field that is not an integer counts 0 (state written around
+    kvfleet must not break a ranking)."""
+    def num(v) -> int:
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return 0
+    tenants = {k[len(TENANT_FIELD):]: num(v) for k, v in row.items() if k.startswith(TENANT_FIELD)}
+    return PlacedCounts(num(row.get("blocks")), num(row.get("streams")),
+                        {t: n for t, n in tenants.items() if n > 0})
+
+
 @dataclass(frozen=True)
 class LeaseTerms:
     """How long a stream slot's lease lives unrenewed, and how often its holder renews it.
@@ -387,24 +411,28 @@ class FleetState:
     def _placed_key(self, worker_id: str, beat_unix_s: float) -> str:
         return f"{self.ns}placed:{worker_id}:{round(beat_unix_s * 1000)}"
 
-    async def placed(self, beats: typing.Sequence[tuple[str, float]]) -> list[tuple[int, int]]:
-        """(KV blocks, streams) routers placed on each (worker id, beat's updated_at_unix_s) since
-        that beat; one round trip. A newer beat has a new key, so its count starts at 0."""
+    async def placed(self, beats: typing.Sequence[tuple[str, float]]) -> list[PlacedCounts]:
+        """What routers placed on each (worker id, beat's updated_at_unix_s) since that beat: KV
+        blocks, streams, and KV blocks by tenant; one round trip. A newer beat has a new key, so
+        its count starts at 0."""
         if not beats:
             return []
         async with self._r.pipeline(transaction=False) as p:
             for worker_id, beat in beats:
-                p.hmget(self._placed_key(worker_id, beat), "blocks", "streams")
+                p.hgetall(self._placed_key(worker_id, beat))
             rows = await p.execute()
-        return [(int(blocks or 0), int(streams or 0)) for blocks, streams in rows]
+        return [_placed_counts(row) for row in rows]
 
     async def add_placed(self, worker_id: str, beat_unix_s: float, blocks: int, streams: int,
-                         ttl_s: float) -> None:
-        """Count a placement (negative: undo one) on a worker's beat; the count lives ttl_s."""
+                         ttl_s: float, tenant: str = "") -> None:
+        """Count a placement (negative: undo one) on a worker's beat, and its blocks under its
+        tenant when one is named; the count lives ttl_s."""
         key = self._placed_key(worker_id, beat_unix_s)
         async with self._r.pipeline(transaction=True) as p:
             p.hincrby(key, "blocks", int(blocks))
             p.hincrby(key, "streams", int(streams))
+            if tenant:
+                p.hincrby(key, TENANT_FIELD + tenant, int(blocks))
             p.pexpire(key, max(1, round(ttl_s * 1000)))
             await p.execute()
 

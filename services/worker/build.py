@@ -207,7 +207,8 @@ def _transport(config: WorkerConfig, engine: EngineClient):
     """The KV transport of config.kv_backend (NIXL loads only if used); a simulated core's
     writes take the target's time (paced_transport)."""
     from services.kv_transfer import make_transport  # noqa: PLC0415
-    transport = make_transport(config.kv_backend, config.worker_id, port=config.kv_port)
+    transport = make_transport(config.kv_backend, config.worker_id, port=config.kv_port,
+                               host=config.host)
     if engine.config.sim is not None:
         transport = paced_transport(transport, engine.config)
     return transport

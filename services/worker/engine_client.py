@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0    # loading a large model's weights takes a while
 EXIT_GRACE_S = 0.5         # close(): after Shutdown, then again after SIGTERM, before SIGKILL
+KILLED_EXIT_S = 10.0       # close(): after SIGKILL, for the news of the exit
 FAILURE_GRACE_S = 1.0      # the core exited: how long its Failure message may still be in flight
 
 
@@ -232,9 +233,12 @@ class EngineClient:
         proc = self._proc
         if proc.poll() is None:
             self._commands.send(ENCODER.encode(core.Shutdown()))
-        for signal_next in (proc.terminate, proc.kill, None):
+        # After SIGKILL the exit is certain, but on a loaded host its news (the pidfd reader on
+        # this loop) can take longer than the grace: wait for it longer rather than fail the stop.
+        for signal_next, grace in ((proc.terminate, EXIT_GRACE_S), (proc.kill, EXIT_GRACE_S),
+                                   (None, KILLED_EXIT_S)):
             try:
-                await asyncio.wait_for(self._exited.wait(), EXIT_GRACE_S)
+                await asyncio.wait_for(self._exited.wait(), grace)
                 break
             except asyncio.TimeoutError:
                 if signal_next is None:
@@ -242,7 +246,11 @@ class EngineClient:
                 log.warning("the engine core (pid %s) did not exit; %s", proc.pid,
                             signal_next.__name__)
                 signal_next()
-        proc.wait(EXIT_GRACE_S)    # it has exited: reaping takes no time
+        try:
+            proc.wait(EXIT_GRACE_S)    # it has exited: reaping takes no time
+        except subprocess.TimeoutExpired:
+            log.error("the engine core (pid %s) is still running %.0f s after SIGKILL", proc.pid,
+                      KILLED_EXIT_S)
 
     # ----------------------------------------------------------------------- properties
     @property

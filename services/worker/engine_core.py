@@ -518,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     Failure (sent to the server first)."""
     p = argparse.ArgumentParser(prog="python -m services.worker.engine_core")
     p.add_argument("run_dir", help="the directory whose sockets the server has bound")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads "
+                   "(0: the engine config's torch_threads)")
     args = p.parse_args(argv)
     from services.protocol.aio import setup_logging   # noqa: PLC0415
     setup_logging("engine-core")
@@ -532,9 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     status, core, engine = 0, None, None
     try:
         config = read_config(sys.stdin.fileno())
-        if args.threads and config.sim is None:   # a simulated core runs no torch
-            import torch  # noqa: PLC0415
-            torch.set_num_threads(args.threads)
+        if args.threads:                      # the worker's --threads; the engine sets them
+            config = dataclasses.replace(config, torch_threads=args.threads)
         kv = SharedKV(os.path.join(args.run_dir, KV_FILE))
         engine = build_engine(config, kv_allocator(config, kv))
         faults.install(engine)

@@ -14,6 +14,10 @@ published in its stats heartbeat (WorkerStats):
                   prompt's own step costs while others share it
   KV bandwidth    prefill: bytes / seconds of its recent KV writes
   decode drain    decode / mixed: sequences finished per second and the KV blocks they freed
+  step in flight  when the last step ended and its length: the next began as it ended while work
+                  waits (none is published while the engine is idle)
+  throughput      prompt tokens prefilled per wall second over THROUGHPUT_SPAN_S: under a steady
+                  load the rate they arrive, so the router expects some to join the next step
 
 The rates are over a sliding window of recent events (`Window`), so they follow load changes and
 forget an idle spell's last burst no faster than the window.
@@ -188,6 +192,7 @@ class Window:
 
 MIN_DRAIN_STEPS = 4     # prefill steps in the window before the drain rate replaces the prior's
 RECENT_STEPS = 8        # prefill steps the recent step time is the mean of
+THROUGHPUT_SPAN_S = 5.0  # prefill tokens per wall second: over this much recent time
 
 
 class WorkerRates:
@@ -195,7 +200,7 @@ class WorkerRates:
     `fields()` is what its heartbeat publishes."""
 
     def __init__(self, prior: Prior, token_budget: int = 512, chunk_size: int = 256,
-                 kv_bytes_per_token: int = 0, clock=time.monotonic) -> None:
+                 kv_bytes_per_token: int = 0, clock=time.monotonic, wall=time.time) -> None:
         self.prior = prior
         self.token_budget = token_budget
         self.chunk_size = chunk_size
@@ -206,12 +211,19 @@ class WorkerRates:
         self._finished = Window(clock=clock)
         self._freed = Window(clock=clock)
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._prefilled = Window(span_s=THROUGHPUT_SPAN_S, clock=clock)
+        self._wall = wall
+        self._step: tuple[float, float] = (0.0, 0.0)      # (when the last step ended, its length)
 
     def on_step(self, prefill_tokens: int, decode_tokens: int, pairs: int, duration_s: float,
                 gap_s: float) -> None:
-        """One engine step; only steps that ran prefill feed the fit and the drain rate."""
+        """One engine step, just ended; only steps that ran prefill feed the fit and the drain
+        rate."""
+        if duration_s > 0:
+            self._step = (self._wall(), duration_s)
         if prefill_tokens <= 0 or duration_s <= 0:
             return
+        self._prefilled.add(prefill_tokens)
         self.fit.observe(prefill_tokens + decode_tokens, pairs, duration_s)
         self._drain.add(prefill_tokens, duration_s + max(0.0, gap_s))
         self._recent.append(duration_s)
@@ -230,8 +242,9 @@ class WorkerRates:
             return self._drain.rate()
         return self.prior.drain_rate(self.token_budget, self.chunk_size)
 
-    def fields(self) -> dict:
-        """The WorkerStats fields this publishes."""
+    def fields(self, busy: bool = True) -> dict:
+        """The WorkerStats fields this publishes; no step in flight unless the engine is `busy`
+        (it has sequences running or queued)."""
         a, b, c = self.fit.coefficients
         p = self.prior
         return dict(prefill_step_s=a, prefill_s_per_token=b, prefill_s_per_pair=c,
@@ -244,4 +257,9 @@ class WorkerRates:
                     kv_bytes_per_token=self.kv_bytes_per_token,
                     kv_transfer_bytes_per_s=self._kv.rate(),
                     kv_blocks_freed_per_s=self._freed.per_wall_s(),
-                    sequences_finished_per_s=self._finished.per_wall_s())
+                    sequences_finished_per_s=self._finished.per_wall_s(),
+                    prefill_tokens_per_wall_s=self._prefilled.per_wall_s(),
+                    # the step after the last began as it ended (back to back while work
+                    # waits), as long as it: the router reads it only while that lasts
+                    step_started_unix_s=self._step[0] if busy else 0.0,
+                    step_predicted_s=self._step[1] if busy else 0.0)

@@ -40,7 +40,7 @@ class RoleParts:
 class RoleCalls:
     """The role's own Worker RPCs; one left None is not this role's (WRONG_ROLE)."""
     reserve: Callable[[pb.ReserveRequest, Context], Awaitable[pb.ReserveResponse]] | None = None
-    decode_stream: Callable[[AsyncIterator[pb.DecodeSubscription], Context],
+    decode_stream: Callable[[AsyncIterator[pb.DecodeSubscribe], Context],
                             AsyncIterator[pb.DecodeBatch]] | None = None
     prefill: Callable[[pb.PrefillRequest, Context], AsyncIterator[pb.PrefillReply]] | None = None
     generate: Callable[[pb.WorkRequest, Context], AsyncIterator[pb.TokenChunk]] | None = None

@@ -57,7 +57,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     bind.add_args(p)
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--kv-port", type=int, default=0,
-                   help="the tcp KV backend's receiver on 127.0.0.1 (0 picks a free port)")
+                   help="the tcp KV backend's receiver, on --host (0 picks a free port)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="heartbeat capacity here (optional)")
     p.add_argument("--kv-backend", default="tcp", choices=PROCESS_BACKENDS)

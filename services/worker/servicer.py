@@ -5,10 +5,14 @@ transfer and hands each call to the role it serves (role.py), which it knows onl
 Role protocol:
 
   prefill  Prefill       services/prefill/handler.py: first token to the gateway, then KV to decode
+           PrefillStream the same for a gateway's requests on one long-lived call
   decode   Reserve       services/decode/reservations.py: reserve, import KV, ...
+           ReserveStream ... the same for a router's requests on one long-lived call
            DecodeStream  ... stream tokens 2..N once the request's own transfer has landed:
                          one call per gateway, a decode step's chunks batched into one message
-  mixed    Generate      services/mixed/generate.py: co-located, the whole request here
+  mixed    DecodeStream  services/mixed/generate.py: co-located, the whole request here, started
+                         by its subscription, a step's chunks batched as for decode
+           Generate      the same, one call per request
   all      Cancel, Stats, Health (here, asking the role for its part)
 
 A call the role does not answer fails WRONG_ROLE. Every path that ends a request early (the caller
@@ -17,7 +21,10 @@ without awaiting anything.
 """
 from __future__ import annotations
 
-from services.protocol import status
+import asyncio
+
+from services.protocol import shared_call, status
+from services.protocol.convert import tenant_queues
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.worker.engine_client import EngineFailed
@@ -32,6 +39,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.telemetry = parts.telemetry
         self.role = role
         self._calls = role.calls()
+        self._cancels: set[asyncio.Task] = set()
         self.address = ""              # host:port, once serving (Stats names it)
         self.engine_stalled = False    # the core has not answered for engine_stall_s (heartbeat)
 
@@ -39,6 +47,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         handler = await self._handler(context, self._calls.reserve, "Reserve")
         return await handler(request, context)
+
+    async def ReserveStream(self, asks, context):
+        """Reserve for each of a router's requests on one long-lived call (shared_call.py); a
+        `cancel` after the answer ends the reservation (the router gave up on it)."""
+        handler = await self._handler(context, self._calls.reserve, "ReserveStream")
+        async for answer in shared_call.answer_asks(
+                asks, lambda ask, ctx: handler(ask.request, ctx), shared_call.RESERVE,
+                late_cancel=self._cancel_soon):
+            yield answer
+
+    def _cancel_soon(self, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.role.cancel(request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def DecodeStream(self, request_iterator, context):
         handler = await self._handler(context, self._calls.decode_stream, "DecodeStream")
@@ -49,6 +71,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         handler = await self._handler(context, self._calls.prefill, "Prefill")
         async for reply in handler(request, context):
             yield reply
+
+    async def PrefillStream(self, asks, context):
+        """Prefill for each of a gateway's requests on one long-lived call (shared_call.py): each
+        request's accept, replies and end travel as notes carrying its id."""
+        handler = await self._handler(context, self._calls.prefill, "PrefillStream")
+
+        async def one(ask: pb.PrefillAsk, ctx) -> None:
+            rid = ask.request.request_id
+            async for reply in handler(ask.request, ctx):
+                ctx.send(pb.PrefillNote(request_id=rid, reply=reply))
+
+        async for note in shared_call.answer_asks(asks, one, shared_call.PREFILL):
+            yield note
 
     async def Generate(self, request: pb.WorkRequest, context):
         handler = await self._handler(context, self._calls.generate, "Generate")
@@ -95,13 +130,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             tenants=[pb.TenantShare(tenant=t, sequences=n, kv_blocks=b)
                      for t, n, b in s.tenants],          # the engine's order: largest KV first
             queued_prefill_tokens_ahead=s.prefill_tokens_ahead,
-            prefill_queues=[pb.TenantQueue(traffic_class=c, tenant=t, tokens=n)
-                            for c, t, n in s.prefill_queues],
+            prefill_queues=tenant_queues(s),
             num_decoding=s.num_decoding,
             decode_context_tokens=s.decode_context_tokens, max_running=s.max_running,
             max_prefill_attention=s.max_prefill_attention,
             prefill_step_tokens_ahead=s.prefill_step_tokens_ahead,
-            **(self.telemetry.rates.fields() if self.telemetry.rates else {}))
+            **(self.telemetry.rates.fields(busy=s.num_running + s.num_queued > 0)
+               if self.telemetry.rates else {}))
 
     async def Health(self, request, context) -> pb.HealthResponse:
         if self.engine.failure is not None:

@@ -132,6 +132,7 @@ STUBBORN = ["tests.cli.test_supervisor", "stubborn"]     # ignores SIGTERM; so d
 POLITE = ["tests.cli.test_supervisor", "polite"]         # READY, then dies of SIGTERM
 
 
+@pytest.mark.serial                     # a claim about time: run alone after the parallel run
 def test_stop_all_takes_down_stubborn_children_and_grandchildren_within_the_grace(launcher):
     launcher.start("polite", POLITE)
     launcher.start("stubborn", STUBBORN)
@@ -147,6 +148,7 @@ def test_stop_all_takes_down_stubborn_children_and_grandchildren_within_the_grac
     assert launcher.children == {}
 
 
+@pytest.mark.serial                     # a claim about time: run alone after the parallel run
 def test_children_that_obey_sigterm_are_not_held_for_the_grace(launcher):
     for i in range(3):
         launcher.start(f"polite-{i}", POLITE)

@@ -100,6 +100,7 @@ class InFlight:
         return True
 
 
+@pytest.mark.serial                     # a claim about time: run alone after the parallel run
 @pytest.mark.parametrize("mode, routers", [("disagg", 2), ("colocated", 1)])
 def test_up_serves_then_stops_everything_it_started(tiny_model_dir, mode, routers):
     with up_fleet(tiny_model_dir, mode=mode, routers=routers) as up:
@@ -125,6 +126,7 @@ def test_up_serves_then_stops_everything_it_started(tiny_model_dir, mode, router
         assert proc.wait() == 0
 
 
+@pytest.mark.serial                     # a claim about time: run alone after the parallel run
 def test_sigterm_with_streams_in_flight_stops_every_process_and_port_within_3_s(tiny_model_dir):
     with up_fleet(tiny_model_dir, mode="colocated", routers=2) as up:
         proc, lines, http = up.proc, up.lines, int(up.http.rsplit(":", 1)[1])

@@ -29,10 +29,18 @@ def up_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def ephemeral_from() -> int:
+    """The first port of the kernel's ephemeral range: any process's outgoing connection may take
+    one above it at any moment (many, with the suite's workers and fleets running at once)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        return int(f.read().split()[0])
+
+
 def free_base(*argv: str) -> tuple[int, list[ports.Listener]]:
-    """A --port-base whose every planned port is free now (the fleet may still lose a race)."""
+    """A --port-base whose every planned port is free now, below the ephemeral range, so only a
+    process binding a port of its own choice can still take one before the fleet does."""
     for _ in range(50):
-        base = random.randrange(20000, 60000, 100)
+        base = random.randrange(20000, max(ephemeral_from() - ports.SPAN, 20100), 100)
         plan = port_plan(up_args("--port-base", str(base), *argv), embedded_redis=True)
         if ports.taken(plan) is None:
             return base, plan

@@ -1,9 +1,11 @@
 """The decode worker owns its blocks (R2, item 3): a reservation's blocks go back to the engine only
 once no write into them can land, whatever order anyone cancels in.
 
-A real engine core process (the tiny model) behind an EngineClient, the decode role over it, and a
-real KV source (a second pool with its own transport) writing into the reservation, over tcp and
-nixl:
+A real engine core process behind an EngineClient (the simulated core: every claim here is about
+blocks, bytes written or refused, and counts of tokens, which the real scheduler, block pool and
+transports decide whatever makes the tokens; its KV pool is a numpy array the transports move real
+bytes into), the decode role over it, and a real KV source (a second pool with its own transport)
+writing into the reservation, over tcp and nixl:
   - tcp (the receiver copies): ending a reservation stops its transfer at once and frees the
     blocks; a write that comes afterwards is refused and changes none of them; the same with the
     receiver staging through host memory as it does for a CUDA pool ("tcp-staged": a CPU pool
@@ -36,6 +38,7 @@ from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
 from services.worker.role import RoleParts
 from services.worker.telemetry import WorkerTelemetry
+from tests.harness import sim_config
 from tests.waiting import eventually
 
 PROMPT = list(range(100, 166))          # 66 tokens: 5 blocks of 16
@@ -45,16 +48,16 @@ RESERVATION_S = 3.0
 class Rig:
     """The decode side (engine core, transport, DecodeRole) and a KV source of the same layout."""
 
-    def __init__(self, model_dir: str, backend: str) -> None:
+    def __init__(self, model_dir: str, backend: str, timeouts: Timeouts | None = None) -> None:
         self.model_dir, self.backend = model_dir, backend
+        self.timeouts = timeouts or Timeouts(reservation_s=RESERVATION_S, reservation_per_target=0.0)
 
     async def __aenter__(self) -> Rig:
-        self.engine = EngineClient(engine_config(self.model_dir, kv_cache_mib=8))
+        self.engine = EngineClient(engine_config(self.model_dir, kv_cache_mib=8, sim=sim_config(8)))
         await self.engine.start()
         self.transport = self._transport(f"decode-{self.backend}")
         self.transport.register(self.engine.kv_cache)
-        config = WorkerConfig("decode-0", "decode", self.backend,
-                              Timeouts(reservation_s=RESERVATION_S))
+        config = WorkerConfig("decode-0", "decode", self.backend, self.timeouts)
         self.role = DecodeRole()
         await self.role.start(RoleParts(config, self.engine, self.transport,
                                         WorkerTelemetry("decode", "decode-0"),
@@ -77,9 +80,10 @@ class Rig:
         self.transport.close()
         await self.engine.close()
 
-    async def reserve(self, rid: str, max_tokens: int = 8) -> pb.ReserveResponse:
+    async def reserve(self, rid: str, max_tokens: int = 8,
+                      traffic_class: str = "") -> pb.ReserveResponse:
         resp = await self.role.reserve(pb.ReserveRequest(
-            request_id=rid, prompt_token_ids=PROMPT,
+            request_id=rid, prompt_token_ids=PROMPT, traffic_class=traffic_class,
             params=params_to_pb(SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                ignore_eos=True))), context=None)
         assert resp.accepted, resp.reason
@@ -95,7 +99,7 @@ class Rig:
         return s.kv_blocks_used + s.kv_blocks_reserved
 
     def target_bytes(self, target: pb.KVDescriptor):
-        return self.engine.kv_cache.data[:, :, list(target.block_ids)].clone()
+        return self.engine.kv_cache.data[:, :, list(target.block_ids)]    # indexing copies
 
 
 @pytest.mark.parametrize("backend", ["tcp", "tcp-staged"])
@@ -138,6 +142,47 @@ def test_nixl_an_ended_reservation_with_no_write_is_freed_at_its_deadline(tiny_m
             assert await eventually(lambda: _is(rig.reserved(), 0), RESERVATION_S + 5)
             assert time.monotonic() - started >= RESERVATION_S - 0.5   # not before the deadline
             assert rig.role.held_blocks == 0
+    asyncio.run(story())
+
+
+# a document's reservation: 1 s base + 0.3 x its 10 s TTFT target = 4 s; a chat's: 1.3 s
+LONG_PREFILL = Timeouts(reservation_s=1.0, reservation_per_target=0.3, kv_deadline_margin_s=0.2)
+
+
+def test_a_documents_kv_that_comes_after_the_base_lifetime_still_lands_and_decodes(tiny_model_dir):
+    """A document's prefill outlasts the fleet's base reservation_s: its reservation lives by its
+    class's target, so the late KV lands and decode runs."""
+    async def story():
+        async with Rig(str(tiny_model_dir), "tcp", LONG_PREFILL) as rig:
+            reserved_at = time.time()
+            resp = await rig.reserve("doc-late", max_tokens=4, traffic_class="document")
+            lifetime = resp.expires_at_unix_s - reserved_at
+            assert 3.5 <= lifetime <= 4.5
+            chat = await rig.reserve("chat", traffic_class="interactive")
+            assert chat.expires_at_unix_s - reserved_at <= 2.0      # a chat's stays short
+            # the prefill runs on until the chat's reservation (1.3 s) has ended by itself: past
+            # the base lifetime, which alone would have freed the document's too
+            assert await eventually(lambda: "chat" not in rig.role._reservations)
+            assert time.time() > reserved_at + LONG_PREFILL.reservation_s
+            await wait_done(rig.write("doc-late", resp.target, first_token=42))
+            chunks = [c async for c in rig.role.decode("doc-late")]
+            assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+            assert sum(len(c.token_ids) for c in chunks) == 3      # tokens 2..4
+            assert await eventually(lambda: _is(rig.reserved(), 0))
+    asyncio.run(story())
+
+
+def test_a_documents_reservation_whose_kv_never_comes_is_freed_at_its_own_deadline(tiny_model_dir):
+    """The prefill worker that was to write a document's KV is gone (its transport closed before
+    writing): the longer reservation still ends by itself, at its deadline and not before."""
+    async def story():
+        async with Rig(str(tiny_model_dir), "tcp", LONG_PREFILL) as rig:
+            resp = await rig.reserve("doc-orphan", traffic_class="document")
+            rig.source.close()                                      # the writer died
+            assert await rig.reserved() > 0
+            assert await eventually(lambda: _is(rig.reserved(), 0), 10.0)
+            assert time.time() >= resp.expires_at_unix_s - 0.5     # not before its deadline
+            assert rig.role.held_blocks == 0 and not rig.role._reservations
     asyncio.run(story())
 
 

@@ -2,6 +2,7 @@
 of it would wait behind in the scheduler's order (its own and higher class priorities)."""
 from __future__ import annotations
 
+from services.engine.engine import PUBLISHED_PROMPTS, queued_prompts
 from tests.engine.scheduler_helpers import add, make_scheduler, step
 
 
@@ -30,3 +31,18 @@ def test_each_tenants_queued_prompt_tokens_are_published_by_class():
     queues = {(c, t): n for c, t, n in sched.prefill_queues()}
     assert queues[("interactive", "a")] + queues.get(("interactive", "b"), 0) == 340 - 64
     assert queues[("document", "b")] == 300
+
+
+def test_each_queued_prompt_is_listed_in_its_tenants_order_up_to_the_published_cap():
+    """The router steps the scheduler forward from these (services/router/step_ahead.py); what is
+    past the cap it still knows from the tenant's tokens."""
+    sched, _ = make_scheduler(num_blocks=4096, max_running=64, token_budget=64)
+    add(sched, 50, tenant="a")
+    add(sched, 20, tenant="a")
+    add(sched, 300, cls="document", tenant="b")
+    assert queued_prompts(sched) == {("interactive", "a"): [50, 20], ("document", "b"): [300]}
+    step(sched)                # 64 tokens: the chats' first chunks (32 each)
+    assert queued_prompts(sched)[("interactive", "a")] == [18]
+    for _ in range(PUBLISHED_PROMPTS + 5):
+        add(sched, 1, tenant="c")
+    assert len(queued_prompts(sched)[("interactive", "c")]) == PUBLISHED_PROMPTS

@@ -99,6 +99,45 @@ def test_the_deepest_chunk_still_advances_by_the_floor():
     assert [(c.request, c.num_tokens) for c in step(sched).prefills] == [(doc, MIN_CHUNK)]
 
 
+def test_once_the_pairs_run_out_only_the_first_chat_gets_the_floor():
+    """Found on the co-located overload ramp: with the attention cap spent, every queued chat got
+    a MIN_CHUNK floor chunk, so a queue of chats advanced 16 tokens each, all together, and every
+    one of them started late. Now the pairs go to the chats in order (FCFS within the tenant),
+    one floor chunk at most, and those behind wait whole."""
+    sched, _ = make_scheduler(token_budget=600, chunk_size=200, num_blocks=4000,
+                              max_prefill_attention=30_000)
+    streaming = add(sched, 8, tenant="b", max_tokens=100)
+    decode_into(sched, streaming)
+    chats = [add(sched, 150) for _ in range(6)]
+    out = step(sched)
+    given = [(c.request, c.num_tokens) for c in out.prefills]
+    # 150 tokens from position 0 attend over 11,325 pairs: two chats fit whole in 30,000, the
+    # third gets what is left (7,350 pairs: 114 tokens) and the others nothing yet
+    assert given[:2] == [(chats[0], 150), (chats[1], 150)]
+    assert given[2][0] is chats[2] and MIN_CHUNK < given[2][1] < 150
+    assert len(given) == 3
+
+
+def test_an_aged_document_spends_at_most_its_share_of_the_pairs():
+    """Found on the co-located overload ramp: a document aged ahead of the chats, deep in its
+    prompt, spent every attention pair of the step, and each chat behind it got the floor. While
+    chats wait, a document takes at most its share of the pairs, as of the tokens."""
+    sched, clock = make_scheduler(token_budget=600, chunk_size=500, num_blocks=4000,
+                                  max_prefill_attention=100_000)
+    doc = add(sched, 3000, cls="document", tenant="b", max_tokens=1, clock=clock)
+    for _ in range(4):
+        step(sched)                                    # nothing decodes: 500-token chunks
+    streaming = add(sched, 8, tenant="c", max_tokens=100, clock=clock)
+    decode_into(sched, streaming)
+    clock.now = 25.0                                    # the document has aged past the chats
+    chat = add(sched, 200, tenant="a", clock=clock)
+    out = step(sched)
+    assert [c.request for c in out.prefills] == [doc, chat]
+    doc_chunk = out.prefill_of(doc)
+    assert attention_pairs(doc_chunk.start_pos, doc_chunk.num_tokens) <= 50_000   # half the cap
+    assert out.prefill_of(chat).num_tokens == 200       # the chat's 20,100 pairs fit whole
+
+
 def test_document_share_is_capped_while_interactive_work_waits():
     # documents may take at most half of B while a chat waits (here the chat is blocked by its
     # tenant's cap, so without the share cap the document would take everything)
@@ -238,6 +277,26 @@ def test_a_chat_is_not_rejected_for_a_documents_prefill_it_will_overtake():
     assert chat not in out.rejected and chat.status != Status.FINISHED_REJECTED
     assert out.prefills[0].request is chat
     assert doc.status == Status.RUNNING
+
+
+def test_a_chat_is_not_rejected_behind_aged_documents_that_only_take_their_share():
+    """Found on the co-located overload ramp: documents queued past their aging sort ahead of the
+    chats, and late rejection counted all their prompt tokens ahead of every chat (~100K tokens,
+    tens of seconds), so it refused thousands of chats the router had just admitted. While chats
+    wait the documents take at most their share of a step: a chat does not wait for them."""
+    tenants = (Tenant("a"), Tenant("b"), Tenant("c", max_active_seqs=1))
+    sched, clock = make_scheduler(token_budget=16, chunk_size=16, num_blocks=8000, tenants=tenants)
+    for _ in range(5):
+        sched.prefill_rate.observe(1000, 1.0)             # measured: 1000 prefill tokens/s
+    add(sched, 10, tenant="c", cls="document", max_tokens=50, clock=clock)
+    step(sched)                                           # tenant c now holds its one seat
+    docs = [add(sched, 3000, cls="document", tenant="c", max_tokens=1, clock=clock)
+            for _ in range(2)]                            # 6 s of prefill, queued
+    clock.now = 12.0                                      # aged ahead of any chat (2.2 > 2)
+    chat = add(sched, 10, tenant="a", clock=clock)
+    out = sched.schedule()
+    assert chat not in out.rejected and chat.status != Status.FINISHED_REJECTED
+    assert out.rejected == [] and all(d.status == Status.WAITING for d in docs)
 
 
 def test_a_quiet_tenant_is_not_rejected_behind_a_flooding_tenants_queue():

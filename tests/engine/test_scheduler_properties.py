@@ -7,6 +7,8 @@ exceeds its caps; every running decode sequence advances every iteration (except
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -54,7 +56,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.clock.now += advance
         decoding = [r for r in self.sched.running.values() if r.is_decoding]
         before = {r.request_id: r.num_output_tokens for r in decoding}
+        chats_wait = any(self.sched.queues["interactive"].values())
         out = self.sched.schedule()
+        if chats_wait:
+            self.check_capped_shares(out)
         for chunk in out.chunks:                       # computes only inside its own blocks
             held = self.pool.held(chunk.request.request_id)
             assert held * 4 >= chunk.start_pos + chunk.num_tokens
@@ -72,14 +77,33 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def check_attention_cap(self, out):
         """While sequences decode, each prefill chunk either fits the attention left after the
-        chunks before it, or is a floor chunk of at most MIN_CHUNK tokens."""
+        chunks before it, or is a floor chunk of at most MIN_CHUNK tokens, one per class at
+        most (a class's queue never advances all together by floor chunks)."""
         cap = self.sched.config.max_prefill_attention
         if not (cap and out.decodes):
             return
-        spent = 0
+        spent, floors = 0, Counter()
         for c in out.prefills:
             spent += attention_pairs(c.start_pos, c.num_tokens)
-            assert c.num_tokens <= MIN_CHUNK or spent <= cap, (c.start_pos, c.num_tokens, spent, cap)
+            if spent > cap:
+                floors[c.request.traffic_class.name] += 1
+                assert c.num_tokens <= MIN_CHUNK, (c.start_pos, c.num_tokens, spent, cap)
+        assert all(n <= 1 for n in floors.values()), floors
+
+    def check_capped_shares(self, out):
+        """While chats wait and sequences decode, a capped class (documents, batch) spends at most
+        its share of the attention pairs, or advances by one floor chunk alone."""
+        cap = self.sched.config.max_prefill_attention
+        if not (cap and out.decodes):
+            return
+        for cls in self.sched.config.classes:
+            mine = [c for c in out.prefills if c.request.traffic_class.name == cls.name]
+            if cls.share_while_interactive_waits >= 1 or not mine:
+                continue
+            pairs = sum(attention_pairs(c.start_pos, c.num_tokens) for c in mine)
+            floor_alone = len(mine) == 1 and mine[0].num_tokens <= MIN_CHUNK
+            share = cls.share_while_interactive_waits
+            assert pairs <= share * cap or floor_alone, (cls.name, pairs)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 1000))

@@ -15,6 +15,7 @@ import redis
 import yaml
 
 from tests.harness import TEST_TTFT_TARGET_S, up_fleet
+from tests.waiting import wait_until
 
 TOKEN = "fault-suite-fleet-token-0123456789"
 OUTPUT_CAP = 48           # the interactive class's output cap in these fleets
@@ -36,6 +37,18 @@ def engine_config(tmp_path) -> str:
          "itl_target_s": 0.1, "max_prompt_tokens": 32768, "output_cap": 1024,
          "predicted_output_tokens": 256, "aging_s": 10.0, "share_while_interactive_waits": 0.5}]}}))
     return str(path)
+
+
+def exit_said(fleet, name: str, timeout_s: float = 30.0) -> str:
+    """The supervisor's line saying how `name` exited ("" if none came within the deadline).
+    Waited for: a test sees a restart in /proc at once, while the line reaches `fleet.lines`
+    through the pump thread that reads `kvfleet up`'s output, possibly a moment later."""
+    mark = f"{name} exited with status "
+
+    def said() -> str:
+        return next((line for line in list(fleet.lines) if mark in line), "")
+    wait_until(lambda: bool(said()), timeout_s)
+    return said()
 
 
 @contextmanager

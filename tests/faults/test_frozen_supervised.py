@@ -25,7 +25,7 @@ import pytest
 
 from services.cli.launcher import descendants, running
 from services.cli.up import Banner
-from tests.faults.fault_fleet import engine_config, stream_chat, supervised_fleet
+from tests.faults.fault_fleet import engine_config, exit_said, stream_chat, supervised_fleet
 from tests.harness import engine_core_pid, holds_nothing, serves
 from tests.waiting import wait_until
 
@@ -100,7 +100,8 @@ def test_a_frozen_prefill_worker_is_routed_around_then_restarted(fleet):
     finally:
         thaw(victim)
     assert any("prefill-0 has not answered its health check" in line for line in fleet.lines)
-    assert any("prefill-0 exited with status -9" in line for line in fleet.lines)
+    assert "prefill-0 exited with status -9 " in exit_said(fleet, "prefill-0"), \
+        "\n".join(fleet.lines[-20:])
     assert serves(fleet, 60) and wait_until(lambda: holds_nothing(fleet), 30)
 
 

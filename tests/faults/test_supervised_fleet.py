@@ -18,8 +18,10 @@ import signal
 import httpx
 import pytest
 
+from services.worker.faults import ENGINE_STEP_DELAY
 from tests.waiting import wait_until
-from tests.faults.fault_fleet import OUTPUT_CAP, engine_config, stream_chat, supervised_fleet
+from tests.faults.fault_fleet import (OUTPUT_CAP, engine_config, exit_said, stream_chat,
+                                     supervised_fleet)
 from tests.harness import holds_nothing, open_streams, serves
 
 CLIENT_TIMEOUT = httpx.Timeout(60.0)
@@ -30,9 +32,15 @@ def config(tmp_path_factory):
     return engine_config(tmp_path_factory.mktemp("faults"))
 
 
+# Each engine step 25 ms slower: a 48-token stream then lasts over a second, so a kill sent once
+# every stream has its first token lands while they all still decode (at the tiny model's own
+# pace the streams could all finish before the kill).
+STEP_DELAY = {ENGINE_STEP_DELAY: "0.025"}
+
+
 @pytest.fixture(scope="module")
 def fleet(redis_url, tiny_model_dir, config):
-    with supervised_fleet(redis_url, str(tiny_model_dir), config) as f:
+    with supervised_fleet(redis_url, str(tiny_model_dir), config, env=STEP_DELAY) as f:
         yield f
 
 
@@ -92,7 +100,8 @@ def test_kill_9_mid_stream_is_heard_by_every_client_and_the_fleet_heals(healthy,
         assert all(r.broken or r.error for r in results), results
     assert wait_until(lambda: fleet.pid(victim) not in (None, old_pid), 30), \
         "\n".join(fleet.lines[-20:])              # the supervisor restarted it
-    assert any(f"{victim} exited with status -9" in line for line in fleet.lines)
+    said = exit_said(fleet, victim)
+    assert f"{victim} exited with status -9 " in said, "\n".join(fleet.lines[-20:])
     assert serves(fleet, 60), "\n".join(fleet.lines[-30:])
     assert wait_until(lambda: holds_nothing(fleet), 30)    # every block and reservation came back
     assert wait_until(lambda: open_streams(fleet.redis_url) == 0, 10)   # ... and every stream slot
@@ -139,8 +148,9 @@ def test_an_engine_exception_fails_its_requests_loudly_and_the_worker_is_restart
             assert r.error is not None and r.done, r
             assert r.error["type"] == "service_unavailable"
             assert "InjectedFault" in r.error["message"], r
-        assert wait_until(lambda: fleet.pid("mixed-0") not in (None, old_pid), 30)
-        assert any("mixed-0 exited with status 70" in line for line in fleet.lines), fleet.lines
+        assert wait_until(lambda: fleet.pid("mixed-0") not in (None, old_pid), 90)
+        said = exit_said(fleet, "mixed-0")
+        assert "mixed-0 exited with status 70 " in said, "\n".join(fleet.lines[-30:])
         assert serves(fleet, 60)            # the new worker serves (until its own 25th step)
         assert wait_until(lambda: holds_nothing(fleet), 30)
         assert wait_until(lambda: open_streams(fleet.redis_url) == 0, 10)

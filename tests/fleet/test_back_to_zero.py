@@ -3,8 +3,10 @@ a router, one prefill and four decode workers as processes on the simulated engi
 gateway with a keyed tenant) serves streamed completions that end at random (hypothesis) by
 finishing, by the client hanging up after its first token, or by an error: the decode worker
 serving the stream is killed (-9) mid-stream. After each, the tenant's stream leases in Redis,
-the router's wait queue and every live decode worker's reservations are back to zero, and the
-fleet serves the next request.
+its decode KV as every router reads it from Redis (the workers' published tenant shares plus what
+routers placed since those beats: the count its guaranteed minimum is judged by), the router's
+wait queue and every live decode worker's reservations are back to zero, and the fleet serves the
+next request.
 
 (Waiters that leave the wait queue by being served, by their caller or by their router going
 away: tests/router/test_admission_flow.py; a killed gateway's leases: tests/faults/
@@ -19,6 +21,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.router import admission
 from services.state.fleet_state import FleetState
 from services.state.wait_queue import WaitQueue
 from tests.gateway.gateway_helpers import ENGINE_CONFIG, key
@@ -59,12 +62,20 @@ def listed(fleet, name: str) -> bool:
     return name in fleet.router_stub().Health(pb.HealthRequest()).detail
 
 
-async def books(redis_url: str) -> tuple[int, int]:
-    """(the tenant's open stream leases, requests waiting in the router's queue)."""
+async def books(redis_url: str) -> tuple[int, int, int]:
+    """(the tenant's open stream leases, its decode KV blocks fleet-wide, requests waiting in the
+    router's queue)."""
     async with FleetState(redis_url) as state:
         queue = WaitQueue(state.redis, state.ns)
         waiting = sum([await queue.waiting(c) for c in CLASSES])
-        return await state.streams("acme"), waiting
+        workers = await state.live_workers()
+        placed = await state.placed([(w.worker_id, w.updated_at_unix_s) for w in workers])
+        by_tenant: dict[str, int] = {}
+        for row in placed:
+            for t, n in row.tenants.items():
+                by_tenant[t] = by_tenant.get(t, 0) + n
+        kv = admission.tenant_kv(workers, by_tenant).get("acme", 0)
+        return await state.streams("acme"), kv, waiting
 
 
 def one_stream(fleet, gw, ending: str) -> None:
@@ -79,6 +90,7 @@ def one_stream(fleet, gw, ending: str) -> None:
             assert list(lines)[-1] == "data: [DONE]"
             return
         next(lines)                                           # the first token came
+        assert wait_until(lambda: asyncio.run(books(fleet.redis_url))[1] > 0, 10)  # its KV counts
         if ending == "error":
             victim = next(n for n in live_decoders(fleet) if held(fleet, n))
             fleet.launcher.kill(victim)
@@ -97,7 +109,7 @@ def test_every_count_comes_back_to_zero_however_streams_end(setup, endings):
     fleet, gw = setup
     for ending in endings:
         one_stream(fleet, gw, ending)
-        assert wait_until(lambda: asyncio.run(books(fleet.redis_url)) == (0, 0), 15), \
+        assert wait_until(lambda: asyncio.run(books(fleet.redis_url)) == (0, 0, 0), 15), \
             (ending, asyncio.run(books(fleet.redis_url)))
         assert wait_until(lambda: all(held(fleet, n) == 0 for n in live_decoders(fleet)), 15), \
             (ending, {n: held(fleet, n) for n in live_decoders(fleet)})

@@ -1,10 +1,13 @@
 """A test double of a Router, named as one: a real gRPC server on 127.0.0.1 that records every
 WorkRequest a gateway sends to Router.Admit, refuses the next `refusals[class]` requests of a class
 as the router refuses a request that would miss its TTFT target (OVERLOADED, with a retry hint),
-and forwards everything else to the fleet's real router."""
+and forwards everything else to the fleet's real router. The gateway asks on AdmitStream (one
+long-lived call, services/protocol/shared_call.py): each ask is answered by a thread of its own,
+so asks wait on the real router side by side as they do on a real router."""
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 from concurrent import futures
 
@@ -33,16 +36,62 @@ class RouterProxy(pb_grpc.RouterServicer):
             return [r.traffic_class for r in self.received]
 
     def Admit(self, request: pb.WorkRequest, context) -> pb.Plan:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            context.set_trailing_metadata(status.trailing(refusal))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message)
+        return self._router.Admit(request, timeout=10)
+
+    def AdmitStream(self, asks, context):
+        answers: queue.Queue[pb.AdmitAnswer | None] = queue.Queue()
+        left = [1]                       # asks still unanswered, plus the reader until it ends
+
+        def done(answer: pb.AdmitAnswer | None) -> None:
+            if answer is not None:
+                answers.put(answer)
+            with self._lock:
+                left[0] -= 1
+                if not left[0]:
+                    answers.put(None)
+
+        def one(ask: pb.AdmitAsk) -> None:
+            rid = ask.request.request_id
+            refusal = self._refusal(ask.request)
+            if refusal is not None:
+                return done(pb.AdmitAnswer(request_id=rid, failure=refusal))
+            try:
+                done(pb.AdmitAnswer(request_id=rid, plan=self._router.Admit(ask.request,
+                                                                            timeout=10)))
+            except grpc.RpcError as e:
+                done(pb.AdmitAnswer(request_id=rid, failure=status.of(e)))
+
+        def read() -> None:
+            try:
+                for ask in asks:
+                    if not ask.cancel:
+                        with self._lock:
+                            left[0] += 1
+                        threading.Thread(target=one, args=(ask,), daemon=True).start()
+            except grpc.RpcError:
+                pass                     # the caller went away, or the server stopped: asks end
+            finally:
+                done(None)               # else the answers' loop below waits forever, and the
+                                         # interpreter's exit joins its server thread forever
+
+        threading.Thread(target=read, daemon=True).start()
+        while (answer := answers.get()) is not None:
+            yield answer
+
+    def _refusal(self, request: pb.WorkRequest) -> pb.CallStatus | None:
+        """Records the request; the refusal it gets here, if its class has refusals left."""
         with self._lock:
             self.received.append(request)
             refuse = self.refusals[request.traffic_class] > 0
             self.refusals[request.traffic_class] -= refuse
-        if refuse:
-            st = status.failed(pb.OVERLOADED, "predicted TTFT misses the document target",
-                               retry_after_s=self.retry_after_s)
-            context.set_trailing_metadata(status.trailing(st))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, st.message)
-        return self._router.Admit(request, timeout=10)
+        if not refuse:
+            return None
+        return status.failed(pb.OVERLOADED, "predicted TTFT misses the document target",
+                             retry_after_s=self.retry_after_s)
 
     def Health(self, request, context) -> pb.HealthResponse:
         return self._router.Health(request, timeout=5)

@@ -1,4 +1,5 @@
-"""Tenant quotas are enforced in Redis, and a stream's slot always comes back: when it finishes,
+"""Tenant quotas are enforced in Redis (and a tenant whose slots this gateway already holds is
+refused before its request's body is read), and a stream's slot always comes back: when it finishes,
 and when its client goes away mid-stream, which also frees its KV on the worker within a second.
 (A gateway that dies gives its slots back too, when their leases lapse: tests/faults/.)"""
 from __future__ import annotations
@@ -40,6 +41,12 @@ def test_a_second_concurrent_stream_is_429_until_the_first_ends(gateway, fleet):
             assert error["code"] == "rate_limit_exceeded" and "max_concurrent_streams" in error["message"]
             # the holder is alive, so when a slot frees is an estimate, and the message says so
             assert "estimated" in error["message"] and int(second.headers["Retry-After"]) >= 1
+            assert open_streams(fleet, "solo") == 1
+            # this gateway holds the tenant's only slot: the next is refused before its body is
+            # read (a body that is not JSON at all gets the 429, not a 400)
+            unread = c.post("/v1/completions", content=b"not json",
+                            headers={"content-type": "application/json"})
+            assert "max_concurrent_streams" in openai_error(unread, 429)["message"]
             assert open_streams(fleet, "solo") == 1
         assert wait_until(lambda: open_streams(fleet, "solo") == 0, 2.0)
         third = c.post("/v1/completions", json={"model": gateway.model, "prompt": "hi", "max_tokens": 2})

@@ -2,9 +2,12 @@
 current Kubernetes release; values and output pass yamllint."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
+from services.telemetry.grafana.boards import DASHBOARD_DIR
 from tests.helm.chart import CHART, KUBERNETES, VALUE_SETS, pod_specs, render, values_of
 
 pytest.importorskip("helm_python")
@@ -17,6 +20,7 @@ from yamllint import linter  # noqa: E402
 CRD_KINDS = {
     "LeaderWorkerSet": "a CRD of the LWS project (leaderworkerset.x-k8s.io), not in Kubernetes' OpenAPI",
     "ServiceMonitor": "a CRD of the Prometheus operator (monitoring.coreos.com), not in Kubernetes' OpenAPI",
+    "PodMonitor": "a CRD of the Prometheus operator (monitoring.coreos.com), not in Kubernetes' OpenAPI",
 }
 YAMLLINT = yamllint_config.YamlLintConfig(
     "extends: default\nrules: {line-length: {max: 120}, truthy: {check-keys: false}}\n")
@@ -145,3 +149,48 @@ def test_the_bundled_redis_url_carries_the_password_redis_is_started_with():
     redis = render("default").of_kind("StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
     assert redis["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
     assert redis["env"][0]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+
+
+def test_the_grafana_dashboards_ship_as_config_maps_grafanas_sidecar_picks_up():
+    """Each dashboard the repo renders (services/telemetry/grafana/boards.py) is one ConfigMap
+    with the sidecar's label, its JSON unchanged, under the 1 MiB a ConfigMap may hold."""
+    shipped = {path.name: json.loads(path.read_text(encoding="utf-8"))
+               for path in DASHBOARD_DIR.glob("*.json")}
+    maps = render("disaggregated").of_kind("ConfigMap")
+    assert len(shipped) >= 3 and len(maps) == len(shipped)
+    found = {}
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "kvfleet"}
+        [(name, text)] = cm["data"].items()
+        assert len(text.encode()) < 1 << 20
+        found[name] = json.loads(text)
+    assert found == shipped
+    assert render("default").of_kind("ConfigMap") == []        # off unless asked for
+
+
+def test_every_router_and_worker_pod_serves_the_metrics_port_its_pod_monitor_scrapes():
+    fleet = render("disaggregated")
+    [monitor] = fleet.of_kind("PodMonitor")
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    [components] = [e["values"] for e in monitor["spec"]["selector"]["matchExpressions"]
+                    if e["key"] == "app.kubernetes.io/component"]
+    port = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))["ports"]["metrics"]
+    scraped = 0
+    for obj in fleet.objects:
+        component = obj["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        if obj["kind"] not in ("Deployment", "LeaderWorkerSet") or component not in components:
+            continue
+        where, spec = pod_specs(obj)[0]                   # the leader's, where a replica spans nodes
+        [container] = [c for c in spec["containers"] if c["name"] in ("router", "worker")]
+        assert {"name": "metrics", "containerPort": port} in container["ports"], (where, obj)
+        assert f"--metrics-port={port}" in container["args"]
+        scraped += 1
+    assert scraped == 3                                   # router, prefill and decode pools
+
+
+def test_scrapers_named_in_values_reach_the_metrics_port_and_nothing_else():
+    internal = render("disaggregated").named("NetworkPolicy", "internal")["spec"]["ingress"]
+    assert internal[1] == {"from": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": "metrics"}]}
+    assert len(render("default").named("NetworkPolicy", "internal")["spec"]["ingress"]) == 1

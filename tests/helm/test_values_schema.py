@@ -51,6 +51,10 @@ def test_an_unknown_mode_is_refused(mode):
     ({"apiKeys": {"keys": [{"key": "k", "tenant": "t"}]}}, "/apiKeys/keys/0"),
     ({"pools": {"decode": {"replicas": 1, "gpus": 8}}}, "/pools/decode"),
     ({"replicas": 3}, "replicas"),
+    ({"ports": {"metrics": 0}}, "/ports/metrics"),
+    ({"podMonitor": {"interval": "soon"}}, "/podMonitor/interval"),
+    ({"grafana": {"dashboards": {"label": "not a label"}}}, "/grafana/dashboards/label"),
+    ({"networkPolicy": {"metricsFrom": [{}]}}, "/networkPolicy/metricsFrom/0"),
 ])
 def test_bad_values_are_refused_naming_the_key(values, key):
     assert key in refusal(values)

@@ -108,7 +108,7 @@ def test_a_transfer_that_never_comes_fails_the_target_at_its_deadline(pair):
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="timed out after 0.2s") as failed:
         target.wait(10.0)
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 5.0  # at 0.2 s, not at the 10 s wait
     assert failed.value.failure == target.failure == KVFailure.TIMEOUT   # typed where it failed
 
 
@@ -118,7 +118,7 @@ def test_an_awaited_transfer_that_never_comes_fails_at_its_deadline(pair):
     with pytest.raises(KVTransferError, match="timed out after 0.2s") as failed:
         asyncio.run(asyncio.wait_for(wait_done(target), 10.0))
     assert failed.value.failure == KVFailure.TIMEOUT
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 5.0  # at 0.2 s, not at the 10 s wait
 
 
 @pytest.mark.parametrize("backend", ["local", "tcp"])  # a nixl target hears only of writes that landed

@@ -110,6 +110,7 @@ def test_wait_done_raises_the_handles_error():
         asyncio.run(main())
 
 
+@pytest.mark.serial                     # a claim about time: run alone after the parallel run
 def test_wait_done_fails_at_the_deadline_with_nobody_calling_done():
     async def main():
         handle = Completion("transfer 'f'", timeout_s=0.2)

@@ -10,7 +10,7 @@ import torch
 from services.protocol import fleet_token
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.kv_transfer import KVLayout, KVTransferError, tcp
+from services.kv_transfer import KVLayout, KVTransferError, make_transport, tcp
 from services.kv_transfer.base import KVFailure
 from services.kv_transfer.peer import make_cache
 from tests.kv_transfer.helpers import DST, LAYOUT, SOURCE_BLOCKS, SRC, Pair, expected_target, new_id
@@ -104,7 +104,7 @@ def test_a_source_that_dies_mid_payload_fails_the_target_at_once(pair):
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="peer closed the connection mid-transfer"):
         target.wait(10.0)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0   # at once, not at the 10 s wait
 
 
 def test_a_writer_without_the_fleet_token_is_refused_and_claims_nothing(pair):
@@ -151,3 +151,32 @@ def test_every_failure_reason_survives_the_reply_frame(failure):
     """The target's reply names why it refused or failed a transfer, typed, for every reason."""
     assert tcp.reply_failure(tcp.reply("why", failure)) == failure
     assert tcp.reply(None, failure) == pb.KVTransferReply()           # no error: no failure
+
+
+def test_a_receiver_binds_the_host_its_worker_gives_and_its_descriptors_name_it():
+    """A worker on a Ray node or in a pod gives its node's address. An address this machine does
+    not have fails the bind (so the given host is the one bound; nothing listens anywhere), and
+    with the worker's 127.0.0.1 the descriptors name the listener a source then reaches."""
+    elsewhere = make_transport("tcp", new_id("target"), host="203.0.113.7")   # TEST-NET-3
+    with pytest.raises(OSError):
+        elsewhere.register(make_cache(LAYOUT, 24))
+    elsewhere.close()
+    target = make_transport("tcp", new_id("target"), host="127.0.0.1")
+    source = tcp.TcpTransport(new_id("source"))
+    source_kv, target_kv = make_cache(LAYOUT, SOURCE_BLOCKS), make_cache(LAYOUT, 24)
+    try:
+        source.register(source_kv)
+        target.register(target_kv)
+        assert target.address == "127.0.0.1:{}".format(target._listener.getsockname()[1])
+        assert target.descriptor(DST).address == target.address
+        torch.manual_seed(5)
+        source_kv.data.copy_(torch.randn_like(source_kv.data))
+        before = target_kv.data.clone()
+        tid = new_id()
+        landed = target.expect(tid, DST, timeout_s=5.0)
+        source.write(tid, SRC, target.descriptor(DST), timeout_s=5.0, checksum=True).wait(5.0)
+        landed.wait(5.0)
+        assert torch.equal(target_kv.data, expected_target(before, source_kv.data, SRC, DST))
+    finally:
+        source.close()
+        target.close()

@@ -1,7 +1,8 @@
 """The load generator against a real local fleet (processes on 127.0.0.1, a real redis-server):
 30 s of the `mixed` workload gives a complete report with no client-side errors; the CLI's serve
 and compare commands run the same way; quota rejections are recorded with their reason and
-Retry-After, not counted as client failures."""
+Retry-After, not counted as client failures (on the simulated engine core); the quality gate
+passes the fleet against its own checkpoint (on the tiny model)."""
 from __future__ import annotations
 
 import asyncio
@@ -25,12 +26,25 @@ CLIENT_SIDE = ("connect", "timeout", "truncated", "transport")
 LIMITED = TenantSpec("limited", "interactive", 1.0, ArrivalProcess("poisson", {"rate_rps": 1}))
 
 
+def setup(model_dir, engine: str) -> tuple[list[TenantSpec], FleetSetup]:
+    tenants = [*load_workload("mixed").tenants, LIMITED]
+    return tenants, FleetSetup(mode="colocated", model=str(model_dir), engine=engine,
+                               key_overrides={"limited": {"requests_per_minute": 3}})
+
+
 @pytest.fixture(scope="module")
 def fleet(redis_url, tiny_model_dir):
-    tenants = [*load_workload("mixed").tenants, LIMITED]
-    setup = FleetSetup(mode="colocated", model=str(tiny_model_dir),
-                       key_overrides={"limited": {"requests_per_minute": 3}})
-    with local_fleet(tenants, setup, redis_url=redis_url) as f:
+    """The load generator's fleet on the simulated engine core: the claims on it are about the
+    report, the quotas and the CLI, which see the same HTTP answers whatever makes the tokens."""
+    with local_fleet(*setup(tiny_model_dir, "sim"), redis_url=redis_url) as f:
+        yield f
+
+
+@pytest.fixture
+def model_fleet(tiny_model_dir):
+    """The same fleet on the tiny model, for the claim about its logprobs; its own Redis (`kvfleet
+    up` starts one), since the module's fleet, still up, uses the same worker names."""
+    with local_fleet(*setup(tiny_model_dir, "real")) as f:
         yield f
 
 
@@ -127,13 +141,13 @@ def test_each_tenant_uses_its_own_key_and_unknown_tenants_fall_back():
     assert _headers(replace(cfg, api_key=None), "other") == {}
 
 
-# local_fleet runs the real model (FleetSetup.engine "real"): this test's claim needs its logprobs,
-# and the module's other tests share the fleet
 @pytest.mark.real_model("the fleet's logprobs score as the checkpoint's own")
-def test_the_quality_gate_passes_the_served_fleet_against_its_own_checkpoint(fleet, tiny_model_dir, tmp_path):
+def test_the_quality_gate_passes_the_served_fleet_against_its_own_checkpoint(
+        model_fleet, tiny_model_dir, tmp_path):
     """The URL path of `kvfleet eval quality`: the fleet (REST, echo + logprobs through the gateway)
     scores the same as the checkpoint run in-process."""
-    out = kvfleet("eval", "quality", "--reference", str(tiny_model_dir), "--candidate", fleet.endpoint,
+    out = kvfleet("eval", "quality", "--reference", str(tiny_model_dir),
+                  "--candidate", model_fleet.endpoint,
                   "--api-key", tenant_key("acme"), "--limit", "8", "--out", str(tmp_path / "q.json"))
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "q.json").read_text())

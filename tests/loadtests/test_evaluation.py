@@ -112,10 +112,11 @@ def evaluation(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_des_part_at_a_tiny_size_writes_its_points_document_and_plots(tmp_path):
-    done = evaluation("--parts", "des", "--des-workloads", "chat-only",
-                      "--des-setups", "colocated:2,disagg:1:1", "--des-duration", "2",
-                      "--sim-kv-tokens", "200000", "--des-start", "1", "--des-max-rate", "4",
-                      "--refine", "0", "--cache", str(tmp_path / "sweeps"), "--out", str(tmp_path))
+    args = ("--parts", "des", "--des-workloads", "chat-only",
+            "--des-setups", "colocated:2,disagg:1:1", "--des-duration", "2",
+            "--sim-kv-tokens", "200000", "--des-start", "1", "--des-max-rate", "4",
+            "--refine", "0", "--cache", str(tmp_path / "sweeps"), "--out", str(tmp_path))
+    done = evaluation(*args)
     assert done.returncode == 0, done.stderr
     assert {f.name for f in (tmp_path / "sweeps").iterdir()} == {
         "chat-only--colocated-2.json", "chat-only--disagg-1-1.json"}
@@ -139,6 +140,11 @@ def test_the_des_part_at_a_tiny_size_writes_its_points_document_and_plots(tmp_pa
     assert (tmp_path / "evaluation" / "des-chat-only.png").stat().st_size > 0
     again = evaluation("--render-only", "--out", str(tmp_path))    # the page from the JSON alone
     assert again.returncode == 0 and (tmp_path / "evaluation.md").read_text() == doc
+    assert "reused from `--cache`" not in doc
+    rerun = evaluation(*args)          # every sweep from the cache: the page says so, and where
+    assert rerun.returncode == 0, rerun.stderr
+    made = json.loads((tmp_path / "sweeps" / "chat-only--disagg-1-1.json").read_text())["commit"]
+    assert f"chat-only disagg:1:1 (`{made}`)" in (tmp_path / "evaluation.md").read_text()
 
 
 def test_bad_arguments_are_clear_errors(tmp_path):

@@ -25,7 +25,9 @@ REQUESTS = 3
 
 @pytest.fixture(scope="module")
 def fleet(redis_url, tiny_model_dir):
-    with local_fleet([CHAT], FleetSetup(mode="disagg", model=str(tiny_model_dir)),
+    # the simulated engine core: the prediction and its error are the router's and the gateway's,
+    # whatever makes the tokens
+    with local_fleet([CHAT], FleetSetup(mode="disagg", model=str(tiny_model_dir), engine="sim"),
                      redis_url=redis_url) as f:
         yield f
 

@@ -84,7 +84,8 @@ def test_the_reference_against_itself_passes_with_nothing_to_report(tiny_model_d
     report = json.loads(out.read_text())
     m = report["metrics"]
     assert report["verdict"] == "PASS"
-    assert m["ll_gap"] == 0.0 and m["mean_abs_ll_diff"] == 0.0
+    # the same weights twice: equal up to float summation order (MKL's threads under load)
+    assert abs(m["ll_gap"]) < 1e-6 and m["mean_abs_ll_diff"] < 1e-6
     assert m["greedy_agreement"] == 1.0 and m["exact_match"] == 1.0
     assert m["reference_mean_ll"] < 0
     assert report["counts"]["items"] == 40 and report["counts"]["misaligned_items"] == 0

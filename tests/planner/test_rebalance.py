@@ -113,6 +113,9 @@ def test_a_decision_moves_each_pool_at_most_one_step_and_never_above_the_budget(
 @given(cfg=configs, w=fleets, since=st.floats(0, 1), now=st.floats(0, 1000))
 def test_nothing_changes_during_the_cool_down(cfg, w, since, now):
     last = now - since * cfg.cooldown_s * 0.999
+    # In floats `now - last` may round past a tiny cool-down (1e-13 s beside now = 1000 s): the
+    # story is about a decision inside the cool-down, so it holds only where that is so.
+    assume(now - last < cfg.cooldown_s)
     out = decide(w, cfg, RebalanceState(last), now)
     if cfg.cooldown_s > 0:
         assert not out.changed

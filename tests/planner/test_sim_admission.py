@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from loadtests.distributions import SpecError
 from loadtests.metrics import summarize
 from loadtests.workload import load_workload
 from services.engine.config import SimConfig
@@ -136,3 +138,33 @@ def test_the_wait_line_wakes_waiters_in_deadline_order_and_forgets_those_gone(en
     oldest = min((i for _, i in left), default=None)
     now = float(len(entries))
     assert line.oldest_age_s("interactive", now) == (0.0 if oldest is None else now - oldest)
+
+
+def test_the_simulated_router_knows_each_tenants_guarantee_and_criticality(tmp_path):
+    """A workload's tenant may name `min_kv_blocks` and `critical`: the simulated router's policy
+    has them (as a fleet's engine config gives them to the real router), so its `protected` rule
+    (ahead of every borrower) is the router's."""
+    spec_file = tmp_path / "guaranteed.yaml"
+    spec_file.write_text(Path(BURST).read_text())
+    d = yaml.safe_load(spec_file.read_text())
+    first, *rest = d["tenants"]
+    d["tenants"][first]["min_kv_blocks"] = 64
+    d["tenants"][first]["critical"] = True
+    spec_file.write_text(yaml.safe_dump(d))
+    spec = load_workload(str(spec_file))
+    policy = policy_for(spec, 100.0)
+    mine = policy.tenant(first)
+    assert (mine.min_kv_blocks, mine.critical) == (64, True)
+    assert all(policy.tenant(t).min_kv_blocks == 0 and not policy.tenant(t).critical for t in rest)
+
+
+@pytest.mark.parametrize("field, value", [("min_kv_blocks", -1), ("min_kv_blocks", 1.5),
+                                          ("min_kv_blocks", True), ("critical", "yes")])
+def test_a_bad_guarantee_in_a_workload_is_refused_naming_the_field(tmp_path, field, value):
+    d = yaml.safe_load(Path(BURST).read_text())
+    first = next(iter(d["tenants"]))
+    d["tenants"][first][field] = value
+    spec_file = tmp_path / "bad.yaml"
+    spec_file.write_text(yaml.safe_dump(d))
+    with pytest.raises(SpecError, match=f"tenants.{first}.{field}"):
+        load_workload(str(spec_file))

@@ -167,6 +167,46 @@ def test_a_hybrid_fleet_serves_short_prompts_co_located_and_long_ones_disaggrega
     assert all(moved[n] == 0.0 for n in short) and all(moved[n] > 0.0 for n in long)
 
 
+def served_on(sim) -> dict[str, int]:
+    """Served requests by the role of the worker that prefilled them."""
+    roles: dict[str, int] = {}
+    for t in sim.tracks.values():
+        if t.record.ok:
+            role = sim.workers[t.prefill_worker].role
+            roles[role] = roles.get(role, 0) + 1
+    return roles
+
+
+@pytest.mark.parametrize("admission", [False, True])
+def test_a_hybrid_fleets_chats_use_both_pools_when_one_replica_cannot_keep_up(admission):
+    # with the router's admission the workers publish their fitted step costs: a chat then goes
+    # to an idle prefill replica even on a quiet fleet when the mixed replica's decode batch
+    # would make its first token a step later (priced, not assumed: tests/router/test_path_choice)
+    from services.planner.sim_admission import SimAdmissionConfig, policy_for
+    from services.planner.simulator import Simulation, timing_of
+
+    def run(rate: float):
+        spec = chat(duration_s=3.0, rate_scale=rate)
+        cfg = config("hybrid:1:1:1")
+        if admission:
+            cfg = replace(cfg, admission=SimAdmissionConfig(
+                policy=policy_for(spec, cfg.sim.network_gbps)))
+        sim = Simulation(spec, cfg, *timing_of(cfg))
+        return sim, sim.run()
+
+    if not admission:                    # priced by queues alone: 2 chats/s never queue
+        quiet, _ = run(0.5)
+        assert served_on(quiet) == {"mixed": len(quiet.tracks)}
+    busy, result = run(40.0)             # 160 chats/s: more than one replica prefills in time
+    on = served_on(busy)
+    assert on.get("mixed", 0) > 0 and on.get("prefill", 0) > 0
+    assert all(t.path in ("colocated", "disagg") or t.path is None for t in busy.tracks.values())
+    spilled = [t for t in busy.tracks.values() if t.record.ok and t.decode_worker is not None
+               and busy.workers[t.decode_worker].role == "decode"]
+    assert spilled and all(t.record.timing["transfer_s"] > 0.0 for t in spilled)
+    assert sum(r.ok for r in result.records) == sum(on.values())
+
+
 def test_a_measured_profile_drives_the_steps(tmp_path):
     from services.planner.profile import StepProfile
     profile = tmp_path / "p.json"

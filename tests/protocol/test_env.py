@@ -8,10 +8,11 @@ from pathlib import Path
 from services.protocol import env
 
 ROOT = Path(__file__).resolve().parents[2]
-# The vLLM check scripts configure vLLM (another program, run beside kvfleet), not kvfleet.
+# The vLLM scripts (check_vllm_*, vllm_pair) configure vLLM (another program, run beside
+# kvfleet), not kvfleet.
 SOURCES = [p for d in ("services", "loadtests") for p in (ROOT / d).rglob("*.py")
            if p != ROOT / "services" / "protocol" / "env.py" and "_pb2" not in p.name
-           and not p.name.startswith("check_vllm_")]
+           and not p.name.startswith(("check_vllm_", "vllm_"))]
 DIRECT_READ = re.compile(r"os\.getenv\(|os\.environ\.(get|pop|setdefault)\(|os\.environ\[")
 
 

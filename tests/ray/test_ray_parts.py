@@ -1,18 +1,23 @@
 """The parts of `kvfleet up --ray` that decide without a cluster: which workers share a placement
-group (a prefill/decode slice), how many GPUs a worker actor asks for, what of kvfleet up's
-environment reaches an actor's service, and the fixed ports a restarted actor comes back on."""
+group (a prefill/decode slice) and how, how many GPUs a worker actor asks for, what of kvfleet up's
+environment reaches an actor's service, where a service listens (loopback unless the operator
+opted in, then its node's address), which clusters a fleet refuses, and the fixed ports a
+restarted actor comes back on."""
 from __future__ import annotations
 
 import argparse
 import socket
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from services.cli import fleet_orders as fo
-from services.cli import ports, ray_fleet
+from services.cli import ports, ray_fleet, ray_host
 from services.cli.up import add_up_args, port_plan
+from services.protocol import bind
 
 names = st.lists(st.tuples(st.sampled_from(["prefill", "decode", "mixed", "router", "gateway"]),
                            st.integers(0, 9)), unique=True, max_size=20).map(
@@ -49,6 +54,81 @@ def test_the_actors_own_gpu_assignment_is_not_overwritten_by_kvfleet_ups():
            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
     assert ray_fleet.passed_env(env) == {"KVFLEET_FLEET_TOKEN": "t",
                                         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+
+
+# --- where services listen, and the clusters a fleet refuses ---------------------------------
+
+ips = st.lists(st.sampled_from(["127.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.1.7"]), min_size=1,
+               max_size=5)
+
+
+@given(ips, st.booleans(), st.booleans(), st.booleans())
+def test_a_cluster_beyond_kvfleet_ups_address_needs_the_opt_in_a_shared_redis_and_networks(
+        node_ips, external, redis, networks):
+    nodes = {f"node-{k}": ip for k, ip in enumerate(node_ips)}
+    why = ray_fleet.check_nodes(nodes, "node-0", external,
+                                "redis://10.0.0.1:6379" if redis else None,
+                                "10.0.0.0/16" if networks else None)
+    if set(node_ips) == {node_ips[0]}:              # one address: one host, or a local cluster
+        assert why is None
+    elif not (external and redis and networks):
+        assert why is not None and "a fleet across hosts needs" in why
+        assert (bind.FLAG in why) == (not external)
+    elif {"127.0.0.1"} & set(node_ips):                 # loopback is outside 10.0.0.0/16
+        assert why is not None and "does not take the Ray nodes at" in why
+    else:
+        assert why is None
+
+
+def test_without_the_opt_in_a_service_keeps_its_arguments_so_it_listens_on_127_0_0_1():
+    """The actor changes a service's --host only with bind_node (the opt-in); then the last --host
+    is the node's, with the flag the service asks for, and UCX uses that address's interface."""
+    args = ["services.cli.cli", "serve", "decode", "--worker-id", "decode-0"]
+    moved, env = ray_host.on_node(args, {"A": "1"}, "127.0.0.1")
+    assert moved == [*args, "--host", "127.0.0.1", bind.FLAG]
+    assert env == {"A": "1", "UCX_NET_DEVICES": "lo"}
+    _, env = ray_host.on_node(args, {"UCX_NET_DEVICES": "mlx5_0:1"}, "127.0.0.1")
+    assert env["UCX_NET_DEVICES"] == "mlx5_0:1"              # the operator's choice stays
+    _, env = ray_host.on_node(args, {}, "203.0.113.7")        # an address no interface holds
+    assert "UCX_NET_DEVICES" not in env
+
+
+@pytest.mark.parametrize("flags", [[bind.FLAG], ["--ray-slice", "spread"]])
+def test_the_ray_flags_without_ray_are_refused(flags):
+    with pytest.raises(SystemExit, match="is for a Ray fleet"):
+        ray_fleet.check_args(up_args(*flags))
+    ray_fleet.check_args(up_args("--ray", *flags))
+
+
+def test_kvfleet_up_refuses_the_opt_in_without_ray_before_it_starts_anything():
+    out = subprocess.run([sys.executable, "-m", "services.cli.cli", "up", bind.FLAG],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"kvfleet up: {bind.FLAG} is for a Ray fleet (--ray); a fleet of local processes listens "
+        "on 127.0.0.1 (the gateway on --host)")
+
+
+def test_a_slice_is_packed_on_one_node_by_default_and_spread_over_two_on_request():
+    assert ray_fleet.slice_strategy(up_args("--ray").ray_slice) == "STRICT_PACK"
+    assert ray_fleet.slice_strategy(up_args("--ray", "--ray-slice", "spread").ray_slice) == \
+        "STRICT_SPREAD"
+
+
+@given(gpus=st.lists(st.integers(0, 8), min_size=1, max_size=6), asked=st.integers(0, 4),
+       slices=st.integers(1, 12))
+def test_packed_slices_are_aimed_at_the_nodes_that_can_hold_them_in_turn(gpus, asked, slices):
+    nodes = [{"NodeID": f"n{k}", "Resources": {"CPU": 4.0, **({"GPU": float(g)} if g else {})}}
+             for k, g in enumerate(gpus)]
+    bundle = {"CPU": ray_fleet.ACTOR_CPUS, **({"GPU": asked} if asked else {})}
+    aimed = [ray_fleet.target_node(nodes, bundle, turn) for turn in range(slices)]
+    able = [n["NodeID"] for n, g in zip(nodes, gpus) if g >= asked]
+    if not able:
+        assert aimed == [None] * slices                 # Ray then says it cannot place them
+        return
+    assert set(aimed) <= set(able)
+    counts = [aimed.count(n) for n in able]
+    assert max(counts) - min(counts) <= 1               # spread: no node two slices ahead
 
 
 def up_args(*argv: str) -> argparse.Namespace:

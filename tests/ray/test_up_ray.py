@@ -27,7 +27,7 @@ from services.engine.sampling_params import SamplingParams
 from services.protocol.fleet_token import ENV_TOKEN
 from services.state import redis_auth
 from services.state.fleet_state import FleetState
-from tests.faults.fault_fleet import LEASE_3S, stream_chat
+from tests.faults.fault_fleet import LEASE_3S, exit_said, stream_chat
 from tests.harness import holds_nothing, open_streams, serves, up_fleet
 from tests.waiting import wait_until
 
@@ -133,7 +133,8 @@ def test_a_decode_worker_killed_mid_stream_is_heard_and_ray_restarts_it_on_its_p
         assert r.error is not None and r.done and r.error["type"] == "service_unavailable", r
     assert wait_until(lambda: fleet.pid(victim) not in (None, old_pid), DEADLINE_S), \
         "\n".join(fleet.lines[-20:])
-    assert any(f"{victim} exited with status -9" in line for line in fleet.lines)
+    assert f"{victim} exited with status -9" in exit_said(fleet, victim), \
+        "\n".join(fleet.lines[-20:])
     assert wait_until(lambda: any(f"{victim} was restarted by Ray" in line
                                   for line in fleet.lines), 30)
     assert serves(fleet, DEADLINE_S), "\n".join(fleet.lines[-30:])

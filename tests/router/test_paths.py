@@ -58,3 +58,11 @@ def test_the_capacity_model_puts_the_split_where_a_prefill_takes_one_itl_target(
     assert 200 < split < 32_000          # chats co-located, 32K documents disaggregated
     slower = CostModel.for_target(model="llama-3-70b", gpu="h100", tp=2, dtype="fp8")
     assert threshold_tokens(slower, 0.1) < split
+
+
+def test_a_hybrid_fleets_short_prompt_may_take_either_path_a_long_one_only_its_own():
+    paths = Paths("hybrid", threshold_tokens=2048)
+    assert paths.options(200, ALL) == ("colocated", "disagg")
+    assert paths.options(32_000, ALL) == ("disagg",)
+    assert paths.options(200, {"mixed", "decode"}) == ("colocated",)   # no whole disagg path
+    assert Paths("colocated").options(200, ALL) == ("colocated",)

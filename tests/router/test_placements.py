@@ -5,7 +5,10 @@ read the counts before another admission on the same router placed ranks with th
 when it places, not as it read them."""
 from __future__ import annotations
 
+import itertools
 import logging
+
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.router.placement import Placed, rank_decode
 from services.router.placements import PlacementLedger
@@ -71,3 +74,78 @@ def test_two_admissions_that_read_at_once_still_take_different_replicas(redis_ur
         assert router.now(workers)[first.worker_id] == Placed(blocks=6, streams=1)
 
     run(redis_url, redis_ns, scenario)
+
+
+def test_a_tenants_placed_blocks_count_fleet_wide_until_the_next_beat(redis_url, redis_ns):
+    """Each placement's blocks are counted under its tenant, in Redis: a peer router sees them on
+    its next read, a taken-back placement leaves nothing, and a newer beat (which publishes the
+    tenants' shares itself) starts from zero."""
+    beat = make_stats("decode-0")
+    other = make_stats("decode-1")
+    next_beat = make_stats("decode-0", updated_at_unix_s=beat.updated_at_unix_s + 0.5)
+
+    async def scenario(one: FleetState, two: FleetState):
+        a, b = ledger(one), ledger(two)
+        await a.add(beat, 6, "quiet")
+        await b.add(other, 4, "quiet")
+        await b.add(beat, 10, "flood")
+        assert a.tenant_blocks([beat, other]) == {"quiet": 6}          # its own, before a read
+        await a.read([beat, other])
+        assert a.tenant_blocks([beat, other]) == {"quiet": 10, "flood": 10}
+        await b.take_back(beat, 10, "flood")                            # its Reserve was refused
+        await a.read([beat, other])
+        assert a.tenant_blocks([beat, other]) == {"quiet": 10}
+        await a.read([next_beat, other])
+        assert a.tenant_blocks([next_beat, other]) == {"quiet": 4}     # decode-0's beat says it
+
+    run(redis_url, redis_ns, scenario, clients=2)
+
+
+def test_a_placed_hash_written_around_kvfleet_counts_nothing_it_cannot_read(redis_url, redis_ns):
+    beat = make_stats("decode-0")
+
+    async def scenario(state: FleetState):
+        key = state._placed_key("decode-0", beat.updated_at_unix_s)
+        await state.redis.hset(key, mapping={"blocks": "x", "streams": "2", "t:quiet": "3",
+                                             "t:bad": "-4", "t:worse": "nan"})
+        [row] = await state.placed([("decode-0", beat.updated_at_unix_s)])
+        assert (row.blocks, row.streams, dict(row.tenants)) == (0, 2, {"quiet": 3})
+
+    run(redis_url, redis_ns, scenario)
+
+
+_beats = itertools.count(1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1), st.sampled_from("abc"),
+                              st.integers(1, 50), st.booleans()), max_size=20))
+def test_tenant_counts_are_every_routers_placements_less_those_taken_back(redis_url, redis_ns, ops):
+    """Whatever two routers place and take back, by tenant over two workers, each reads the same
+    fleet-wide count per tenant: the sum of what stands (never negative), and nothing once each
+    worker has beaten again."""
+    base = 1000.0 + next(_beats) * 10                  # a fresh beat per example: no leftovers
+    beats = [make_stats(f"decode-{i}", updated_at_unix_s=base) for i in range(2)]
+    later = [make_stats(f"decode-{i}", updated_at_unix_s=base + 0.5) for i in range(2)]
+
+    async def scenario(one: FleetState, two: FleetState):
+        routers = [ledger(one), ledger(two)]
+        standing: dict[tuple[int, int, str], list[int]] = {}
+        for r, w, tenant, blocks, back in ops:
+            mine = standing.setdefault((r, w, tenant), [])
+            if back and mine:
+                await routers[r].take_back(beats[w], mine.pop(), tenant)
+            else:
+                await routers[r].add(beats[w], blocks, tenant)
+                mine.append(blocks)
+        want: dict[str, int] = {}
+        for (_, _, tenant), placed in standing.items():
+            if sum(placed):
+                want[tenant] = want.get(tenant, 0) + sum(placed)
+        for router in routers:
+            await router.read(beats)
+            assert router.tenant_blocks(beats) == want
+            await router.read(later)
+            assert router.tenant_blocks(later) == {}
+
+    run(redis_url, redis_ns, scenario, clients=2)

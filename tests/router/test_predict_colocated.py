@@ -94,3 +94,29 @@ def test_a_bigger_or_deeper_decode_batch_never_predicts_sooner(decodes, context,
         return predict(w, prompt).total_s
 
     assert total(decodes, context) <= total(decodes + more, context + deeper) + 1e-12
+
+
+def test_a_document_is_priced_at_its_share_of_the_attention_cap_while_chats_wait_there():
+    """The scheduler gives a lower class half the attention pairs while chats wait (documents
+    deep in their prompt then advance about half as fast); a replica decoding chats keeps
+    receiving them, so a document's prediction there says so; a chat's does not change."""
+    cap = 256 * 1024
+    busy = replica(decodes=10, max_prefill_attention=cap, queued_prefill_tokens=300)
+    # with half the pairs: 2 steps to position 512, then (8192^2 - 512^2) / cap = 255 more
+    assert prefill_steps(busy, 0, 8192, LOWER_CLASS_SHARE) == 2 + 255
+    assert prefill_steps(busy, 0, 8192) == 4 + 126
+    doc = predict(busy, 8192, traffic_class="document")
+    chat = predict(busy, 8192, traffic_class="interactive")
+    assert doc.prefill_s > 1.5 * chat.prefill_s
+
+
+def test_a_document_behind_documents_waits_their_tokens_at_its_own_deep_pace():
+    """Documents queued ahead on a co-located replica prefill deep in their prompts as this one
+    will (a few tokens a step): the wait is at least their tokens at the newcomer's own pace, not
+    their tokens as fresh first chunks. A chat's wait is not priced so."""
+    w = replica(decodes=10, max_prefill_attention=256 * 1024, queued_prefill_tokens=16_384)
+    w.queued_prefill_tokens_ahead.update({"interactive": 0, "document": 16_384})
+    doc = predict(w, 8192, traffic_class="document")
+    assert doc.wait_s >= 2 * doc.prefill_s * (1 - 1e-9)
+    chat = predict(w, 8192, traffic_class="interactive")
+    assert chat.wait_s < doc.wait_s

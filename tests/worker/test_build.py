@@ -19,7 +19,7 @@ from services.worker.role import RoleCalls
 from tests.harness import in_process_worker
 
 # which of the Worker service's role calls each role answers
-ANSWERS = {"prefill": {"prefill"}, "decode": {"reserve", "decode_stream"}, "mixed": {"generate"}}
+ANSWERS = {"prefill": {"prefill"}, "decode": {"reserve", "decode_stream"}, "mixed": {"generate", "decode_stream"}}
 
 
 def answered(calls: RoleCalls) -> set[str]:

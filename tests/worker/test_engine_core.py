@@ -1,7 +1,13 @@
-"""The engine core in its own process, driven from asyncio through EngineClient: a real core with
-the tiny model per test, started and stopped by the test. Tokens match the engine run in-process,
-errors come back typed, the KV cache is one memory seen by both processes, and a core that dies
-(killed, or an injected step fault) fails every stream and call at once."""
+"""The engine core in its own process, driven from asyncio through EngineClient: a real core per
+test, started and stopped by the test. Tokens match the engine run in-process, errors come back
+typed, the KV cache is one memory seen by both processes, and a core that dies (killed, or an
+injected step fault) fails every stream and call at once.
+
+The stories whose claim is about tokens, step statistics, KV bytes or a slow reader's merged
+deltas run the tiny model's core (`config`); those about the boundary itself (cancels, typed
+errors, a malformed command, a killed or failing core, an idle core's sleep and close) run the
+simulated core (`sim`): the same engine_core process, commands, replies, scheduler and block
+pool, with no torch to import and no weights to load."""
 from __future__ import annotations
 
 import asyncio
@@ -21,22 +27,29 @@ from services.worker.engine_client import EngineCallError, EngineClient, EngineF
 from services.worker.engine_core import Done, StepStats
 from services.worker.faults import ENGINE_STEP
 from tests.engine.engine_helpers import export_kv
+from tests.harness import sim_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 DEADLINE_S = 30.0    # every wait is bounded: a hang fails the test instead of stalling the suite
+START_S = 120.0      # a core's start, bounded as well: the model's import and load on a loaded box
 
 
 def config(model_dir, **overrides):
     return engine_config(str(model_dir), kv_cache_mib=16, **overrides)
 
 
+def sim(model_dir, **overrides):
+    """`config` on the simulated core: the tiny model's tokenizer and KV capacity, no weights."""
+    return config(model_dir, sim=sim_config(16), **overrides)
+
+
 def with_core(cfg, scenario, **client_kwargs):
     """Run `scenario(client)` against a started core; the core is always stopped afterwards."""
     async def main():
         client = EngineClient(cfg, **client_kwargs)
-        await asyncio.wait_for(client.start(), DEADLINE_S)
+        await asyncio.wait_for(client.start(), START_S)
         try:
             return await scenario(client)
         finally:
@@ -66,6 +79,7 @@ def gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.real_model("a stream's tokens equal the in-process engine's greedy tokens")
 def test_a_stream_gets_the_same_tokens_as_the_engine_in_process(tiny_model_dir):
     expected = LLMEngine(config(tiny_model_dir)).generate([PROMPT], GREEDY)[0].token_ids
 
@@ -114,7 +128,7 @@ def test_cancel_frees_the_requests_pages_and_errors_come_back_typed(tiny_model_d
         await until_idle(client)                         # the cancel_soon landed
         return held, was_live, ended, after, again, empty.value
 
-    held, was_live, ended, after, again, empty = with_core(config(tiny_model_dir), scenario)
+    held, was_live, ended, after, again, empty = with_core(sim(tiny_model_dir), scenario)
     assert held > 0 and was_live and not again
     assert ended[-1].finished and ended[-1].finish_reason == "abort"
     assert after.kv_blocks_used == 0 and after.num_running == 0
@@ -136,7 +150,7 @@ def test_one_sample_cancelled_alone_frees_its_blocks_while_the_others_run(tiny_m
         rest = await collect(stream)
         return first, both, was_live, one, rest, await client.stats()
 
-    first, both, was_live, one, rest, after = with_core(config(tiny_model_dir), scenario)
+    first, both, was_live, one, rest, after = with_core(sim(tiny_model_dir), scenario)
     assert was_live and 0 < one < both
     assert not hasattr(first, "new_text")
     reasons = {o.index: o.finish_reason for o in [first, *rest] if o.finish_reason}
@@ -185,7 +199,7 @@ def test_an_on_step_that_raises_is_logged_and_the_outputs_still_arrive(tiny_mode
         await client.add_request("r4", PROMPT, GREEDY, None, None)
         return await collect(stream)
 
-    outs = with_core(config(tiny_model_dir), scenario, on_step=broken)
+    outs = with_core(sim(tiny_model_dir), scenario, on_step=broken)
     assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 12
     assert "on_step failed" in caplog.text
 
@@ -201,9 +215,10 @@ def test_a_command_that_does_not_decode_is_refused_and_the_core_goes_on(tiny_mod
             await client._call(lambda cid: MalformedAdd(cid, 7), Done)
         return await client.stats()
 
-    assert with_core(config(tiny_model_dir), scenario).kv_blocks_used == 0
+    assert with_core(sim(tiny_model_dir), scenario).kv_blocks_used == 0
 
 
+@pytest.mark.real_model("the KV the server reads equals the in-process engine's")
 def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_model_dir):
     """Core -> server: the prefill role keeps the prompt's KV after its prefilled output; the server reads
     those blocks straight from its view of the cache (what the KV senders do)."""
@@ -224,6 +239,7 @@ def test_the_prefill_cores_kv_is_read_by_the_server_from_the_same_memory(tiny_mo
     assert kv.abs().sum() > 0 and torch.allclose(kv, ref_kv, atol=1e-5)
 
 
+@pytest.mark.real_model("decoding from written KV gives the in-process engine's tokens")
 def test_kv_the_server_writes_is_what_the_decode_core_attends_to(tiny_model_dir):
     """Server -> core: the decode role reserves blocks, the server writes the prompt's KV into
     them (as a KV receiver does) and the core decodes from it: the same tokens as the prompt run
@@ -276,7 +292,7 @@ def test_killing_the_core_fails_every_stream_and_call_and_reports_once(tiny_mode
         client.cancel_soon("k1")                         # a no-op, never an error
         return client.failure
 
-    failure = with_core(config(tiny_model_dir), scenario, on_failure=reported.append)
+    failure = with_core(sim(tiny_model_dir), scenario, on_failure=reported.append)
     assert isinstance(failure, EngineFailed) and reported == [failure]
 
 
@@ -291,7 +307,7 @@ def test_an_injected_step_fault_surfaces_as_engine_failed_naming_it(tiny_model_d
             await collect(stream)
         return client.failure, client.pid
 
-    failure, pid = with_core(config(tiny_model_dir), scenario, on_failure=reported.append)
+    failure, pid = with_core(sim(tiny_model_dir), scenario, on_failure=reported.append)
     assert reported == [failure] and "Traceback" in failure.core_traceback
     assert gone(pid)
 
@@ -323,7 +339,7 @@ def test_an_idle_core_sleeps_and_close_leaves_no_process(tiny_model_dir):
         return idle_cpu, closed_in, client.pid
 
     reported = []
-    idle_cpu, closed_in, pid = with_core(config(tiny_model_dir), scenario,
+    idle_cpu, closed_in, pid = with_core(sim(tiny_model_dir), scenario,
                                          on_failure=reported.append)
     assert idle_cpu < 0.05 and closed_in < 2.0
     assert gone(pid) and reported == []                  # closing is not a failure

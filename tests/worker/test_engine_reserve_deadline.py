@@ -1,6 +1,8 @@
 """No reservation outlives the caller that asked for it, however late the engine core answers.
 
-A real engine core (the tiny model) behind an EngineClient, stopped with SIGSTOP while a Reserve
+A real engine core process behind an EngineClient (the simulated core: the claim is about the
+core's reservations and deadlines, which run the real scheduler and block pool whatever makes the
+tokens, so no torch to import and no weights to load), stopped with SIGSTOP while a Reserve
 waits in its queue (a core busy with one long step looks the same from outside):
   - the caller gives up before its deadline, the core then reserves: the reply is answered by a
     Cancel, the blocks are free again and `abandoned` is told "late";
@@ -22,6 +24,7 @@ from services.engine.engine import engine_config
 from services.engine.sampling_params import SamplingParams
 from services.worker.engine_client import EngineClient
 from tests.waiting import eventually
+from tests.harness import sim_config
 from tests.worker.test_engine_core import with_core as run_with_core
 
 PROMPT = list(range(1, 41))            # 40 tokens: 3 blocks of 16
@@ -41,7 +44,7 @@ def stopped(client: EngineClient):
 
 def with_core(model_dir, scenario):
     """`scenario(client)` against a started core with a small cache; the core always stops."""
-    return run_with_core(engine_config(str(model_dir), kv_cache_mib=8), scenario)
+    return run_with_core(engine_config(str(model_dir), kv_cache_mib=8, sim=sim_config(8)), scenario)
 
 
 async def blocks_taken(client: EngineClient) -> int:

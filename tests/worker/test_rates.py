@@ -113,3 +113,23 @@ def test_priors_from_a_cost_model_and_by_model_size_are_positive():
     assert default_prior(2048) == TINY
     bigger = default_prior(46080)
     assert bigger.s_per_token > TINY.s_per_token and bigger.drain_rate(512, 256) < TINY.drain_rate(512, 256)
+
+
+def test_the_step_in_flight_is_the_one_that_began_as_the_last_ended_while_the_engine_is_busy():
+    """A step's news comes when it ends; back to back, the next began then. The worker publishes
+    that start (its wall clock) and the last step's length, and no step while its engine is idle;
+    and the prompt tokens it prefilled per wall second (decode-only steps add none)."""
+    clock, wall = FakeClock(), FakeClock()
+    rates = WorkerRates(TINY, clock=clock, wall=wall)
+    assert rates.fields()["step_predicted_s"] == 0.0            # no step yet
+    for k in range(10):
+        clock.t += 0.5
+        wall.t = 1_000.0 + clock.t
+        rates.on_step(prefill_tokens=200, decode_tokens=0, pairs=200 * 201 // 2,
+                      duration_s=0.04, gap_s=0.0)
+    rates.on_step(prefill_tokens=0, decode_tokens=8, pairs=800, duration_s=0.02, gap_s=0.0)
+    f = rates.fields(busy=True)
+    assert (f["step_started_unix_s"], f["step_predicted_s"]) == (1_005.0, 0.02)
+    assert f["prefill_tokens_per_wall_s"] == pytest.approx(200 * 10 / 5.0)   # a 5-s window
+    idle = rates.fields(busy=False)
+    assert (idle["step_started_unix_s"], idle["step_predicted_s"]) == (0.0, 0.0)

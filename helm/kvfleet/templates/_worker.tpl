@@ -33,6 +33,7 @@ kvfleet.io/slice: {{ .root.Values.topology.slice | toString | quote }}
 - --allow-external-bind
 - --port={{ $v.ports.worker }}
 - --kv-port={{ $v.ports.kv }}
+- --metrics-port={{ $v.ports.metrics }}
 - --kv-backend={{ $v.engine.kvBackend }}
 - --worker-id=$(POD_NAME)
 - --redis-url=$(KVFLEET_REDIS_URL)
@@ -81,6 +82,8 @@ containers:
         containerPort: {{ $v.ports.worker }}
       - name: kv
         containerPort: {{ $v.ports.kv }}
+      - name: metrics
+        containerPort: {{ $v.ports.metrics }}
     # SERVING once the model is loaded; NOT_SERVING from the start of a drain
     startupProbe:
       grpc: {port: {{ $v.ports.worker }}}

@@ -63,7 +63,10 @@ class PrefillSlice:
 class DecodeGroup:
     rows: torch.Tensor                 # [S_g] int64 rows of the flat batch
     block_tables: torch.Tensor         # [S_g, nb_g] int64, nb_g = ceil(max seq_len in group / block_size)
-    mask: torch.Tensor                 # [S_g, 1, 1, nb_g * block_size] bool, True = attend
+    # [S_g, 1, 1, nb_g * block_size]: additive in the model's dtype (0 = attend, -inf = padding),
+    # made once per batch (SDPA turns a bool mask into this at every call, i.e. every layer); a
+    # bool mask (True = attend, decode_graphs.py's static one) gives the same result
+    mask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,15 @@ class TorchAttentionBackend:
         return TorchAttentionMetadata(
             num_tokens=int(host.query_start_loc[-1]), slot_mapping=batch.slot_mapping,
             num_decodes=int(batch.decode_rows.numel()),
-            decode_groups=self._decode_groups(batch, block_size, device),
+            decode_groups=self._decode_groups(batch, block_size, dtype, device),
             prefills=tuple(self._prefill_slice(host, int(i), block_size, dtype, device)
                            for i in host.prefill_seqs),
             k_scale=float(k_scale), v_scale=float(v_scale),
         )
 
     @staticmethod
-    def _decode_groups(batch: BatchInputs, block_size: int, device) -> tuple[DecodeGroup, ...]:
+    def _decode_groups(batch: BatchInputs, block_size: int, dtype: torch.dtype,
+                       device) -> tuple[DecodeGroup, ...]:
         """Decodes grouped by ceil(log2(blocks of context)): a group's padding is under 2x."""
         host = batch.host
         ctx = host.seq_lens[host.decode_seqs]                       # [S_d]
@@ -120,7 +124,8 @@ class TorchAttentionBackend:
             g_ctx = ctx[members]
             nb = -(-int(g_ctx.max()) // block_size)
             tables = torch.from_numpy(host.block_tables[host.decode_seqs[members], :nb].astype(np.int64))
-            mask = torch.arange(nb * block_size)[None, :] < torch.from_numpy(g_ctx)[:, None]
+            padding = torch.arange(nb * block_size)[None, :] >= torch.from_numpy(g_ctx)[:, None]
+            mask = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, float("-inf"))
             groups.append(DecodeGroup(batch.decode_rows[torch.from_numpy(members)].to(device),
                                       tables.to(device), mask[:, None, None, :].to(device)))
         return tuple(groups)

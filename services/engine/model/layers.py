@@ -54,9 +54,22 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def linear(in_features: int, out_features: int) -> nn.Linear:
+class Linear(nn.Linear):
+    """A bias-free projection; once cpu_gemm.prepack gives it a oneDNN-packed copy of its weight
+    (`packed`), it multiplies through that copy (the plain weight stays, for every other reader)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            from services.engine.model.cpu_gemm import packed_linear
+            return packed_linear(x, self.packed)
+        return F.linear(x, self.weight)
+
+
+def linear(in_features: int, out_features: int) -> Linear:
     """A bias-free projection whose weight the loader assigns (created on the meta device)."""
-    layer = nn.Linear(in_features, out_features, bias=False, device="meta")
+    layer = Linear(in_features, out_features, bias=False, device="meta")
     layer.weight.requires_grad_(False)
     return layer
 

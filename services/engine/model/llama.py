@@ -22,6 +22,7 @@ from torch import nn
 from services.engine.model.attention import AttentionBackend
 from services.engine.model.batch import BatchInputs
 from services.engine.model.config import ModelConfig
+from services.engine.model.cpu_gemm import packed_linear
 from services.engine.model.kv_cache import KVCache
 from services.engine.model.layers import RMSNorm, SwiGLU, linear
 from services.engine.model.rope import RotaryEmbedding, apply_rope
@@ -90,6 +91,7 @@ class LlamaForward(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if tie_word_embeddings else linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config)
+        self.head_packed: torch.Tensor | None = None  # a tied head's oneDNN copy (cpu_gemm.prepack)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,5 +111,12 @@ class LlamaForward(nn.Module):
             x, residual = layer(x, residual, ctx)
         rows = batch.logits_indices
         x, _ = self.norm(x[rows], residual[rows])  # [R, hidden]
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        if self.head_packed is not None:
+            return packed_linear(x, self.head_packed).float()
+        return F.linear(x, self.head_weight()).float()
+
+    def head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the logits' weight (the embedding's when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -17,6 +17,7 @@ import torch
 
 from services.engine.model.attention import AttentionBackend, TorchAttentionBackend
 from services.engine.model.batch import BatchInputs, SeqChunk, prepare_inputs
+from services.engine.model.cpu_gemm import prepack
 from services.engine.model.kv_cache import KVCache
 from services.engine.model.layers import fused_kernels
 from services.engine.model.llama import LlamaForward
@@ -42,8 +43,10 @@ def make_attention_backend(name: str, num_heads: int, device: torch.device) -> A
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForward, kv_cache: KVCache, backend: AttentionBackend | str | None = None):
-        """backend: an AttentionBackend, or a name in ATTENTION_BACKENDS (None: auto)."""
+    def __init__(self, model: LlamaForward, kv_cache: KVCache, backend: AttentionBackend | str | None = None,
+                 cpu_gemm: str = "auto"):
+        """backend: an AttentionBackend, or a name in ATTENTION_BACKENDS (None: auto). cpu_gemm:
+        EngineConfig.cpu_gemm (cpu_gemm.MODES)."""
         config = model.config
         if kv_cache.num_layers != config.num_layers:
             raise ValueError(f"KV cache has {kv_cache.num_layers} layers, model has {config.num_layers}")
@@ -54,6 +57,8 @@ class ModelRunner:
         self.backend = backend
         # the Triton backend brings RMSNorm / RoPE / SiLU-mul kernels along (layers.fused_kernels)
         self.fused_layers = bool(getattr(backend, "fused_layers", False))
+        if not self.fused_layers:   # on a CPU: oneDNN matmuls through weights packed once
+            prepack(model, cpu_gemm)
         self.last_prepare_s = 0.0  # steps 1-2 of the last execute (host-side input preparation)
 
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:

@@ -56,16 +56,16 @@ def test_malformed_chunks_are_rejected(chunk, message):
         prepare_inputs([chunk], BLOCK)
 
 
-def test_256_decodes_prepare_quickly():
-    import time
-
+def test_a_full_batch_of_256_decodes_maps_every_row_as_the_per_token_loop():
+    # The batch size a decode step reaches in the fleet; how fast it is prepared is a
+    # benchmark's question, not a test's (no timed assertion here).
     chunks = [SeqChunk([i], 500 + i, list(range(i, i + 200)), (0,)) for i in range(256)]
-    prepare_inputs(chunks, 16)
-    start = time.perf_counter()
-    for _ in range(10):
-        b = prepare_inputs(chunks, 16)
+    b = prepare_inputs(chunks, 16)
+    positions, slots, logits = naive_prepare(chunks, 16)
     assert b.slot_mapping[5].item() == (5 + 505 // 16) * 16 + 505 % 16
-    assert (time.perf_counter() - start) / 10 < 0.02  # generous: ~1 ms when the machine is idle
+    assert b.positions.tolist() == positions
+    assert b.slot_mapping.tolist() == slots
+    assert b.logits_indices.tolist() == logits
 
 
 def naive_prepare(chunks, block_size):

@@ -349,6 +349,41 @@ class Plan(_message.Message):
     queue_wait_s: float
     def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Plan.Mode, str]] = ..., prefill: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., router_id: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ..., predicted_wait_s: _Optional[float] = ..., predicted_prefill_s: _Optional[float] = ..., predicted_transfer_s: _Optional[float] = ..., predicted_decode_wait_s: _Optional[float] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., quality_version: _Optional[str] = ..., output_cap: _Optional[int] = ..., queue_wait_s: _Optional[float] = ...) -> None: ...
 
+class CallTerms(_message.Message):
+    __slots__ = ("timeout_s", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, timeout_s: _Optional[float] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class AdmitAsk(_message.Message):
+    __slots__ = ("request", "terms", "cancel")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    request: WorkRequest
+    terms: CallTerms
+    cancel: bool
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., terms: _Optional[_Union[CallTerms, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class AdmitAnswer(_message.Message):
+    __slots__ = ("request_id", "plan", "failure")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    plan: Plan
+    failure: CallStatus
+    def __init__(self, request_id: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., failure: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "kv_heads", "head_dim", "dtype", "tensor_parallel_size", "k_scale", "v_scale")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +520,26 @@ class ReserveResponse(_message.Message):
     request_id: str
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., target: _Optional[_Union[KVDescriptor, _Mapping]] = ..., expires_at_unix_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
+class ReserveAsk(_message.Message):
+    __slots__ = ("request", "terms", "cancel")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    request: ReserveRequest
+    terms: CallTerms
+    cancel: bool
+    def __init__(self, request: _Optional[_Union[ReserveRequest, _Mapping]] = ..., terms: _Optional[_Union[CallTerms, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class ReserveAnswer(_message.Message):
+    __slots__ = ("request_id", "response", "failure")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: ReserveResponse
+    failure: CallStatus
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[ReserveResponse, _Mapping]] = ..., failure: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "prompt_token_ids", "params", "target", "kv_deadline_unix_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -521,13 +576,41 @@ class PrefillReply(_message.Message):
     shipped: KVShipped
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., shipped: _Optional[_Union[KVShipped, _Mapping]] = ...) -> None: ...
 
+class PrefillAsk(_message.Message):
+    __slots__ = ("request", "terms", "cancel")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    request: PrefillRequest
+    terms: CallTerms
+    cancel: bool
+    def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., terms: _Optional[_Union[CallTerms, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class PrefillNote(_message.Message):
+    __slots__ = ("request_id", "accepted", "reply", "end", "failure")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    accepted: bool
+    reply: PrefillReply
+    end: bool
+    failure: CallStatus
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., reply: _Optional[_Union[PrefillReply, _Mapping]] = ..., end: _Optional[bool] = ..., failure: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
 class DecodeSubscribe(_message.Message):
-    __slots__ = ("request_id", "cancel")
+    __slots__ = ("request_id", "cancel", "generate", "terms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cancel: bool
-    def __init__(self, request_id: _Optional[str] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    generate: WorkRequest
+    terms: CallTerms
+    def __init__(self, request_id: _Optional[str] = ..., cancel: _Optional[bool] = ..., generate: _Optional[_Union[WorkRequest, _Mapping]] = ..., terms: _Optional[_Union[CallTerms, _Mapping]] = ...) -> None: ...
 
 class DecodeEnd(_message.Message):
     __slots__ = ("request_id", "failure")
@@ -550,7 +633,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held", "prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prefill_fit_steps", "prior_step_s", "prior_s_per_token", "prior_s_per_pair", "prior_source", "prefill_drain_tokens_per_s", "token_budget", "chunk_size", "prefill_recent_step_s", "kv_bytes_per_token", "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s", "queued_prefill_tokens_ahead", "pool", "quality_version", "prefill_queues", "num_decoding", "decode_context_tokens", "max_running", "max_prefill_attention", "prefill_step_tokens_ahead")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held", "prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prefill_fit_steps", "prior_step_s", "prior_s_per_token", "prior_s_per_pair", "prior_source", "prefill_drain_tokens_per_s", "token_budget", "chunk_size", "prefill_recent_step_s", "kv_bytes_per_token", "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s", "queued_prefill_tokens_ahead", "pool", "quality_version", "prefill_queues", "num_decoding", "decode_context_tokens", "max_running", "max_prefill_attention", "prefill_step_tokens_ahead", "step_started_unix_s", "step_predicted_s", "prefill_tokens_per_wall_s")
     class QueuedPrefillTokensAheadEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -612,6 +695,9 @@ class WorkerStats(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFILL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_STEP_TOKENS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_WALL_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -659,7 +745,10 @@ class WorkerStats(_message.Message):
     max_running: int
     max_prefill_attention: int
     prefill_step_tokens_ahead: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ..., prefill_step_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_s_per_pair: _Optional[float] = ..., prefill_fit_steps: _Optional[int] = ..., prior_step_s: _Optional[float] = ..., prior_s_per_token: _Optional[float] = ..., prior_s_per_pair: _Optional[float] = ..., prior_source: _Optional[str] = ..., prefill_drain_tokens_per_s: _Optional[float] = ..., token_budget: _Optional[int] = ..., chunk_size: _Optional[int] = ..., prefill_recent_step_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_blocks_freed_per_s: _Optional[float] = ..., sequences_finished_per_s: _Optional[float] = ..., queued_prefill_tokens_ahead: _Optional[_Mapping[str, int]] = ..., pool: _Optional[str] = ..., quality_version: _Optional[str] = ..., prefill_queues: _Optional[_Iterable[_Union[TenantQueue, _Mapping]]] = ..., num_decoding: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_prefill_attention: _Optional[int] = ..., prefill_step_tokens_ahead: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    step_started_unix_s: float
+    step_predicted_s: float
+    prefill_tokens_per_wall_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ..., prefill_step_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_s_per_pair: _Optional[float] = ..., prefill_fit_steps: _Optional[int] = ..., prior_step_s: _Optional[float] = ..., prior_s_per_token: _Optional[float] = ..., prior_s_per_pair: _Optional[float] = ..., prior_source: _Optional[str] = ..., prefill_drain_tokens_per_s: _Optional[float] = ..., token_budget: _Optional[int] = ..., chunk_size: _Optional[int] = ..., prefill_recent_step_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_blocks_freed_per_s: _Optional[float] = ..., sequences_finished_per_s: _Optional[float] = ..., queued_prefill_tokens_ahead: _Optional[_Mapping[str, int]] = ..., pool: _Optional[str] = ..., quality_version: _Optional[str] = ..., prefill_queues: _Optional[_Iterable[_Union[TenantQueue, _Mapping]]] = ..., num_decoding: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_prefill_attention: _Optional[int] = ..., prefill_step_tokens_ahead: _Optional[_Mapping[str, int]] = ..., step_started_unix_s: _Optional[float] = ..., step_predicted_s: _Optional[float] = ..., prefill_tokens_per_wall_s: _Optional[float] = ...) -> None: ...
 
 class TenantShare(_message.Message):
     __slots__ = ("tenant", "sequences", "kv_blocks")
@@ -672,14 +761,16 @@ class TenantShare(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., sequences: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class TenantQueue(_message.Message):
-    __slots__ = ("traffic_class", "tenant", "tokens")
+    __slots__ = ("traffic_class", "tenant", "tokens", "prompts")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     tenant: str
     tokens: int
-    def __init__(self, traffic_class: _Optional[str] = ..., tenant: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+    prompts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, traffic_class: _Optional[str] = ..., tenant: _Optional[str] = ..., tokens: _Optional[int] = ..., prompts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServiceRecord(_message.Message):
     __slots__ = ("service_id", "role", "address", "metrics_url", "updated_at_unix_s", "pid")

@@ -240,6 +240,11 @@ class RouterStub:
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.SerializeToString,
                 response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.Plan.FromString,
                 _registered_method=True)
+        self.AdmitStream = channel.stream_stream(
+                '/kvfleet.v1.Router/AdmitStream',
+                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.AdmitAsk.SerializeToString,
+                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.AdmitAnswer.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/kvfleet.v1.Router/Health',
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.HealthRequest.SerializeToString,
@@ -258,6 +263,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmitStream(self, request_iterator, context):
+        """The same for many requests over one long-lived call per gateway (what the gateway uses).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -271,6 +283,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.FromString,
                     response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.Plan.SerializeToString,
+            ),
+            'AdmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AdmitStream,
+                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.AdmitAsk.FromString,
+                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.AdmitAnswer.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -305,6 +322,33 @@ class Router:
             '/kvfleet.v1.Router/Admit',
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.WorkRequest.SerializeToString,
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Router/AdmitStream',
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.AdmitAsk.SerializeToString,
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.AdmitAnswer.FromString,
             options,
             channel_credentials,
             insecure,
@@ -357,10 +401,20 @@ class WorkerStub:
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.ReserveStream = channel.stream_stream(
+                '/kvfleet.v1.Worker/ReserveStream',
+                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveAsk.SerializeToString,
+                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveAnswer.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_stream(
                 '/kvfleet.v1.Worker/Prefill',
                 request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.FromString,
+                _registered_method=True)
+        self.PrefillStream = channel.stream_stream(
+                '/kvfleet.v1.Worker/PrefillStream',
+                request_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillAsk.SerializeToString,
+                response_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillNote.FromString,
                 _registered_method=True)
         self.DecodeStream = channel.stream_stream(
                 '/kvfleet.v1.Worker/DecodeStream',
@@ -399,6 +453,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveStream(self, request_iterator, context):
+        """decode: a router's
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Prefill(self, request, context):
         """prefill
         """
@@ -406,8 +467,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStream(self, request_iterator, context):
+        """prefill: a gateway's
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DecodeStream(self, request_iterator, context):
-        """decode
+        """decode; mixed
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -447,10 +515,20 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveRequest.FromString,
                     response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveResponse.SerializeToString,
             ),
+            'ReserveStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ReserveStream,
+                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveAsk.FromString,
+                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveAnswer.SerializeToString,
+            ),
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.FromString,
                     response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.SerializeToString,
+            ),
+            'PrefillStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillAsk.FromString,
+                    response_serializer=services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillNote.SerializeToString,
             ),
             'DecodeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DecodeStream,
@@ -516,6 +594,33 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
+    def ReserveStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Worker/ReserveStream',
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveAsk.SerializeToString,
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.ReserveAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Prefill(request,
             target,
             options=(),
@@ -532,6 +637,33 @@ class Worker:
             '/kvfleet.v1.Worker/Prefill',
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillRequest.SerializeToString,
             services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Worker/PrefillStream',
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillAsk.SerializeToString,
+            services_dot_protocol_dot_pb_dot_kvfleet_dot_v1_dot_kvfleet__pb2.PrefillNote.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,107 @@
+"""An admission workload on the emulated 70B fleet (docs/benchmarks.md, "Admission on the
+emulated 70B fleet"):
+
+    python -m loadtests.emulated_admission WORKLOAD MODE DURATION_S RATE_SCALE OUT
+
+starts `kvfleet up --engine sim --sim-model llama-3-70b --sim-gpu h200 --sim-tp 4 --sim-dtype fp8
+--mode MODE` (1 prefill + 1 decode, or 1 mixed) for the workload's tenants, each with its own key
+(loadtests.local_fleet), runs `kvfleet bench serve --workload WORKLOAD --duration DURATION_S
+--rate-scale RATE_SCALE --out OUT/report` against it, writes the 1-minute load average before and
+after beside the report (OUT/load.json: the fleet's own overhead grows with the machine's load)
+and the gateway's own lag (OUT/probe.json: `GET /version` timed every 0.5 s during the load, from
+this process, not the load generator), and stops the fleet. The figures come from the report as for a simulated run
+(`python -m loadtests.admission_figures`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtests.local_fleet import FleetSetup, local_fleet, tenant_key
+from loadtests.workload import load_workload
+
+PROBE_EVERY_S = 0.5
+PROBE_TIMEOUT_S = 60.0
+TARGET = ("--sim-model", "llama-3-70b", "--sim-gpu", "h200", "--sim-tp", "4", "--sim-dtype", "fp8")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 5:
+        print(__doc__, file=sys.stderr)
+        return 2
+    workload, mode, duration, scale, out = argv[0], argv[1], argv[2], argv[3], Path(argv[4])
+    if mode not in ("colocated", "disagg"):
+        print(f"MODE must be colocated or disagg, not {mode!r}", file=sys.stderr)
+        return 2
+    return run(workload, mode, duration, scale, out)
+
+
+def run(workload: str, mode: str, duration: str, scale: str, out: Path,
+        key_overrides: dict | None = None) -> int:
+    """The run `main` describes; `key_overrides`: tenant -> the fleet's key fields to change (a
+    tenant's quotas: loadtests.local_fleet.FleetSetup)."""
+    spec = load_workload(workload)
+    out.mkdir(parents=True, exist_ok=True)
+    keys = out / "keys.yaml"
+    keys.write_text("".join(f"- {{key: {tenant_key(t.name)}, tenant: {t.name}}}\n"
+                            for t in spec.tenants))
+    load = {"before": os.getloadavg()[0]}
+    setup = FleetSetup(mode=mode, engine="sim", sim_args=TARGET, key_overrides=key_overrides or {})
+    with local_fleet(list(spec.tenants), setup) as fleet:
+        load["fleet_ready"] = os.getloadavg()[0]
+        with GatewayProbe(fleet.endpoint) as probe:
+            done = subprocess.run(
+                [sys.executable, "-m", "services.cli.cli", "bench", "serve", "--endpoint",
+                 fleet.endpoint, "--workload", workload, "--duration", duration, "--rate-scale",
+                 scale, "--api-keys", str(keys), "--no-progress", "--out", str(out / "report")])
+        load["after"] = os.getloadavg()[0]
+    (out / "probe.json").write_text(json.dumps(probe.summary()) + "\n")
+    (out / "load.json").write_text(json.dumps(load) + "\n")
+    print(f"load average (1 min): {load}")
+    return done.returncode
+
+
+class GatewayProbe:
+    """Times `GET /version` (no auth, no body, no fleet call: the gateway's HTTP front and event
+    loop alone) every PROBE_EVERY_S from a thread of this process while the load runs, so a run
+    tells the gateway's own lag from the load generator's (whose records start the clock when it
+    means to send)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint, self.seconds, self.failed = endpoint, [], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gateway-probe", daemon=True)
+
+    def __enter__(self) -> "GatewayProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(PROBE_TIMEOUT_S + 1)
+
+    def _loop(self) -> None:
+        with httpx.Client(base_url=self.endpoint, timeout=PROBE_TIMEOUT_S) as client:
+            while not self._stop.wait(PROBE_EVERY_S):
+                start = time.perf_counter()
+                try:
+                    client.get("/version").raise_for_status()
+                    self.seconds.append(time.perf_counter() - start)
+                except httpx.HTTPError:
+                    self.failed += 1
+
+    def summary(self) -> dict:
+        got = sorted(self.seconds)
+        at = (lambda q: got[min(len(got) - 1, int(q * len(got)))] if got else None)
+        return {"probes": len(got), "failed": self.failed, "p50_s": at(0.5), "p90_s": at(0.9),
+                "p99_s": at(0.99), "max_s": got[-1] if got else None}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
