@@ -19,16 +19,14 @@ import subprocess
 import sys
 import tempfile
 
-import openai
 import pytest
 
 from services.cli.launcher import descendants, running
 from services.cli.ray_fleet import NODE_PREFIX
-from services.engine.engine import LLMEngine, engine_config
-from services.engine.sampling_params import SamplingParams
 from services.protocol import env
 from tests.faults.fault_fleet import LEASE_3S
 from tests.harness import holds_nothing, serves, up_fleet
+from tests.ray.greedy import assert_engines_greedy_text
 from tests.waiting import wait_until
 
 # Before Ray is first imported here: Ray reads it at import, and without it a driver in this
@@ -52,6 +50,10 @@ def cluster(tmp_path_factory):
     node = dict(num_cpus=1, node_ip_address="127.0.0.1")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", str(tmp_path_factory.mktemp("ray-home")))   # Ray's token, not the user's
+        # The Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster, by default
+        # /tmp/ray, which a fresh machine has not got: keep that file in the temp folder too.
+        os.makedirs(os.path.join(temp, "ray"))
+        mp.setenv("RAY_TMPDIR", temp)
         c = Cluster(initialize_head=True, shutdown_at_exit=False,
                     head_node_args=dict(node, include_dashboard=False, temp_dir=temp))
         try:
@@ -126,13 +128,7 @@ def test_prefill_and_decode_sit_on_two_nodes_each_listening_on_its_nodes_address
 def test_the_kv_crosses_the_nodes_and_the_client_gets_the_engines_greedy_text(fleet,
                                                                              tiny_model_dir):
     assert serves(fleet, 60), "\n".join(fleet.lines[-30:])
-    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused")
-    out = client.completions.create(model=fleet.model, prompt=PROMPT, max_tokens=12,
-                                    temperature=0)
-    engine = LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=8))
-    (ref,) = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))
-    assert out.choices[0].text == ref.text
-    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert_engines_greedy_text(fleet.url, fleet.model, str(tiny_model_dir), PROMPT)
     kv = dict(((s, k), a) for s, k, a in fleet.listeners)[("decode-0", "kv")]
     assert kv.startswith("127.0.0.1:")                 # the receiver the prefill node wrote to
     assert wait_until(lambda: holds_nothing(fleet), 30)

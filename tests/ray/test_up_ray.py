@@ -22,13 +22,12 @@ import httpx
 import openai
 import pytest
 
-from services.engine.engine import LLMEngine, engine_config
-from services.engine.sampling_params import SamplingParams
 from services.protocol.fleet_token import ENV_TOKEN
 from services.state import redis_auth
 from services.state.fleet_state import FleetState
 from tests.faults.fault_fleet import LEASE_3S, exit_said, stream_chat
 from tests.harness import holds_nothing, open_streams, serves, up_fleet
+from tests.ray.greedy import assert_engines_greedy_text
 from tests.waiting import wait_until
 
 pytest.importorskip("ray")
@@ -88,13 +87,7 @@ def test_nothing_of_the_fleet_or_its_ray_cluster_listens_beyond_loopback(fleet):
 
 
 def test_openai_client_gets_the_engines_greedy_text(healthy, tiny_model_dir):
-    client = openai.OpenAI(base_url=f"{healthy.url}/v1", api_key="unused")
-    out = client.completions.create(model=healthy.model, prompt=PROMPT, max_tokens=12,
-                                    temperature=0)
-    engine = LLMEngine(engine_config(str(tiny_model_dir), kv_cache_mib=8))
-    (ref,) = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))
-    assert out.choices[0].text == ref.text
-    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert_engines_greedy_text(healthy.url, healthy.model, str(tiny_model_dir), PROMPT)
 
 
 def test_hanging_up_during_decode_frees_both_workers_and_the_stream_slot(healthy):
