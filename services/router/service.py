@@ -67,7 +67,7 @@ from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, 
                                        rank_mixed, rank_prefill, room_after)
 from services.router.path_choice import choose
 from services.router.paths import DEFAULT_THRESHOLD_TOKENS, PATH_ROLES, Paths
-from services.router.placements import PlacementLedger
+from services.router.placements import PlacementLedger, with_placed_prompts
 from services.router.pools import choose_pool, in_pool, served_by
 from services.router.prefix_index import PrefixIndex
 from services.router.predict import Prediction, decode_wait_s, kv_bytes_of, predict
@@ -158,8 +158,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                                   StageMachine(self.policy.stages), router_id, self.fleet_signals,
                                   on_stage=self.metrics.stage.set)
         self._background: list[asyncio.Task] = []
-        # prompt tokens placed on each prefill worker since its beat: {id: (beat time, tokens)}
-        self._prefill_placed: dict[str, tuple[float, int]] = {}
+        # prompts placed on each prefill worker since its beat:
+        # {id: (beat time, {class: [prompt tokens of each]})}
+        self._prefill_placed: dict[str, tuple[float, dict[str, list[int]]]] = {}
 
     def start(self, keeper: bool = True) -> None:
         """The capacity subscription and (unless `keeper` is False) the stage keeper, once."""
@@ -482,7 +483,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         plan.output_cap = rule.output_cap
         if contended and not protected:
             await self._charge(cls.name, tenant)
-        self._placed_prefill(prefill[0], prompt)
+        self._placed_prefill(prefill[0], prompt, cls.name)
         if rule.note and span.is_recording():
             span.set_attribute("kvfleet.stage_rule", rule.note)
         return plan
@@ -507,21 +508,20 @@ class RouterServicer(pb_grpc.RouterServicer):
             log.warning("could not charge tenant %s its turn in class %s: %s", tenant.name, cls, e)
 
     def _with_placed(self, w: pb.WorkerStats) -> pb.WorkerStats:
-        """`w` with the prompt tokens this router placed on it since its beat counted as queued:
-        a burst within one beat (a cold fleet's first) sees its own backlog."""
-        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
-        if beat != w.updated_at_unix_s or not tokens:
-            return w
-        out = pb.WorkerStats()
-        out.CopyFrom(w)
-        out.queued_prefill_tokens += tokens
-        return out
-
-    def _placed_prefill(self, w: pb.WorkerStats, prompt_tokens: int) -> None:
-        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
+        """`w` with the prompts this router placed on it since its beat counted as queued, by
+        class (placements.with_placed_prompts): a burst within one beat (a cold fleet's first)
+        sees its own backlog."""
+        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
         if beat != w.updated_at_unix_s:
-            tokens = 0
-        self._prefill_placed[w.worker_id] = (w.updated_at_unix_s, tokens + prompt_tokens)
+            return w
+        return with_placed_prompts(w, placed, self.policy.classes)
+
+    def _placed_prefill(self, w: pb.WorkerStats, prompt_tokens: int, traffic_class: str) -> None:
+        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
+        if beat != w.updated_at_unix_s:
+            placed = {}
+        placed.setdefault(traffic_class, []).append(prompt_tokens)
+        self._prefill_placed[w.worker_id] = (w.updated_at_unix_s, placed)
 
     async def _colocated(self, request: pb.WorkRequest, candidates, p: Prediction) -> pb.Plan:
         prompt = len(request.prompt_token_ids)
