@@ -5,8 +5,11 @@ endpoint (kvfleet, vLLM): the check that nothing that would be served in time is
   --output-tokens out each, streamed, ignore_eos; prompts are seeded random token ids, so both
   servers see the same lengths whatever their tokenizer does.
 Prints one JSON report: served / refused (by status and code, with a sample message and its
-Retry-After), TTFT p50/p99 per class, ITL p50/p99, output tokens/s over the burst. Printed, never
-asserted.
+Retry-After), TTFT p50/p99 per class, ITL p50/p99, output tokens/s over the burst, and, against
+kvfleet, `prediction_error`: |predicted - actual| / actual TTFT (p50 / p90, median signed) of the
+served requests, from the `timing` object of each stream's last chunk. `--per-request` adds one
+row per request: its class, status, predicted and actual TTFT (a refusal's predicted TTFT is in
+its message). Printed, never asserted.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ def add_burst_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=4000, help="token ids are drawn from [100, vocab)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--per-request", action="store_true",
+                   help="also list each request: class, status, predicted and actual TTFT")
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Outcome:
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
+    predicted_ttft: float | None = None     # kvfleet's `timing.predicted_ttft_s`, when it sends one
 
 
 async def one(client: httpx.AsyncClient, model: str, kind: str, ids: list[int], out: int) -> Outcome:
@@ -65,6 +71,7 @@ async def one(client: httpx.AsyncClient, model: str, kind: str, ids: list[int], 
             if "error" in event:
                 o.code, o.message = "error_event", str(event["error"].get("message"))[:200]
                 return o
+            o.predicted_ttft = event.get("timing", {}).get("predicted_ttft_s", o.predicted_ttft)
             if not event.get("choices") or not event["choices"][0].get("text"):
                 continue
             now = time.perf_counter()
@@ -98,10 +105,27 @@ async def burst(args: argparse.Namespace) -> dict:
         outcomes = await asyncio.gather(*(one(client, model, kind, p, args.output_tokens)
                                           for kind, p in jobs))
         wall = time.perf_counter() - started
-    return report(outcomes, wall)
+    return report(outcomes, wall, args.per_request)
 
 
-def report(outcomes: list[Outcome], wall: float) -> dict:
+def prediction_error(served: list[Outcome]) -> dict | None:
+    """|predicted - actual| / actual TTFT over the served requests that carried a prediction."""
+    signed = [(o.predicted_ttft - o.ttft) / o.ttft for o in served
+              if o.predicted_ttft is not None and o.ttft]
+    if not signed:
+        return None
+    return {"n": len(signed), "p50": pct([abs(e) for e in signed], 50),
+            "p90": pct([abs(e) for e in signed], 90), "median_signed": pct(signed, 50)}
+
+
+def rows(outcomes: list[Outcome]) -> list[dict]:
+    return [{"kind": o.kind, "status": o.status, "code": o.code,
+             "predicted_ttft_s": o.predicted_ttft and round(o.predicted_ttft, 4),
+             "ttft_s": o.ttft and round(o.ttft, 4),
+             "message": o.message if o.code else None} for o in outcomes]
+
+
+def report(outcomes: list[Outcome], wall: float, per_request: bool = False) -> dict:
     served = [o for o in outcomes if o.status == 200 and o.code is None]
     refused = [o for o in outcomes if o not in served]
     by_kind = {}
@@ -118,7 +142,8 @@ def report(outcomes: list[Outcome], wall: float) -> dict:
                            if refused else None),
         "classes": by_kind, "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
         "output_tokens_per_s": round(sum(o.tokens for o in served) / wall, 1),
-        "wall_s": round(wall, 2)}
+        "wall_s": round(wall, 2), "prediction_error": prediction_error(served),
+        **({"requests": rows(outcomes)} if per_request else {})}
 
 
 def run_burst(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.engine.config import TrafficClass
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.router.placement import NOTHING, Placed
 from services.state.fleet_state import FleetState, PlacedCounts
@@ -105,3 +106,28 @@ class PlacementLedger:
 def _at_beat(counts: dict[str, tuple[float, dict[str, int]]], w: pb.WorkerStats) -> dict[str, int]:
     beat, by_tenant = counts.get(w.worker_id, (None, {}))
     return by_tenant if beat == w.updated_at_unix_s else {}
+
+
+def with_placed_prompts(w: pb.WorkerStats, placed: dict[str, list[int]],
+                        classes: Sequence[TrafficClass]) -> pb.WorkerStats:
+    """`w` with the prompts a router placed on it since its beat (`placed`: class -> prompt
+    tokens of each) counted as queued there, as the worker's scheduler counts its own queue: in
+    its total and, per class it publishes, in the tokens a new request of that class waits behind
+    (the placed prompts of its own and higher priorities: Scheduler.prefill_tokens_ahead) and in
+    what they take of one step (each at most its chunk: prefill_step_tokens_ahead). A burst
+    within one beat so sees its own backlog ahead of each prompt, not an empty queue."""
+    if not any(placed.values()):
+        return w
+    out = pb.WorkerStats()
+    out.CopyFrom(w)
+    out.queued_prefill_tokens += sum(sum(p) for p in placed.values())
+    chunk = w.chunk_size
+    priority = {c.name: c.priority for c in classes}
+    for c in classes:
+        above = [n for name, prompts in placed.items()
+                 if priority.get(name, c.priority) >= c.priority for n in prompts]
+        if c.name in out.queued_prefill_tokens_ahead:
+            out.queued_prefill_tokens_ahead[c.name] += sum(above)
+        if c.name in out.prefill_step_tokens_ahead:
+            out.prefill_step_tokens_ahead[c.name] += sum(min(n, chunk or n) for n in above)
+    return out

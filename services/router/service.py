@@ -67,7 +67,7 @@ from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, 
                                        rank_mixed, rank_prefill, room_after)
 from services.router.path_choice import choose
 from services.router.paths import DEFAULT_THRESHOLD_TOKENS, PATH_ROLES, Paths
-from services.router.placements import PlacementLedger
+from services.router.placements import PlacementLedger, with_placed_prompts
 from services.router.pools import choose_pool, in_pool, served_by
 from services.router.prefix_index import PrefixIndex
 from services.router.predict import Prediction, decode_wait_s, kv_bytes_of, predict
@@ -158,8 +158,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                                   StageMachine(self.policy.stages), router_id, self.fleet_signals,
                                   on_stage=self.metrics.stage.set)
         self._background: list[asyncio.Task] = []
-        # prompt tokens placed on each prefill worker since its beat: {id: (beat time, tokens)}
-        self._prefill_placed: dict[str, tuple[float, int]] = {}
+        # prompts placed on each prefill worker since its beat:
+        # {id: (beat time, {class: [prompt tokens of each]})}
+        self._prefill_placed: dict[str, tuple[float, dict[str, list[int]]]] = {}
 
     def start(self, keeper: bool = True) -> None:
         """The capacity subscription and (unless `keeper` is False) the stage keeper, once."""
@@ -428,64 +429,71 @@ class RouterServicer(pb_grpc.RouterServicer):
                     kv_bytes=0 if path == "colocated" else kv_bytes_of(prefill[0], prompt),
                     decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior,
                     tenant=tenant.name, weights=self._weights, classes=self.policy.classes)
-        if first and admission.best_case_s(p) <= cls.ttft_target_s:
-            # load, not a hopeless prompt: a request whose own prefill breaks its target says
-            # nothing about the fleet
-            self.recent.add(p.total_s / cls.ttft_target_s)
-        if rule.refuse:
-            raise StageRefusal(status.failed(
-                pb.OVERLOADED, f"{rule.note} (stage {stage_name(self.keeper.stage)})",
-                retry_after_s=retry_after_s(blocks, self.wakeups.drain.blocks_per_s(), 0, 0)))
-        if rule.hold:
-            return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
-        if admission.best_case_s(p) > cls.ttft_target_s:
-            return Miss(max(("prefill", p.prefill_s), ("kv transfer", p.transfer_s),
-                            key=lambda t: t[1])[0], p, blocks, final=True)
-        budget_s = cls.ttft_target_s - waited_s
-        if admission.best_case_s(p) > budget_s:   # it could have, but has waited too long now
-            return Miss("queue", p, blocks, final=True)
-        if p.total_s > budget_s:
-            return Miss(p.dominant(), p, blocks, from_stats=True, protected=protected)
-        contended = not first      # it waited: charge its tenant a turn of the fair order
-        if first and not protected:
-            deadline = time.time() + min(budget_s - admission.best_case_s(p),
-                                         self.timeouts.queue_s)
-            ahead, contended = await self._ahead(cls.name, tenant.name, deadline)
-            if ahead:
-                return Miss("queue", p, blocks, from_stats=True, detail=(
-                    f"{ahead} earlier {cls.name} requests are ahead of it in the fair order"))
-        if rule.output_cap:
-            request = _capped(request, rule.output_cap)
-        if not protected:
-            best = ranked[0]
-            ranked = [w for w in ranked if admission.fits_outside_headroom(
-                self.policy, w, *room_after(w, placed.get(w.worker_id, Placed())), blocks)]
-            if not ranked:
-                free, _ = room_after(best, placed.get(best.worker_id, Placed()))
-                return Miss("decode KV headroom", p, blocks, from_stats=True, detail=(
-                    f"decode KV headroom is kept for critical tenants ({best.worker_id}: "
-                    f"{free} blocks available, {blocks} needed)"))
-        # the final order, from the placement counts as they are now: other admissions on this
-        # loop may have placed since `read` above (no await between this and the count in add)
-        now = self.placements.now(ranked)
-        if path == "colocated":
-            ranked = rank_mixed(ranked, blocks, now, self.placements.turn, cached)
-        else:
-            ranked = rank_decode(ranked, role, now, self.placements.turn)
-        if path == "colocated":
-            plan = await self._colocated(request, ranked, p)
-        else:
-            plan = await self._disaggregated(request, prefill, ranked, p)
-            if isinstance(plan, str):
-                return Miss("decode slot", p, blocks, detail=plan, protected=protected)
-        plan = served_by(plan, workers, pool)
-        plan.output_cap = rule.output_cap
-        if contended and not protected:
-            await self._charge(cls.name, tenant)
-        self._placed_prefill(prefill[0], prompt)
-        if rule.note and span.is_recording():
-            span.set_attribute("kvfleet.stage_rule", rule.note)
-        return plan
+        # counted before any await: a burst's concurrent admissions see it ahead of them
+        self._placed_prefill(prefill[0], prompt, cls.name)
+        kept = False
+        try:
+            if first and admission.best_case_s(p) <= cls.ttft_target_s:
+                # load, not a hopeless prompt: a request whose own prefill breaks its target says
+                # nothing about the fleet
+                self.recent.add(p.total_s / cls.ttft_target_s)
+            if rule.refuse:
+                raise StageRefusal(status.failed(
+                    pb.OVERLOADED, f"{rule.note} (stage {stage_name(self.keeper.stage)})",
+                    retry_after_s=retry_after_s(blocks, self.wakeups.drain.blocks_per_s(), 0, 0)))
+            if rule.hold:
+                return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
+            if admission.best_case_s(p) > cls.ttft_target_s:
+                return Miss(max(("prefill", p.prefill_s), ("kv transfer", p.transfer_s),
+                                key=lambda t: t[1])[0], p, blocks, final=True)
+            budget_s = cls.ttft_target_s - waited_s
+            if admission.best_case_s(p) > budget_s:   # it could have, but has waited too long now
+                return Miss("queue", p, blocks, final=True)
+            if p.total_s > budget_s:
+                return Miss(p.dominant(), p, blocks, from_stats=True, protected=protected)
+            contended = not first      # it waited: charge its tenant a turn of the fair order
+            if first and not protected:
+                deadline = time.time() + min(budget_s - admission.best_case_s(p),
+                                             self.timeouts.queue_s)
+                ahead, contended = await self._ahead(cls.name, tenant.name, deadline)
+                if ahead:
+                    return Miss("queue", p, blocks, from_stats=True, detail=(
+                        f"{ahead} earlier {cls.name} requests are ahead of it in the fair order"))
+            if rule.output_cap:
+                request = _capped(request, rule.output_cap)
+            if not protected:
+                best = ranked[0]
+                ranked = [w for w in ranked if admission.fits_outside_headroom(
+                    self.policy, w, *room_after(w, placed.get(w.worker_id, Placed())), blocks)]
+                if not ranked:
+                    free, _ = room_after(best, placed.get(best.worker_id, Placed()))
+                    return Miss("decode KV headroom", p, blocks, from_stats=True, detail=(
+                        f"decode KV headroom is kept for critical tenants ({best.worker_id}: "
+                        f"{free} blocks available, {blocks} needed)"))
+            # the final order, from the placement counts as they are now: other admissions on this
+            # loop may have placed since `read` above (no await between this and the count in add)
+            now = self.placements.now(ranked)
+            if path == "colocated":
+                ranked = rank_mixed(ranked, blocks, now, self.placements.turn, cached)
+            else:
+                ranked = rank_decode(ranked, role, now, self.placements.turn)
+            if path == "colocated":
+                plan = await self._colocated(request, ranked, p)
+            else:
+                plan = await self._disaggregated(request, prefill, ranked, p)
+                if isinstance(plan, str):
+                    return Miss("decode slot", p, blocks, detail=plan, protected=protected)
+            plan = served_by(plan, workers, pool)
+            plan.output_cap = rule.output_cap
+            if contended and not protected:
+                await self._charge(cls.name, tenant)
+            if rule.note and span.is_recording():
+                span.set_attribute("kvfleet.stage_rule", rule.note)
+            kept = True
+            return plan
+        finally:
+            if not kept:
+                self._unplaced_prefill(prefill[0], prompt, cls.name)
 
     async def _ahead(self, cls: str, tenant: str, deadline_unix_s: float) -> tuple[int, bool]:
         """How many waiters of `cls` the fair order puts ahead of a newcomer of `tenant` (it
@@ -507,21 +515,28 @@ class RouterServicer(pb_grpc.RouterServicer):
             log.warning("could not charge tenant %s its turn in class %s: %s", tenant.name, cls, e)
 
     def _with_placed(self, w: pb.WorkerStats) -> pb.WorkerStats:
-        """`w` with the prompt tokens this router placed on it since its beat counted as queued:
-        a burst within one beat (a cold fleet's first) sees its own backlog."""
-        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
-        if beat != w.updated_at_unix_s or not tokens:
-            return w
-        out = pb.WorkerStats()
-        out.CopyFrom(w)
-        out.queued_prefill_tokens += tokens
-        return out
-
-    def _placed_prefill(self, w: pb.WorkerStats, prompt_tokens: int) -> None:
-        beat, tokens = self._prefill_placed.get(w.worker_id, (None, 0))
+        """`w` with the prompts this router placed on it since its beat counted as queued, by
+        class (placements.with_placed_prompts): a burst within one beat (a cold fleet's first)
+        sees its own backlog."""
+        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
         if beat != w.updated_at_unix_s:
-            tokens = 0
-        self._prefill_placed[w.worker_id] = (w.updated_at_unix_s, tokens + prompt_tokens)
+            return w
+        return with_placed_prompts(w, placed, self.policy.classes)
+
+    def _placed_prefill(self, w: pb.WorkerStats, prompt_tokens: int, traffic_class: str) -> None:
+        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
+        if beat != w.updated_at_unix_s:
+            placed = {}
+        placed.setdefault(traffic_class, []).append(prompt_tokens)
+        self._prefill_placed[w.worker_id] = (w.updated_at_unix_s, placed)
+
+    def _unplaced_prefill(self, w: pb.WorkerStats, prompt_tokens: int, traffic_class: str) -> None:
+        """Take back a prompt counted by `_placed_prefill` that was not placed after all (unless
+        a newer beat has already started the count afresh)."""
+        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
+        prompts = placed.get(traffic_class, [])
+        if beat == w.updated_at_unix_s and prompt_tokens in prompts:
+            prompts.remove(prompt_tokens)
 
     async def _colocated(self, request: pb.WorkRequest, candidates, p: Prediction) -> pb.Plan:
         prompt = len(request.prompt_token_ids)

@@ -12,6 +12,13 @@ published in its stats heartbeat (WorkerStats):
                   measured: the prior's rate at a full token budget
   recent step     the mean duration of its last RECENT_STEPS steps that ran prefill: what a
                   prompt's own step costs while others share it
+  both at depth 0 a step's time in these two is what it would have taken had its prefill chunks
+                  started at position 0 (`fresh_pairs`): its measured time x the fit's
+                  step(tokens, fresh pairs) / step(tokens, pairs). A document's chunks 8K tokens
+                  deep cost ~3x a chat's per token (attention); kept as measured, a document
+                  burst's steps priced the next burst's chats 2-5x too slow (docs/benchmarks.md,
+                  "the real CPU fleet's bursts"). The router adds a prompt's own depth through the
+                  fit, where it knows it
   KV bandwidth    prefill: bytes / seconds of its recent KV writes
   decode drain    decode / mixed: sequences finished per second and the KV blocks they freed
   step in flight  when the last step ended and its length: the next began as it ended while work
@@ -33,6 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +159,13 @@ class CostFit:
         return a + b * tokens + c * pairs
 
 
+def fresh_pairs(chunks: Iterable[int], decode_context: int = 0) -> int:
+    """(query, key) pairs of a step whose prefill chunks (`chunks`, tokens each) all start at
+    position 0, its decodes attending over `decode_context` tokens in all: the step without its
+    prompts' depth."""
+    return sum(attention_pairs(0, n) for n in chunks) + decode_context
+
+
 class Window:
     """Sums of (amount, seconds) over the events of the last `span_s` seconds (at most `cap`
     events): rate = sum amount / sum seconds, or over the window's wall time (`per_wall`)."""
@@ -216,17 +231,28 @@ class WorkerRates:
         self._step: tuple[float, float] = (0.0, 0.0)      # (when the last step ended, its length)
 
     def on_step(self, prefill_tokens: int, decode_tokens: int, pairs: int, duration_s: float,
-                gap_s: float) -> None:
-        """One engine step, just ended; only steps that ran prefill feed the fit and the drain
-        rate."""
+                gap_s: float, shallow_pairs: int | None = None) -> None:
+        """One engine step, just ended; only steps that ran prefill feed the fit, the drain rate
+        and the recent step, those two at depth 0 (module docstring) when `shallow_pairs` (the
+        step's `fresh_pairs`) says what its pairs would have been there."""
         if duration_s > 0:
             self._step = (self._wall(), duration_s)
         if prefill_tokens <= 0 or duration_s <= 0:
             return
         self._prefilled.add(prefill_tokens)
-        self.fit.observe(prefill_tokens + decode_tokens, pairs, duration_s)
-        self._drain.add(prefill_tokens, duration_s + max(0.0, gap_s))
-        self._recent.append(duration_s)
+        tokens = prefill_tokens + decode_tokens
+        self.fit.observe(tokens, pairs, duration_s)
+        shallow_s = duration_s * self._depth_factor(tokens, pairs, shallow_pairs)
+        self._drain.add(prefill_tokens, shallow_s + max(0.0, gap_s))
+        self._recent.append(shallow_s)
+
+    def _depth_factor(self, tokens: int, pairs: int, shallow_pairs: int | None) -> float:
+        """The fit's step(tokens, shallow pairs) / step(tokens, pairs): 1 for a step of fresh
+        prompts (or one that does not say), below 1 for one deep in long prompts."""
+        if shallow_pairs is None or shallow_pairs >= pairs:
+            return 1.0
+        deep = self.fit.step_time(tokens, pairs)
+        return self.fit.step_time(tokens, shallow_pairs) / deep if deep > 0 else 1.0
 
     def kv_written(self, nbytes: int, seconds: float | None) -> None:
         if nbytes > 0 and seconds is not None and seconds > 0:

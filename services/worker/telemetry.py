@@ -34,6 +34,7 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.telemetry import tracing
 from services.telemetry.labels import TenantLabels
 from services.telemetry.metrics import WorkerMetrics
+from services.worker.rates import fresh_pairs
 
 if TYPE_CHECKING:
     from services.engine.engine import EngineStats
@@ -133,12 +134,22 @@ class WorkerTelemetry:
             m.labels(m.tenant_kv_blocks, label).set(blocks.get(label, 0))
 
     # ------------------------------------------------------------------- steps
+    def _shallow_pairs(self, step: StepStats) -> int | None:
+        """The step's pairs had its prefill chunks started at position 0 (rates.fresh_pairs); its
+        decodes' contexts from the KV they read. None when that is unknown."""
+        kv_bytes = self.rates.kv_bytes_per_token
+        if step.decode_tokens and not kv_bytes:
+            return None
+        context = step.kv_read_bytes // kv_bytes if kv_bytes else 0
+        return fresh_pairs((n for _, n in step.prefill_chunks), context)
+
     def on_step(self, step: StepStats) -> None:
         """One engine step (on the asyncio loop): batch composition, busy time split by phase in
         proportion to the step's tokens, the scheduler's idle gap, prefix cache, preemptions."""
         p, d = step.prefill_tokens, step.decode_tokens
         if self.rates is not None:
-            self.rates.on_step(p, d, step.attention_pairs, step.duration_s, step.gap_s)
+            self.rates.on_step(p, d, step.attention_pairs, step.duration_s, step.gap_s,
+                               self._shallow_pairs(step))
         if p:
             self._iteration["prefill"].observe(p)
             self._tokens["prefill"].inc(p)

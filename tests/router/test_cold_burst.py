@@ -67,3 +67,51 @@ def test_a_cold_fleets_first_burst_is_admitted_only_as_far_as_the_prior_allows(r
             await servicer.close()
             await state.close()
     asyncio.run(story())
+
+
+WARM = pb.WorkerStats(worker_id="mixed-0", role="mixed", kv_blocks_total=10_000,
+                      kv_blocks_free=10_000, block_size=16, max_model_len=4096,
+                      grpc_address="127.0.0.1:1", model="tiny", kv_backend="local",
+                      token_budget=512, chunk_size=256, prefill_s_per_token=5e-4,
+                      prefill_drain_tokens_per_s=2000.0,
+                      # an idle worker that publishes its queue by class: nothing ahead of any
+                      queued_prefill_tokens_ahead={"interactive": 0, "document": 0, "batch": 0},
+                      prefill_step_tokens_ahead={"interactive": 0, "document": 0, "batch": 0})
+
+
+def test_a_burst_within_one_beat_sees_its_own_backlog_ahead_of_its_class(redis_url, redis_ns):
+    """A warm worker's beat says no prompt of any class is queued. Twelve chats arrive at once,
+    within one beat: each is counted as queued there the moment it is predicted (before the
+    router's awaits, where the others' admissions run), and each next chat's prediction counts
+    those ahead of it in its class (the worker's own per-class count, a beat late), so the
+    predictions grow and the burst is refused once they break the 1-s target. With the beat's
+    empty class queue alone every chat was predicted alike, and the fleet admitted a burst whose
+    chats waited 2-4x their predictions."""
+    async def story():
+        state = FleetState(redis_url, redis_ns)
+        warm = pb.WorkerStats()
+        warm.CopyFrom(WARM)
+        warm.updated_at_unix_s = time.time()
+        await state.heartbeat(warm, 60.0)
+        servicer = RouterServicer(state, "colocated", "r0")
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                router = pb_grpc.RouterStub(ch)
+                answers = await asyncio.gather(*(router.Admit(pb.WorkRequest(
+                    request_id=f"c{i}", traffic_class="interactive", prompt_token_ids=PROMPT,
+                    params=pb.SamplingParams(max_tokens=8)), timeout=30) for i in range(12)),
+                    return_exceptions=True)
+            predicted = sorted(a.predicted_ttft_s for a in answers if isinstance(a, pb.Plan))
+            refused = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
+            assert predicted[-1] > 2 * predicted[0]
+            assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                                   and "vs target 1 s" in status.of(e).message for e in refused)
+        finally:
+            await server.stop(0)
+            await servicer.close()
+            await state.close()
+    asyncio.run(story())

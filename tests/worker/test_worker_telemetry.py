@@ -27,11 +27,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.engine.scheduler import attention_pairs
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.telemetry import tracing
 from tests.harness import Worker, in_process_worker, worker_process
 from tests.waiting import eventually
+from services.worker.engine_core import StepStats
+from services.worker.rates import TINY, WorkerRates
 from services.worker.telemetry import CHUNK_TOKENS, WorkerTelemetry
 from tests.kv_transfer.conftest import fleet_token_env  # noqa: F401 - the tcp transports' token
 
@@ -265,3 +268,21 @@ def test_a_kv_moving_worker_exports_its_failure_series_at_zero_from_the_start():
                                          {**labels, "reason": reason}) == 0.0
     assert registry.get_sample_value("kvfleet_kv_transfer_bytes_total",
                                      {**labels, "direction": "sent"}) == 0.0
+
+
+def test_a_step_deep_in_a_prompt_reaches_the_published_rates_timed_at_depth_0():
+    """The engine core's step record names its chunks (request, tokens) and its decodes' context
+    (the KV bytes they read); the telemetry hands the rates the pairs the step would have had at
+    position 0, so a document chunk 8K tokens deep and a decode over 1K tokens of context enter
+    the recent step as the fit prices that shallower step."""
+    telemetry = WorkerTelemetry("mixed", "m-deep")
+    telemetry.rates = WorkerRates(TINY, kv_bytes_per_token=2048)
+    deep = attention_pairs(8192, 512) + 1024
+    shallow = attention_pairs(0, 512) + 1024
+    telemetry.on_step(StepStats(prefill_tokens=512, decode_tokens=1, num_prefill_seqs=1,
+                                num_decode_seqs=1, duration_s=TINY.step_time(513, deep),
+                                gap_s=0.0, kv_read_bytes=1024 * 2048, prefix_queries=0,
+                                prefix_hits=0, preemptions=0, prefill_chunks=[("doc", 512)],
+                                attention_pairs=deep))
+    assert telemetry.rates.fields()["prefill_recent_step_s"] == pytest.approx(
+        TINY.step_time(513, shallow), rel=0.01)
