@@ -234,3 +234,32 @@ def test_after_a_run_every_worker_has_given_every_page_back():
         for w in sim.workers:
             stats = w.engine.stats()
             assert stats.kv_blocks_used == stats.kv_blocks_reserved == stats.num_running == 0, w.worker_id
+
+
+def test_placement_reads_what_the_engines_own_stats_say_at_every_arrival():
+    """The simulation's heartbeat (`worker_stats`) reads the scheduler and the pool directly, not
+    through `engine.stats()`: at every arrival of a busy hybrid run (queues, reservations, KV in
+    flight), each field placement reads equals the one `stats()` gives."""
+    from services.planner.simulator import Simulation, timing_of, worker_stats
+
+    spec = load_workload("mixed").with_overrides(duration_s=4.0, rate_scale=8.0)
+    cfg = config("hybrid:1:1:1")
+    sim = Simulation(spec, cfg, *timing_of(cfg))
+    compared, arrive = [], sim._arrive
+
+    def checked_arrive(planned):
+        for w in sim.workers:
+            got, s = worker_stats(w.worker_id, w.role, w.engine), w.engine.stats()
+            assert (got.kv_blocks_total, got.kv_blocks_free, got.kv_blocks_used,
+                    got.kv_blocks_reserved, got.num_running, got.num_queued,
+                    got.queued_prefill_tokens) == (
+                s.kv_blocks_total, s.kv_blocks_free, s.kv_blocks_used, s.kv_blocks_reserved,
+                s.num_running, s.num_queued, s.queued_prefill_tokens), w.worker_id
+            assert dict(got.queued_prefill_tokens_ahead) == s.prefill_tokens_ahead
+            assert dict(got.prefill_step_tokens_ahead) == s.prefill_step_tokens_ahead
+            compared.append(s.num_queued + s.num_running)
+        arrive(planned)
+
+    sim._arrive = checked_arrive
+    sim.run()
+    assert compared and max(compared) > 1            # compared while work was queued and running
