@@ -448,7 +448,7 @@ def worker_stats(worker_id: str, role: str, engine) -> pb.WorkerStats:
     """What the worker would heartbeat (services/worker/servicer.py, stats): the fields the
     router's placement reads, each read where `engine.stats()` reads it. Placement asks at every
     arrival, so the rest of `stats()` (its scans of every running sequence and tenant) is left
-    out: it was a third of a simulated run's time."""
+    out: it was over a tenth of a simulated run's CPU time."""
     sched, pool = engine.scheduler, engine.pool
     out = pb.WorkerStats(worker_id=worker_id, role=role, kv_blocks_total=pool.num_blocks,
                          kv_blocks_free=pool.num_free, kv_blocks_used=pool.num_used,
