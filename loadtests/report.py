@@ -285,6 +285,11 @@ def _save_plot(draw: Callable, run: RunResult, summary: dict, path: Path) -> Non
 
 # --- entry point -----------------------------------------------------------------------------
 
+def summary_of(run: RunResult) -> dict:
+    """summary.json's content: summarize() plus the run's "meta"."""
+    return {"meta": run.meta, **summarize(run)}
+
+
 def write_report(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
     """Write run.json, summary.json (summarize() plus "meta"), the five PNG plots and report.md
     into out_dir (created if needed). Returns the paths by name: "run", "summary", "report" and
@@ -292,7 +297,7 @@ def write_report(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
     "tenant_throughput")."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"meta": run.meta, **summarize(run)}
+    summary = summary_of(run)
     paths = {"run": out / "run.json", "summary": out / "summary.json", "report": out / "report.md"}
     run.save(paths["run"])
     paths["summary"].write_text(json.dumps(summary, indent=1))
