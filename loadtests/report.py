@@ -10,13 +10,8 @@ import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display; must precede the pyplot import
-import matplotlib.pyplot as plt  # noqa: E402
-
-from loadtests.metrics import summarize  # noqa: E402
-from loadtests.records import RunResult  # noqa: E402
+from loadtests.metrics import summarize
+from loadtests.records import RunResult
 
 NONE = "-"  # how a missing number (no data, no target) is shown
 
@@ -274,6 +269,11 @@ PLOTS: dict[str, Callable] = {"ttft_cdf": _ttft_cdf, "itl_cdf": _itl_cdf,
 
 
 def _save_plot(draw: Callable, run: RunResult, summary: dict, path: Path) -> None:
+    # imported here, not with the module: pyplot costs ~0.7 CPU s, which every `kvfleet sim run`,
+    # `bench serve` and `capacity` process paid at start-up, even one that only refused its input
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")  # files only, no display; must precede the pyplot import
+    import matplotlib.pyplot as plt  # noqa: PLC0415
     fig, ax = plt.subplots(figsize=(8, 4.5))
     try:
         draw(run, summary, ax)
@@ -285,6 +285,11 @@ def _save_plot(draw: Callable, run: RunResult, summary: dict, path: Path) -> Non
 
 # --- entry point -----------------------------------------------------------------------------
 
+def summary_of(run: RunResult) -> dict:
+    """summary.json's content: summarize() plus the run's "meta"."""
+    return {"meta": run.meta, **summarize(run)}
+
+
 def write_report(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
     """Write run.json, summary.json (summarize() plus "meta"), the five PNG plots and report.md
     into out_dir (created if needed). Returns the paths by name: "run", "summary", "report" and
@@ -292,7 +297,7 @@ def write_report(run: RunResult, out_dir: str | Path) -> dict[str, Path]:
     "tenant_throughput")."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"meta": run.meta, **summarize(run)}
+    summary = summary_of(run)
     paths = {"run": out / "run.json", "summary": out / "summary.json", "report": out / "report.md"}
     run.save(paths["run"])
     paths["summary"].write_text(json.dumps(summary, indent=1))

@@ -5,6 +5,7 @@ truth for every owner's block table and reservation. Every operation is O(1) per
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
@@ -111,12 +112,21 @@ class BlockPool:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._head, self._tail = KVBlock(-1), KVBlock(-1)
         self._head._next_free, self._tail._prev_free = self._tail, self._head
         self._num_free = 0
-        for block in self.blocks:
-            self._push_tail(block)
+        # A 70B target's pool is ~160K blocks, all kept: the cyclic collector's passes over the
+        # objects alive meanwhile (they grow with every pool a simulated fleet holds) would cost
+        # more than making the blocks, so it waits until they are made and linked.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.blocks = [KVBlock(i) for i in range(num_blocks)]
+            for block in self.blocks:
+                self._push_tail(block)
+        finally:
+            if collecting:
+                gc.enable()
         self._num_reserved = 0
         self._tables: dict[str, list[int]] = {}
         self._reserved: dict[str, int] = {}

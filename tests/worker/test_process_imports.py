@@ -27,6 +27,9 @@ ENTRIES = {
                    "services.kv_transfer.paced"),
     "sim engine core": ("services.worker.engine_core", "services.engine.engine",
                         "services.engine.sim_engine"),
+    # command-line tools the tests start by the dozen: pyplot waits until a report is drawn
+    "kvfleet sim run, bench serve, capacity": ("services.cli.sim_cmd", "loadtests.cli",
+                                               "services.cli.capacity_cmd", "loadtests.report"),
 }
 
 
