@@ -7,9 +7,11 @@ router's decision and its Redis work), a real redis-server, and one `mixed` work
 written here (re-beaten every `--beat-every` admits, outside the timing, so placements since the
 beat do not pile up). Each Admit gets a fresh 200-token prompt after `--idle-ms` idle (the
 fleet's lone requests come after idle too). Printed as JSON: the wall-time median and p90 of one
-Admit, this process's CPU per Admit (its background loops included: the stage keeper, the
-capacity subscription), and Redis commands per Admit (INFO commandstats, heartbeats excluded).
-Run it with PYTHONPATH at another tree to compare; nothing is asserted.
+Admit; this process's CPU over the whole timed run per Admit (so whatever an Admit leaves to
+run after it answered is counted too, and so are the router's background loops, the stage
+keeper and the capacity subscription, and the heartbeats); and Redis commands per Admit over
+the run (INFO commandstats before and after; the heartbeats' and the keeper's included). Run it
+with PYTHONPATH at another tree to compare; nothing is asserted.
 """
 from __future__ import annotations
 
@@ -51,27 +53,23 @@ async def bench(url: str, admits: int, idle_s: float, beat_every: int) -> dict:
     rng = random.Random(5)
     params = pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     walls: list[float] = []
-    cpu = 0.0
-    calls = 0
     try:
         for i in range(admits + 10):                   # the first 10 warm everything up
+            if i == 10:
+                before_calls, c0 = await commands(probe), time.process_time()
             if i % beat_every == 0:
                 await state.heartbeat(mixed_worker(time.time()), BEAT_TTL_S)
             request = pb.WorkRequest(request_id=f"bench-{i}", prompt_token_ids=random_prompt(
                 rng, fleet_bench.PROMPT_TOKENS, 1000), params=params, traffic_class="interactive")
             await asyncio.sleep(idle_s)
-            before_calls = await commands(probe)
-            c0, t0 = time.process_time(), time.perf_counter()
+            t0 = time.perf_counter()
             plan = await router.Admit(request, None)
-            wall = time.perf_counter() - t0
-            await asyncio.sleep(0)                     # let a write behind start, as a loop would
-            c1 = time.process_time()
-            after_calls = await commands(probe)
-            assert plan.prefill[0].worker_id == "mixed-0"
             if i >= 10:
-                walls.append(wall)
-                cpu += c1 - c0
-                calls += after_calls - before_calls - 1   # less the INFO call itself
+                walls.append(time.perf_counter() - t0)
+            assert plan.prefill[0].worker_id == "mixed-0"
+        await asyncio.sleep(idle_s)
+        cpu = time.process_time() - c0
+        calls = await commands(probe) - before_calls - 1   # less the first INFO call
     finally:
         await router.close()
         await state.close()
