@@ -57,7 +57,7 @@ from services.gateway.core import GatewayCore, Session, build_generation, new_re
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.jobs import JobRunner
 from services.gateway.openai_responses import Collected, Shaper
-from services.gateway.streaming import openai_events
+from services.gateway.streaming import DisconnectSeen, openai_events
 from services.gateway.telemetry import TIMING_HEADER, RequestTelemetry
 from services.telemetry.tracing import TRACE_HEADER
 from services.gateway.stage_view import admission_fields, admission_headers
@@ -222,7 +222,8 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
             streaming = True      # from here the stream's own close (and its background) owns it
             # a client that disconnects cancels the stream (Starlette's disconnect listener),
             # and the events' own `finally` closes the session; after a normal end, too
-            return StreamingResponse(openai_events(session, first, shaper, request.is_disconnected),
+            gone = DisconnectSeen(request.receive)
+            return StreamingResponse(openai_events(session, first, shaper, gone),
                                      media_type="text/event-stream",
                                      headers={**headers, **SSE_HEADERS},
                                      background=BackgroundTask(session.close))

@@ -179,6 +179,9 @@ class DecodeLink:
             queue.put_nowait(why)
 
 
+PAST_DEADLINE = object()    # queued by a subscription's deadline timer
+
+
 class Subscription:
     """One request's tokens 2..N from its decode worker's link, as an async iterator: chunks,
     then the end; a failure (the request's, or the link's) raises status.CallFailed.
@@ -192,22 +195,28 @@ class Subscription:
         self._deadline = asyncio.get_running_loop().time() + deadline_s
 
     async def __aiter__(self):
-        while True:
-            try:
-                item = await shared_call.next_item(self._queue, self._deadline)
-            except TimeoutError:
-                self.cancel()
-                raise status.CallFailed(status.failed(
-                    pb.UNAVAILABLE, f"{self.request_id}: no end from decode worker "
-                    f"{self.link.address} within the request's deadline")) from None
-            if isinstance(item, pb.TokenChunk):
-                yield item
-            elif isinstance(item, pb.DecodeEnd):
-                if item.HasField("failure"):
-                    raise status.CallFailed(item.failure)
-                return
-            else:
-                raise item
+        # one timer for the request's deadline, not one per chunk: it queues PAST_DEADLINE
+        timer = asyncio.get_running_loop().call_at(self._deadline, self._queue.put_nowait,
+                                                   PAST_DEADLINE)
+        try:
+            while True:
+                queue = self._queue
+                item = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(item, pb.TokenChunk):
+                    yield item
+                elif isinstance(item, pb.DecodeEnd):
+                    if item.HasField("failure"):
+                        raise status.CallFailed(item.failure)
+                    return
+                elif item is PAST_DEADLINE:
+                    self.cancel()
+                    raise status.CallFailed(status.failed(
+                        pb.UNAVAILABLE, f"{self.request_id}: no end from decode worker "
+                        f"{self.link.address} within the request's deadline"))
+                else:
+                    raise item
+        finally:
+            timer.cancel()
 
     def cancel(self) -> bool:
         # wake a reader waiting on the queue (the link stops routing to it): it ends cancelled

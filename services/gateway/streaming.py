@@ -8,13 +8,18 @@ request's `timing` object (services/gateway/telemetry.py).
 
 A chunk counts as sent (Session.sent: charged to the tenant) once its events were handed to the
 server while the client was still connected: the generator resumes only after the server's send
-returned, and `gone()` reads the server's disconnect flag without waiting, so a chunk the server
-dropped because the client had left is not charged.
+returned, and `gone()` reads the server's disconnect flag without waiting (`DisconnectSeen`), so a
+chunk the server dropped because the client had left is not charged.
+
+Writes: one per chunk (its events joined; chat's opening role event goes with the first), and the
+usage event with `[DONE]`: each write is one server send and one socket write.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+
+from starlette.types import Receive
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.gateway.core import Session
@@ -25,36 +30,64 @@ from services.gateway.stage_view import admission_fields
 DONE = "data: [DONE]\n\n"
 
 
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(event: dict) -> str:
-    return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_ENCODE(event)}\n\n"
+
+
+class DisconnectSeen:
+    """Whether the server has seen the client go, read without waiting: one step of the ASGI
+    `receive` coroutine, which answers http.disconnect at once when the server saw it and would
+    otherwise wait (the step is then dropped, as nothing else can come after the body). It is
+    what Starlette's `Request.is_disconnected` reads, without the anyio cancel scope that call
+    opens (and cancels, formatting the task's repr) each time: once per chunk here."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.gone = False
+
+    def __call__(self) -> bool:
+        if not self.gone:
+            step = self._receive()
+            try:
+                step.send(None)
+            except StopIteration as done:
+                self.gone = (done.value or {}).get("type") == "http.disconnect"
+            finally:
+                step.close()
+        return self.gone
 
 
 async def openai_events(session: Session, first: pb.TokenChunk, shaper: Shaper,
-                        gone: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
+                        gone: Callable[[], bool]) -> AsyncIterator[str]:
     """The whole SSE body. Closing the session here (and in the response's background task) means
     a client that goes away, and so cancels this generator, still frees its request everywhere."""
     try:
-        for event in shaper.first_events():
-            yield sse(event)
+        opening = "".join(map(sse, shaper.first_events()))
         chunk: pb.TokenChunk | None = first
         timing = None
+        last = ""
         try:
             while chunk is not None:
                 events = shaper.events(chunk)
                 if chunk.finished and events:
                     timing = events[-1]["timing"] = session.telemetry.timing()
                     events[-1].update(admission_fields(session.run.plan))
-                for event in events:
-                    yield sse(event)
-                if not await gone():
+                text = opening + "".join(map(sse, events))
+                opening = ""
+                if text:
+                    yield text
+                if not gone():
                     session.sent(chunk)
                 chunk = None if chunk.finished else await session.next()
             if shaper.shape.include_usage:
                 usage = shaper.usage_event(session.prompt_tokens, session.sent_tokens)
-                yield sse({**usage, "timing": timing or session.telemetry.timing()})
+                last = sse({**usage, "timing": timing or session.telemetry.timing()})
         except GatewayError as e:
-            yield sse(e.body())
+            last = sse(e.body())
         session.close()
-        yield DONE
+        yield opening + last + DONE       # the role event too, when no chunk carried text
     finally:
         session.close()

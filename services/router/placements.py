@@ -4,11 +4,15 @@ within one beat spreads instead of taking the same best replica every time.
     own:   this router's placements, counted at once (before any await, so the next admission on this
            event loop ranks with it), per (worker, beat); a newer beat starts at 0, as it reflects them
     fleet: every router's, in Redis (FleetState.placed / add_placed: a hash per worker and beat, 10 s TTL),
-           read in one pipeline per ranking
+           read in one pipeline per ranking (with the class's wait-queue count:
+           `read_with_waiting`), written behind: an admission does not wait for Redis to have it
     used:  the larger of the two: never counts a placement twice; while Redis does not answer, own alone
 
 A placement whose Reserve is refused, or fails, is taken back (both counts). One that ends before the next
-beat stays counted until that beat: the beat is what says it ended.
+beat stays counted until that beat: the beat is what says it ended. The Redis writes are
+increments, so an add and its take-back may land in either order (a reader may see a count below
+zero for that instant; the own count, never below zero, is what ranks then); `flush` waits for
+those in flight.
 
 Each placement's KV blocks are also counted under its tenant (`tenant_blocks`), so a tenant's
 decode KV fleet-wide is what the workers published at their beats (their tenant shares, which
@@ -19,6 +23,8 @@ the count comes back to zero.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
 
 from services.engine.config import TrafficClass
@@ -26,6 +32,8 @@ from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.router.placement import NOTHING, Placed
 from services.state.fleet_state import FleetState, PlacedCounts
 from services.state.outage import UNREACHABLE, Outage
+
+log = logging.getLogger(__name__)
 
 PLACED_TTL_S = 10.0   # well past a beat (heartbeat_s 0.5 s): a count outlives the beat it is keyed to
 
@@ -38,6 +46,7 @@ class PlacementLedger:
         self._own_t: dict[str, tuple[float, dict[str, int]]] = {}    # the same, blocks by tenant
         self._fleet_t: dict[str, tuple[float, dict[str, int]]] = {}
         self.turn = 0                                     # where ties start (placement.ring)
+        self._writes: set[asyncio.Future] = set()          # Redis counts not yet written
 
     def own(self, w: pb.WorkerStats) -> Placed:
         beat, placed = self._own.get(w.worker_id, (None, NOTHING))
@@ -45,15 +54,23 @@ class PlacementLedger:
 
     async def read(self, workers: Sequence[pb.WorkerStats]) -> dict[str, Placed]:
         """Placed on each worker since its beat, by worker id."""
+        return (await self.read_with_waiting(workers, ""))[0]
+
+    async def read_with_waiting(self, workers: Sequence[pb.WorkerStats],
+                                queue_key: str) -> tuple[dict[str, Placed], int]:
+        """`read`, and the members of the sorted set `queue_key` (the request's class in the wait
+        queue: WaitQueue.members_key), in one round trip. Redis down: peers' placements unknown,
+        nobody waiting."""
         try:
-            rows = await self._redis.call(self._state.placed,
-                                          [(w.worker_id, w.updated_at_unix_s) for w in workers])
+            rows, waiting = await self._redis.call(
+                self._state.placed_and_members,
+                [(w.worker_id, w.updated_at_unix_s) for w in workers], queue_key)
         except UNREACHABLE:
-            rows = [PlacedCounts()] * len(workers)
+            rows, waiting = [PlacedCounts()] * len(workers), 0
         for w, row in zip(workers, rows):
             self._fleet[w.worker_id] = (w.updated_at_unix_s, Placed(row.blocks, row.streams))
             self._fleet_t[w.worker_id] = (w.updated_at_unix_s, dict(row.tenants))
-        return self.now(workers)
+        return self.now(workers), waiting
 
     def tenant_blocks(self, workers: Sequence[pb.WorkerStats]) -> dict[str, int]:
         """KV blocks placed on `workers` since their beats, by tenant, as this router knows it now
@@ -81,14 +98,21 @@ class PlacementLedger:
             out[w.worker_id] = Placed(max(fleet.blocks, own.blocks), max(fleet.streams, own.streams))
         return out
 
-    async def add(self, w: pb.WorkerStats, blocks: int, tenant: str = "") -> None:
+    def add(self, w: pb.WorkerStats, blocks: int, tenant: str = "") -> asyncio.Future:
+        """Count a placement: this router's count at once, the fleet's in Redis behind it (the
+        future is done once Redis has it, or did not answer; an admission does not wait)."""
         self.turn += 1
-        await self._count(w, blocks, 1, tenant)
+        return self._count(w, blocks, 1, tenant)
 
-    async def take_back(self, w: pb.WorkerStats, blocks: int, tenant: str = "") -> None:
-        await self._count(w, -blocks, -1, tenant)
+    def take_back(self, w: pb.WorkerStats, blocks: int, tenant: str = "") -> asyncio.Future:
+        return self._count(w, -blocks, -1, tenant)
 
-    async def _count(self, w: pb.WorkerStats, blocks: int, streams: int, tenant: str) -> None:
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the Redis writes in flight (at most `timeout_s`)."""
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=timeout_s)
+
+    def _count(self, w: pb.WorkerStats, blocks: int, streams: int, tenant: str) -> asyncio.Future:
         mine = self.own(w)
         self._own[w.worker_id] = (w.updated_at_unix_s, Placed(max(0, mine.blocks + blocks),
                                                               max(0, mine.streams + streams)))
@@ -96,11 +120,21 @@ class PlacementLedger:
             by_tenant = dict(_at_beat(self._own_t, w))
             by_tenant[tenant] = max(0, by_tenant.get(tenant, 0) + blocks)
             self._own_t[w.worker_id] = (w.updated_at_unix_s, by_tenant)
+        write = asyncio.ensure_future(self._write(w.worker_id, w.updated_at_unix_s, blocks,
+                                                  streams, tenant))
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        return write
+
+    async def _write(self, worker_id: str, beat: float, blocks: int, streams: int,
+                     tenant: str) -> None:
         try:
-            await self._redis.call(self._state.add_placed, w.worker_id, w.updated_at_unix_s,
-                                   blocks, streams, PLACED_TTL_S, tenant)
+            await self._redis.call(self._state.add_placed, worker_id, beat, blocks, streams,
+                                   PLACED_TTL_S, tenant)
         except UNREACHABLE:
             pass  # peers rank without it until the next beat; self._redis logged the outage
+        except Exception:  # noqa: BLE001 - nobody awaits a write behind: say it here
+            log.exception("could not count a placement on %s in Redis", worker_id)
 
 
 def _at_beat(counts: dict[str, tuple[float, dict[str, int]]], w: pb.WorkerStats) -> dict[str, int]:

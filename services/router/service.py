@@ -401,7 +401,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                       weights=self._weights)      # hybrid: by length and predicted TTFT
         role = "mixed" if path == "colocated" else "decode"
         decode = [w for w in workers if w.role == role]
-        placed = await self.placements.read(decode)
+        # one round trip: the placements since the beats, and whether any of the class waits
+        placed, waiting = await self.placements.read_with_waiting(
+            decode, self.queue.members_key(cls.name))
         if path == "colocated":
             cached = self._cached(request, decode)
             ranked = rank_mixed([w for w in decode if can_ever_hold(w, prompt, request.params)]
@@ -455,7 +457,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             if first and not protected:
                 deadline = time.time() + min(budget_s - admission.best_case_s(p),
                                              self.timeouts.queue_s)
-                ahead, contended = await self._ahead(cls.name, tenant.name, deadline)
+                ahead, contended = await self._ahead(cls.name, tenant.name, deadline, waiting)
                 if ahead:
                     return Miss("queue", p, blocks, from_stats=True, detail=(
                         f"{ahead} earlier {cls.name} requests are ahead of it in the fair order"))
@@ -495,13 +497,14 @@ class RouterServicer(pb_grpc.RouterServicer):
             if not kept:
                 self._unplaced_prefill(prefill[0], prompt, cls.name)
 
-    async def _ahead(self, cls: str, tenant: str, deadline_unix_s: float) -> tuple[int, bool]:
+    async def _ahead(self, cls: str, tenant: str, deadline_unix_s: float,
+                     waiting: int) -> tuple[int, bool]:
         """How many waiters of `cls` the fair order puts ahead of a newcomer of `tenant` (it
-        queues behind them, unless it is protected), and whether any waits at all. Redis down:
-        none."""
+        queues behind them, unless it is protected), and whether any waits at all (`waiting`:
+        the class's members as read with the placements). Redis down: none."""
+        if not waiting:
+            return 0, False             # the common case: no further round trip
         try:
-            if not await self.queue.waiting(cls):
-                return 0, False
             return await self.queue.ahead(cls, tenant, deadline_unix_s, self._weights), True
         except (RedisError, OSError):
             return 0, False
@@ -540,9 +543,8 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def _colocated(self, request: pb.WorkRequest, candidates, p: Prediction) -> pb.Plan:
         prompt = len(request.prompt_token_ids)
-        await self.placements.add(candidates[0],
-                                  kv_blocks_needed(candidates[0], prompt, request.params),
-                                  self.policy.tenant(request.tenant).name)
+        self.placements.add(candidates[0], kv_blocks_needed(candidates[0], prompt, request.params),
+                            self.policy.tenant(request.tenant).name)      # written behind
         return p.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.COLOCATED,
                               prefill=[_ref(w) for w in candidates[:PREFILL_CHOICES]],
                               router_id=self.router_id))
@@ -577,11 +579,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         tenant = self.policy.tenant(request.tenant).name
         for w in candidates:
             blocks = kv_blocks_needed(w, len(request.prompt_token_ids), request.params)
-            await self.placements.add(w, blocks, tenant)   # counted before the Reserve
+            self.placements.add(w, blocks, tenant)   # counted before the Reserve (written behind)
             try:
                 resp = await self._reserve_on(w, ask)
             except status.CallFailed as e:
-                await self.placements.take_back(w, blocks, tenant)
+                self.placements.take_back(w, blocks, tenant)
                 st = e.status
                 if st.reason == pb.INVALID_REQUEST:
                     raise
@@ -593,7 +595,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 continue
             if resp.accepted:
                 return w, resp
-            await self.placements.take_back(w, blocks, tenant)
+            self.placements.take_back(w, blocks, tenant)
             reasons.append(f"{w.worker_id}: {resp.reason}")
         if not reasons:
             raise unhealthy("no decode replica can reserve KV for this request: "
@@ -668,6 +670,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             task.cancel()
         if self._background:        # bounded: a Redis read that swallows a cancel must not hang it
             await asyncio.wait(self._background, timeout=CLOSE_S)
+        await self.placements.flush(CLOSE_S)
         await asyncio.gather(*(c.close() for c in self._channels.values()))
 
 

@@ -417,11 +417,21 @@ class FleetState:
         its count starts at 0."""
         if not beats:
             return []
+        return (await self.placed_and_members(beats, ""))[0]
+
+    async def placed_and_members(self, beats: typing.Sequence[tuple[str, float]],
+                                 zset_key: str) -> tuple[list[PlacedCounts], int]:
+        """`placed(beats)` and the members of the sorted set `zset_key` (a wait queue's class:
+        services/state/wait_queue.py; "": none read, 0), in one round trip: the router's
+        admission reads both before it decides."""
         async with self._r.pipeline(transaction=False) as p:
             for worker_id, beat in beats:
                 p.hgetall(self._placed_key(worker_id, beat))
+            if zset_key:
+                p.zcard(zset_key)
             rows = await p.execute()
-        return [_placed_counts(row) for row in rows]
+        members = int(rows.pop()) if zset_key else 0
+        return [_placed_counts(row) for row in rows], members
 
     async def add_placed(self, worker_id: str, beat_unix_s: float, blocks: int, streams: int,
                          ttl_s: float, tenant: str = "") -> None:

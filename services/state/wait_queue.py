@@ -220,8 +220,13 @@ class WaitQueue:
         return QueueDepth(cls, int(waiting), age)
 
     async def waiting(self, cls: str) -> int:
-        """Members of a class, unpruned (one command: for the admission path)."""
-        return int(await self._r.zcard(self._keys(cls)[0]))
+        """Members of a class, unpruned (one command)."""
+        return int(await self._r.zcard(self.members_key(cls)))
+
+    def members_key(self, cls: str) -> str:
+        """The sorted set of every waiter of a class: its ZCARD is `waiting` (the admission
+        path reads it in the same round trip as the placements: PlacementLedger)."""
+        return self._keys(cls)[0]
 
     async def notify(self, freed_blocks: int = 1) -> None:
         """Tell every waiting router that capacity freed (`freed_blocks` KV blocks)."""

@@ -14,6 +14,7 @@ from services.router.placement import Placed, rank_decode
 from services.router.placements import PlacementLedger
 from services.state.fleet_state import FleetState
 from services.state.outage import Outage
+from services.state.wait_queue import WaitQueue
 from tests.state.test_fleet_state import make_stats, run
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,46 @@ def test_two_routers_see_each_others_placements_until_the_next_beat(redis_url, r
         await b.take_back(beat, 4)                                      # its Reserve was refused
         assert await a.read([beat]) == {"decode-0": Placed(blocks=12, streams=2)}
         assert a.turn == 2 and b.turn == 1                              # each add turns the tie ring
+
+    run(redis_url, redis_ns, scenario, clients=2)
+
+
+def test_the_admission_reads_placements_and_its_class_waiters_together(redis_url, redis_ns):
+    """The admission's one read: a peer's placements since the beat, and how many of the
+    request's class wait in the queue (the fair order is asked only when someone waits)."""
+    beat = make_stats("decode-0")
+
+    async def scenario(one: FleetState, two: FleetState):
+        mine, peer = ledger(one), ledger(two)
+        queue = WaitQueue(one.redis, one.ns)
+        await peer.add(beat, 6, "quiet")
+        await queue.enqueue("doc-1", "document", 2e9, 1e9, tenant="quiet")
+        await queue.enqueue("doc-2", "document", 2e9, 1e9, tenant="loud")
+        placed, waiting = await mine.read_with_waiting([beat], queue.members_key("document"))
+        assert placed == {"decode-0": Placed(blocks=6, streams=1)}
+        assert waiting == 2
+        _, none_waiting = await mine.read_with_waiting([beat], queue.members_key("interactive"))
+        assert none_waiting == 0
+        assert mine.tenant_blocks([beat]) == {"quiet": 6}
+
+    run(redis_url, redis_ns, scenario, clients=2)
+
+
+def test_a_placement_is_counted_at_once_and_reaches_redis_behind_it(redis_url, redis_ns):
+    """`add` counts the router's own placement before it returns (the next ranking on its loop
+    sees it) and writes the fleet's count behind it; once written, a peer reads it."""
+    beat = make_stats("decode-0")
+
+    async def scenario(one: FleetState, two: FleetState):
+        mine, peer = ledger(one), ledger(two)
+        written = mine.add(beat, 5, "quiet")
+        assert mine.now([beat]) == {"decode-0": Placed(blocks=5, streams=1)}
+        await written
+        assert await peer.read([beat]) == {"decode-0": Placed(blocks=5, streams=1)}
+        mine.take_back(beat, 5, "quiet")
+        await mine.flush()
+        assert await peer.read([beat]) == {"decode-0": Placed()}
+        assert mine.now([beat]) == {"decode-0": Placed()}
 
     run(redis_url, redis_ns, scenario, clients=2)
 
