@@ -4,8 +4,14 @@
          + in flight   what is left of the step the prefill worker is running
          + wait        prefill tokens queued ahead on the chosen prefill worker / its drain rate
          + prefill     this prompt's uncached tokens through the worker's fitted prefill cost model
-         + transfer    the prompt's KV bytes / the KV path's measured bandwidth (disaggregated only)
          + decode wait  until the decode worker has a slot for it (0 while it has free KV)
+    then   transfer    the prompt's KV bytes / the KV path's measured bandwidth (disaggregated
+                       only): not part of the TTFT. The prefill worker sends the first token to
+                       the gateway as it samples it, before any KV moves (services/prefill/
+                       handler.py; the simulator likewise), so the transfer is what the second
+                       token waits for (the first decode step's gap, counted in ITL), and what the
+                       decode reservation must outlive (`kv_landed_s`; the router refuses a
+                       prompt whose KV could not land in time: admission.kv_write_limit_s).
 
 Every term is in seconds and non-negative; the parts are kept so a refusal, a span and the
 load-test summary can say which term broke the target. What the terms read from the worker's
@@ -124,13 +130,19 @@ class Prediction:
 
     @property
     def total_s(self) -> float:
-        return (PATH_S + self.in_flight_s + self.wait_s + self.prefill_s + self.transfer_s
-                + self.decode_wait_s)
+        """The predicted TTFT: the KV transfer is not in it (the first token leaves first)."""
+        return PATH_S + self.in_flight_s + self.wait_s + self.prefill_s + self.decode_wait_s
+
+    @property
+    def kv_landed_s(self) -> float:
+        """When the prompt's KV has landed on the decode worker (0 moved: the first token): its
+        first decode step may begin, and its reservation must still hold."""
+        return self.total_s + self.transfer_s
 
     def dominant(self) -> str:
-        """The term that costs the most, for a refusal's message."""
+        """The TTFT term that costs the most, for a refusal's message."""
         parts = {"queue": self.wait_s + self.in_flight_s, "prefill": self.prefill_s,
-                 "kv transfer": self.transfer_s, "decode slot": self.decode_wait_s}
+                 "decode slot": self.decode_wait_s}
         return max(parts, key=parts.get)
 
     def fill(self, plan: pb.Plan) -> pb.Plan:
