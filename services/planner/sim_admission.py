@@ -410,7 +410,7 @@ class SimAdmission:
             return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
         if admission.best_case_s(p) > target:
             return Miss("prefill", p, blocks, final=True)
-        if p.transfer_s > admission.kv_write_limit_s(self.cfg.timeouts, target):
+        if p.transfer_s > admission.kv_write_limit_s(self.cfg.timeouts, target, p):
             return Miss(admission.KV_TRANSFER, p, blocks, final=True)
         budget = target - (self.now - self.waiters[rid].began)   # what waiting left of it
         if admission.best_case_s(p) > budget:
@@ -461,7 +461,8 @@ class SimAdmission:
             message = f"{miss.term} (stage {stage})"
         elif miss.term == admission.KV_TRANSFER:
             message = admission.explain_transfer(
-                miss.prediction, admission.kv_write_limit_s(self.cfg.timeouts, cls.ttft_target_s),
+                miss.prediction,
+                admission.kv_write_limit_s(self.cfg.timeouts, cls.ttft_target_s, miss.prediction),
                 stage)
         else:
             message = admission.explain(miss.term, miss.prediction.total_s, cls.ttft_target_s,

@@ -18,8 +18,8 @@ For each request, in order:
        best case > target                    refuse now, naming the term and the seconds.
      The best case is the prediction without the terms that drain (queue wait, decode slot).
      The KV transfer is not part of the TTFT (the first token leaves before the KV moves), but
-     the KV must land while the decode reservation holds: a prompt whose transfer alone takes
-     longer than `kv_write_limit_s` is refused now ("kv transfer").
+     the KV must land while the decode reservation holds: a prompt whose transfer takes longer
+     than `kv_write_limit_s` is refused now ("kv transfer").
 """
 from __future__ import annotations
 
@@ -127,12 +127,13 @@ def best_case_s(p: Prediction) -> float:
     return p.prefill_s
 
 
-def kv_write_limit_s(timeouts: Timeouts, target_s: float) -> float:
-    """The longest a prompt's KV may take to move to its decode worker: one write's limit
-    (`kv_transfer_s`), and what the decode reservation's lifetime leaves after a first token
-    within the class's TTFT target and the write's margin."""
+def kv_write_limit_s(timeouts: Timeouts, target_s: float, p: Prediction) -> float:
+    """The longest the KV of a prompt predicted as `p` may take to move to its decode worker:
+    one write's limit (`kv_transfer_s`), and what the decode reservation's lifetime leaves after
+    the write's margin and the prompt's first token, at the soonest (its best case: a wait in
+    the queue does not make the transfer any shorter)."""
     lifetime = timeouts.reservation_for(target_s) - timeouts.kv_deadline_margin_s
-    return min(timeouts.kv_transfer_s, lifetime - target_s)
+    return min(timeouts.kv_transfer_s, lifetime - best_case_s(p))
 
 
 def explain_transfer(p: Prediction, limit_s: float, stage_name: str) -> str:

@@ -351,7 +351,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             message = f"{miss.term} (stage {stage})"
         elif miss.term == admission.KV_TRANSFER:
             message = admission.explain_transfer(
-                miss.prediction, admission.kv_write_limit_s(self.timeouts, cls.ttft_target_s),
+                miss.prediction,
+                admission.kv_write_limit_s(self.timeouts, cls.ttft_target_s, miss.prediction),
                 stage)
         else:
             message = admission.explain(miss.term, miss.prediction.total_s, cls.ttft_target_s,
@@ -444,7 +445,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
         if admission.best_case_s(p) > cls.ttft_target_s:
             return Miss("prefill", p, blocks, final=True)
-        if p.transfer_s > admission.kv_write_limit_s(self.timeouts, cls.ttft_target_s):
+        if p.transfer_s > admission.kv_write_limit_s(self.timeouts, cls.ttft_target_s, p):
             return Miss(admission.KV_TRANSFER, p, blocks, final=True)
         budget_s = cls.ttft_target_s - waited_s
         if admission.best_case_s(p) > budget_s:   # it could have, but has waited too long now

@@ -101,11 +101,13 @@ def test_a_router_started_with_a_zero_weight_tenant_exits_naming_the_file_and_te
         admission_config(str(config))
 
 
-def test_the_kv_may_take_one_writes_limit_within_what_the_reservation_leaves_after_the_target():
-    # a chat's reservation waits 30 + 4 x 1 s; less the first token's 1 s and the 1-s margin:
-    # 32 s, so the write's own 30 s bounds it
-    assert admission.kv_write_limit_s(Timeouts(), 1.0) == 30.0
+def test_the_kv_may_take_one_writes_limit_within_what_the_reservation_leaves_after_its_prefill():
+    # a chat's reservation waits 30 + 4 x 1 s; less the 1-s margin and its first token (its
+    # own prefill at the soonest): ~33 s, so the write's own 30 s bounds it
+    p = Prediction(wait_s=5.0, prefill_s=0.5, transfer_s=4.0, decode_wait_s=0.0)
+    assert admission.kv_write_limit_s(Timeouts(), 1.0, p) == 30.0
     short = Timeouts(reservation_s=5.0, reservation_per_target=0.0, kv_deadline_margin_s=1.0)
-    assert admission.kv_write_limit_s(short, 1.0) == 3.0       # 5 - 1 - 1: the reservation's
-    p = Prediction(wait_s=0.0, prefill_s=0.1, transfer_s=4.0, decode_wait_s=0.0)
-    assert "predicted 4 s to move the KV vs the 3 s" in admission.explain_transfer(p, 3.0, "S0")
+    assert admission.kv_write_limit_s(short, 1.0, p) == 3.5     # 5 - 1 - 0.5: the reservation's
+    # a class whose target is longer than any reservation (batch: minutes) still has its 30 s
+    assert admission.kv_write_limit_s(Timeouts(), 600.0, p) == 30.0
+    assert "predicted 4 s to move the KV vs the 3.5 s" in admission.explain_transfer(p, 3.5, "S0")
