@@ -12,7 +12,8 @@ workers and, for every admitted request, sets what the router predicted (its ter
   in flight     placement to the end of the prefill worker's step then running (0 when idle)
   queue         the end of that step to the start of the step that takes its first chunk
   own prefill   that step's start to its first token
-  transfer      predicted only: the first token leaves before the KV moves
+  transfer      predicted only, not in the predicted TTFT: the first token leaves before the
+                KV moves
   decode slot   predicted only: the decode KV is reserved before the prefill starts
 
 and prints |predicted - actual| / actual TTFT (p50, p90, median signed) over all, by class and by
@@ -100,7 +101,7 @@ class Row:
     @property
     def predicted_s(self) -> float:
         return (self.router_wait_s + self.p_wait_s + self.p_in_flight_s + self.p_prefill_s
-                + self.p_transfer_s + self.p_decode_s)
+                + self.p_decode_s)
 
 
 def rows_of(sim: Simulation, tracer: Tracer) -> list[Row]:
@@ -131,8 +132,6 @@ def errors(rows: list[Row], **exact: bool) -> np.ndarray:
             p += r.in_flight_s - r.p_in_flight_s
         if exact.get("prefill"):
             p += r.own_s - r.p_prefill_s
-        if exact.get("transfer"):
-            p -= r.p_transfer_s
         if exact.get("decode"):
             p -= r.p_decode_s
         out.append((p - r.ttft_s) / max(r.ttft_s, 1e-9))
@@ -168,7 +167,7 @@ def report(rows: list[Row]) -> str:
              "own prefill": lambda r: r.p_prefill_s - r.own_s,
              "in flight + own prefill": lambda r: (r.p_in_flight_s + r.p_prefill_s
                                                    - r.in_flight_s - r.own_s),
-             "transfer": lambda r: r.p_transfer_s, "decode slot": lambda r: r.p_decode_s}
+             "decode slot": lambda r: r.p_decode_s}
     for name, f in terms.items():
         v = np.array([f(r) / max(r.ttft_s, 1e-9) for r in rows])
         out.append(f"  {name:24s} {np.median(v):+7.1%} / {np.percentile(np.abs(v), 90):6.1%}")
@@ -176,7 +175,7 @@ def report(rows: list[Row]) -> str:
     for name, kw in (("queue", {"wait": True}), ("in flight", {"in_flight": True}),
                      ("own prefill", {"prefill": True}),
                      ("in flight + own prefill", {"in_flight": True, "prefill": True}),
-                     ("transfer", {"transfer": True}), ("decode slot", {"decode": True}),
+                     ("decode slot", {"decode": True}),
                      ("queue + in flight + own", {"wait": True, "in_flight": True,
                                                   "prefill": True})):
         out.append("  " + line(name, errors(rows, **kw)))

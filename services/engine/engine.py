@@ -71,6 +71,8 @@ class EngineStats:
     # (class, tenant) -> each queued prompt's tokens not yet computed, in queue order (the first
     # PUBLISHED_PROMPTS of each tenant)
     prefill_prompts: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    # ... and each of those prompts' tokens already computed, in the same order
+    prefill_computed: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +275,8 @@ class LLMEngine:
             max_running=self.config.scheduler.max_running,
             max_prefill_attention=self.config.scheduler.max_prefill_attention,
             prefill_step_tokens_ahead=self.scheduler.prefill_step_tokens_ahead(),
-            prefill_prompts=queued_prompts(self.scheduler), **self._counters)
+            prefill_prompts=queued_prompts(self.scheduler),
+            prefill_computed=queued_computed(self.scheduler), **self._counters)
 
     def _oldest_queued_s(self) -> float:
         arrival = self.scheduler.oldest_queued_arrival()
@@ -457,6 +460,12 @@ def queued_prompts(scheduler) -> dict[tuple[str, str], list[int]]:
     """(class, tenant) -> the tokens not yet computed of each of its queued prompts, in the
     order its queue is served (the first PUBLISHED_PROMPTS)."""
     return {(cls, tenant): [r.num_uncomputed_tokens for r in itertools.islice(q, PUBLISHED_PROMPTS)]
+            for cls, qs in scheduler.queues.items() for tenant, q in qs.items() if q}
+
+
+def queued_computed(scheduler) -> dict[tuple[str, str], list[int]]:
+    """(class, tenant) -> the tokens already computed of each prompt `queued_prompts` lists."""
+    return {(cls, tenant): [r.num_computed_tokens for r in itertools.islice(q, PUBLISHED_PROMPTS)]
             for cls, qs in scheduler.queues.items() for tenant, q in qs.items() if q}
 
 

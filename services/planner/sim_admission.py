@@ -64,6 +64,7 @@ class SimAdmissionConfig:
     policy: AdmissionConfig = field(default_factory=AdmissionConfig)
     queue_s: float = Timeouts().queue_s           # the longest a request waits in the queue
     heartbeat_s: float = Timeouts().heartbeat_s   # a miss judged on stats retries this much later
+    timeouts: Timeouts = field(default_factory=Timeouts)   # the KV write's limit (the reservation)
 
     def __post_init__(self) -> None:
         if not (self.queue_s >= 0 and self.heartbeat_s > 0):
@@ -408,8 +409,9 @@ class SimAdmission:
         if rule.hold:
             return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
         if admission.best_case_s(p) > target:
-            term = "prefill" if p.prefill_s >= p.transfer_s else "kv transfer"
-            return Miss(term, p, blocks, final=True)
+            return Miss("prefill", p, blocks, final=True)
+        if p.transfer_s > admission.kv_write_limit_s(self.cfg.timeouts, target, p):
+            return Miss(admission.KV_TRANSFER, p, blocks, final=True)
         budget = target - (self.now - self.waiters[rid].began)   # what waiting left of it
         if admission.best_case_s(p) > budget:
             return Miss("queue", p, blocks, final=True)
@@ -457,6 +459,11 @@ class SimAdmission:
         waited = self.now - self.waiters[rid].began
         if miss.by_stage:
             message = f"{miss.term} (stage {stage})"
+        elif miss.term == admission.KV_TRANSFER:
+            message = admission.explain_transfer(
+                miss.prediction,
+                admission.kv_write_limit_s(self.cfg.timeouts, cls.ttft_target_s, miss.prediction),
+                stage)
         else:
             message = admission.explain(miss.term, miss.prediction.total_s, cls.ttft_target_s,
                                         stage)

@@ -30,7 +30,10 @@ def chunk_from_output(out: TokenOutput, served_by: str = "") -> pb.TokenChunk:
 
 def tenant_queues(stats) -> list[pb.TenantQueue]:
     """An engine's queued prefill work (EngineStats `prefill_queues`, `prefill_prompts`) as a
-    worker publishes it: per class and tenant, the tokens and each queued prompt's."""
+    worker publishes it: per class and tenant, the tokens and each queued prompt's (left and
+    computed)."""
     prompts = getattr(stats, "prefill_prompts", {})
-    return [pb.TenantQueue(traffic_class=c, tenant=t, tokens=n, prompts=prompts.get((c, t), ()))
+    computed = getattr(stats, "prefill_computed", {})
+    return [pb.TenantQueue(traffic_class=c, tenant=t, tokens=n, prompts=prompts.get((c, t), ()),
+                           computed=computed.get((c, t), ()))
             for c, t, n in stats.prefill_queues]

@@ -17,6 +17,9 @@ For each request, in order:
                                              Admit call's own bound);
        best case > target                    refuse now, naming the term and the seconds.
      The best case is the prediction without the terms that drain (queue wait, decode slot).
+     The KV transfer is not part of the TTFT (the first token leaves before the KV moves), but
+     the KV must land while the decode reservation holds: a prompt whose transfer takes longer
+     than `kv_write_limit_s` is refused now ("kv transfer").
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ from dataclasses import dataclass, field
 
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant, TrafficClass
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.timeouts import Timeouts
 from services.router.predict import Prediction, Prior
 from services.router.stages import S1, S2, S3, S4, StageConfig
 
 DEFAULT_CLASS = INTERACTIVE        # a request naming no class is judged as interactive
+KV_TRANSFER = "kv transfer"        # the refusal's term when the KV could not land in time
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,22 @@ def fits_outside_headroom(cfg: AdmissionConfig, w: pb.WorkerStats, free_blocks: 
 
 
 def best_case_s(p: Prediction) -> float:
-    """The prediction once everything ahead of it has drained: its own prefill and transfer."""
-    return p.prefill_s + p.transfer_s
+    """The predicted TTFT once everything ahead of it has drained: its own prefill."""
+    return p.prefill_s
+
+
+def kv_write_limit_s(timeouts: Timeouts, target_s: float, p: Prediction) -> float:
+    """The longest the KV of a prompt predicted as `p` may take to move to its decode worker:
+    one write's limit (`kv_transfer_s`), and what the decode reservation's lifetime leaves after
+    the write's margin and the prompt's first token, at the soonest (its best case: a wait in
+    the queue does not make the transfer any shorter)."""
+    lifetime = timeouts.reservation_for(target_s) - timeouts.kv_deadline_margin_s
+    return min(timeouts.kv_transfer_s, lifetime - best_case_s(p))
+
+
+def explain_transfer(p: Prediction, limit_s: float, stage_name: str) -> str:
+    return (f"kv transfer: predicted {p.transfer_s:.3g} s to move the KV vs the {limit_s:.3g} s "
+            f"its decode reservation allows (stage {stage_name})")
 
 
 def wait_until(now: float, target_s: float, p: Prediction, bound_s: float) -> float:

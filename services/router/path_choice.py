@@ -4,8 +4,9 @@ the earlier first token taken, the length's path on a tie.
 
 The price is the one admission would quote on that path (services/router/predict.py): the wait
 behind the prefill tokens queued there, the prompt's own prefill (on a co-located replica with
-its decode batch in every step), the KV transfer (disaggregated) and the wait for decode KV. A
-path with no replica that can ever hold the request is not a choice.
+its decode batch in every step) and the wait for decode KV; not the KV transfer of the
+disaggregated path, which follows the first token. A path with no replica that can ever hold the
+request is not a choice.
 """
 from __future__ import annotations
 

@@ -4,8 +4,14 @@
          + in flight   what is left of the step the prefill worker is running
          + wait        prefill tokens queued ahead on the chosen prefill worker / its drain rate
          + prefill     this prompt's uncached tokens through the worker's fitted prefill cost model
-         + transfer    the prompt's KV bytes / the KV path's measured bandwidth (disaggregated only)
          + decode wait  until the decode worker has a slot for it (0 while it has free KV)
+    then   transfer    the prompt's KV bytes / the KV path's measured bandwidth (disaggregated
+                       only): not part of the TTFT. The prefill worker sends the first token to
+                       the gateway as it samples it, before any KV moves (services/prefill/
+                       handler.py; the simulator likewise), so the transfer is what the second
+                       token waits for (the first decode step's gap, counted in ITL), and what the
+                       decode reservation must outlive (`kv_landed_s`; the router refuses a
+                       prompt whose KV could not land in time: admission.kv_write_limit_s).
 
 Every term is in seconds and non-negative; the parts are kept so a refusal, a span and the
 load-test summary can say which term broke the target. What the terms read from the worker's
@@ -40,8 +46,10 @@ then prefill chunks fill the budget), from `num_decoding` and `decode_context_to
 
 The step in flight, from `step_started_unix_s` and `step_predicted_s` (when the worker publishes
 them; `in_flight_s`), while the published step still runs (the beat is younger than a step, so
-its queue is the one a new prompt meets: the simulator's fresh stats, a slow worker's long steps):
-  in flight the published step's start + its predicted length - now
+its queue is the one a new prompt meets: the simulator's fresh stats, a slow worker's long steps;
+a step past its predicted end by less than another of its lengths overran the fit and still
+runs, `step_current`):
+  in flight the published step's start + its predicted length - now (0 once past it)
   prefill   priced as the steps it shares: each carries, besides its own chunk, the chunks
             of the other queued prompts that fit beside it (`prefill_step_tokens_ahead`, else
             all queued, within the budget) and of those expected to arrive before it starts
@@ -49,11 +57,12 @@ its queue is the one a new prompt meets: the simulator's fresh stats, a slow wor
   wait, prefill  when the worker lists each queued prompt's tokens (`prefill_queues[].prompts`):
             its scheduler stepped forward (step_ahead.py: classes, the tenants' DRR turns, each
             prompt at most its chunk a step, the arrivals as above), from the end of the step in
-            flight to the step that takes the prompt's last token, each step through the fitted cost
+            flight to the step that takes the prompt's last token, each step through the fitted cost;
+            on a co-located replica each step with its decode batch first (the prompts share what
+            it leaves of the budget, within the attention cap while it decodes) and in its cost
 Otherwise (no step published, or it has ended: a beat older than a step, whose queue has moved
-on and whose current step's phase is unknown; and on a co-located replica, whose rule above was
-measured on its own ramp and is not re-measured with these terms) the older rule above: a whole
-busy step in flight inside `prefill`.
+on and whose current step's phase is unknown) the older rules above: on a prefill worker a whole
+busy step in flight inside `prefill`, on a co-located replica its decode-batch rule.
 
 A worker that publishes none of it (an older build) is predicted with the router's `Prior`,
 never as 0: a cold fleet does not admit blindly.
@@ -98,6 +107,8 @@ PATH_S = 0.01
 # (the simulator's `mixed` and `azure-conv` at the 70B pace: 0.5 beside 0 and 1;
 # docs/benchmarks.md).
 ARRIVALS_JOINING = 0.5
+# A published step begun this many of its predicted lengths ago has ended (not overrun).
+OVERRUN_STEPS = 2.0
 
 
 
@@ -124,13 +135,19 @@ class Prediction:
 
     @property
     def total_s(self) -> float:
-        return (PATH_S + self.in_flight_s + self.wait_s + self.prefill_s + self.transfer_s
-                + self.decode_wait_s)
+        """The predicted TTFT: the KV transfer is not in it (the first token leaves first)."""
+        return PATH_S + self.in_flight_s + self.wait_s + self.prefill_s + self.decode_wait_s
+
+    @property
+    def kv_landed_s(self) -> float:
+        """When the prompt's KV has landed on the decode worker (0 moved: the first token): its
+        first decode step may begin, and its reservation must still hold."""
+        return self.total_s + self.transfer_s
 
     def dominant(self) -> str:
-        """The term that costs the most, for a refusal's message."""
+        """The TTFT term that costs the most, for a refusal's message."""
         parts = {"queue": self.wait_s + self.in_flight_s, "prefill": self.prefill_s,
-                 "kv transfer": self.transfer_s, "decode slot": self.decode_wait_s}
+                 "decode slot": self.decode_wait_s}
         return max(parts, key=parts.get)
 
     def fill(self, plan: pb.Plan) -> pb.Plan:
@@ -189,6 +206,15 @@ def in_flight_s(w: pb.WorkerStats, now_unix_s: float) -> float:
     step while it is idle); 0 once it has ended."""
     left = w.step_started_unix_s + w.step_predicted_s - now_unix_s
     return max(0.0, min(left, w.step_predicted_s))
+
+
+def step_current(w: pb.WorkerStats, now_unix_s: float) -> bool:
+    """Whether the step `w` published is still the one it runs at `now_unix_s`: begun less than
+    OVERRUN_STEPS of its predicted lengths ago. A step past its predicted end but within that
+    overran its prediction (the fit is a few % off, and the in-flight part is then ~0); an older
+    one has ended, and the worker has stepped on since (a beat older than a step)."""
+    return (publishes_step(w)
+            and now_unix_s < w.step_started_unix_s + OVERRUN_STEPS * w.step_predicted_s)
 
 
 def beside_tokens(w: pb.WorkerStats, first: int, in_flight: float = 0.0) -> int:
@@ -392,9 +418,10 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     else:
         wait = ahead / prefill_rate(w, prior)
     now = time.time() if now_unix_s is None else now_unix_s
-    # a co-located replica keeps its decode-batch rule (measured on the co-located ramp)
-    flight = in_flight_s(w, now) if publishes_step(w) and w.role != "mixed" else 0.0
-    if flight > 0 or (publishes_step(w) and w.role != "mixed" and not w.queued_prefill_tokens):
+    current = step_current(w, now)
+    flight = in_flight_s(w, now) if current else 0.0
+    idle = not (w.queued_prefill_tokens or decode_batch(w)[0])
+    if current or (publishes_step(w) and idle):
         # a beat younger than a step (or an idle worker): its queue is the one the prompt meets
         forward = step_ahead(w, own, cached_tokens, traffic_class or INTERACTIVE.name,
                             tenant, weights or {}, flight, ARRIVALS_JOINING, classes)
@@ -402,9 +429,9 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
             return Prediction(wait_s=forward.wait_s, prefill_s=forward.prefill_s,
                               transfer_s=transfer_s(w, kv_bytes, prior),
                               decode_wait_s=decode_wait_s, in_flight_s=flight)
-    if flight > 0:
+    if current and w.role != "mixed":
         prefill = shared_prefill_s(w, own, cached_tokens, flight)
-    else:
+    else:   # and a co-located replica not stepped: its decode-batch rule (its own ramp's)
         flight, prefill = 0.0, own_prefill_s(w, own, cached_tokens, prior,
                                              capped_share(w, traffic_class))
     if w.role == "mixed" and _lower(traffic_class) and ahead and own:

@@ -350,6 +350,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         stage = stage_name(self.keeper.stage)
         if miss.by_stage:
             message = f"{miss.term} (stage {stage})"
+        elif miss.term == admission.KV_TRANSFER:
+            message = admission.explain_transfer(
+                miss.prediction,
+                admission.kv_write_limit_s(self.timeouts, cls.ttft_target_s, miss.prediction),
+                stage)
         else:
             message = admission.explain(miss.term, miss.prediction.total_s, cls.ttft_target_s,
                                         stage)
@@ -446,8 +451,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             if rule.hold:
                 return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
             if admission.best_case_s(p) > cls.ttft_target_s:
-                return Miss(max(("prefill", p.prefill_s), ("kv transfer", p.transfer_s),
-                                key=lambda t: t[1])[0], p, blocks, final=True)
+                return Miss("prefill", p, blocks, final=True)
+            if p.transfer_s > admission.kv_write_limit_s(self.timeouts, cls.ttft_target_s, p):
+                return Miss(admission.KV_TRANSFER, p, blocks, final=True)
             budget_s = cls.ttft_target_s - waited_s
             if admission.best_case_s(p) > budget_s:   # it could have, but has waited too long now
                 return Miss("queue", p, blocks, final=True)

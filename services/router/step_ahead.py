@@ -9,23 +9,31 @@ tokens behind other tenants' work takes more steps than its chunks, and every st
 chunks of the prompts beside it, each step priced through the worker's fitted cost.
 
 What it reads: `prefill_queues[].prompts` (each queued prompt's tokens not yet computed, in its
-tenant's order), `token_budget`, `chunk_size`, the fitted step cost, and the prompts expected to
-arrive meanwhile (`prefill_tokens_per_wall_s`): while the step in flight ends, `joining` of them
-(the caller's share), and during each later step all of them, as one more tenant of the new
-prompt's class. What it cannot know: the DRR ring's position and deficits (taken as fresh, in the
-published order), other prompts' cached positions (their chunks attend from their computed part
-as stepped here), the classes' aging. A co-located replica's steps (decodes first, the attention
-cap) are not modelled here.
+tenant's order) and `.computed` (where each one's next chunk starts: a document half prefilled
+attends deep, which the attention cap and the step's cost count; 0 from an older build),
+`token_budget`, `chunk_size`, the fitted step cost, and the prompts expected to arrive meanwhile
+(`prefill_tokens_per_wall_s`): while the step in flight ends, `joining` of them (the caller's
+share), and during each later step all of them, as one more tenant of the new prompt's class.
+What it cannot know: the DRR ring's position and deficits (taken as fresh, in the published
+order), the classes' aging.
+
+On a co-located (mixed) replica every step first decodes its batch (`num_decoding` sequences
+over `decode_context_tokens`, taken as published: the sequences that finish or join meanwhile
+are not stepped): the prompts share what the batch leaves of the budget, their chunks attend over
+at most `max_prefill_attention` pairs while it decodes (a capped class at its share of them; the
+class's first chunk at least MIN_CHUNK tokens, a prompt that fits less waits whole, as the
+engine's `_take`), and each step's cost carries the batch (its tokens, its context as pairs).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, SchedulerConfig, TrafficClass
 from services.engine.fairness import DeficitRoundRobin, capped_base, class_budget
-from services.engine.scheduler import attention_pairs
+from services.engine.scheduler import MIN_CHUNK, attention_pairs
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 
 CLASSES = (INTERACTIVE, DOCUMENT, BATCH)
@@ -61,7 +69,8 @@ def published_queues(w: pb.WorkerStats) -> dict[str, dict[str, deque[_Prompt]]] 
     for q in w.prefill_queues:
         if q.tokens and not q.prompts:
             return None
-        prompts = deque(_Prompt(int(n)) for n in q.prompts if n > 0)
+        done = list(q.computed) if len(q.computed) == len(q.prompts) else [0] * len(q.prompts)
+        prompts = deque(_Prompt(int(n), int(d)) for n, d in zip(q.prompts, done) if n > 0)
         unlisted = int(q.tokens) - sum(q.prompts)          # past the published ones
         if unlisted > 0:
             prompts.append(_Prompt(unlisted))
@@ -91,7 +100,7 @@ def step_ahead(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, 
     # past MAX_STEPS: the rest in steps like the last one (a full one if it has not started)
     chunk = w.chunk_size or w.token_budget
     if not own:
-        own, seconds = min(left, chunk), _cost(w, w.token_budget, 0)
+        own, seconds = min(left, chunk), _cost(w, w.token_budget, decode_batch(w)[1])
     started = t if started is None else started
     return Ahead(started, t - started + -(-left // own) * seconds)
 
@@ -104,7 +113,9 @@ def stepped(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, ten
     when `w` cannot be stepped."""
     by_name = {c.name: c for c in classes}
     queues = published_queues(w)
-    if queues is None or not w.token_budget or traffic_class not in by_name or tokens <= 0:
+    if queues is None or traffic_class not in by_name or tokens <= 0:
+        return None
+    if w.token_budget - decode_batch(w)[0] <= 0:      # no budget, or a full batch: not stepped
         return None
     if any(c not in by_name for c in queues):
         return None
@@ -117,16 +128,38 @@ def stepped(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, ten
 def _steps(w, queues, mine, traffic_class, by_name, weights, in_flight_s, joining):
     drr = {c: DeficitRoundRobin(DRR_QUANTUM) for c in by_name}
     rate, chunk = w.prefill_tokens_per_wall_s, w.chunk_size or w.token_budget
+    decodes, context = decode_batch(w)
+    shape = _Shape(w.token_budget - decodes, chunk,
+                   capped_base(w.role, w.token_budget, chunk),
+                   w.max_prefill_attention if decodes else 0)
     arriving = round(joining * rate * max(0.0, in_flight_s))
     for _ in range(MAX_STEPS):
         _arrive(queues[traffic_class], arriving, chunk)
-        chunks = _step(queues, by_name, drr, weights, w.token_budget, chunk)
-        seconds = _cost(w, sum(n for n, _ in chunks.values()),
-                        sum(p for _, p in chunks.values()))
+        chunks = _step(queues, by_name, drr, weights, shape)
+        seconds = _cost(w, sum(n for n, _ in chunks.values()) + decodes,
+                        sum(p for _, p in chunks.values()) + context)
         yield chunks.get(id(mine), (0, 0))[0], seconds, mine.left
         if mine.left <= 0:
             return
         arriving = round(joining * rate * seconds)
+
+
+def decode_batch(w: pb.WorkerStats) -> tuple[int, int]:
+    """(sequences, context tokens) a co-located (mixed) replica decodes in every step, before its
+    prefill chunks (decodes first): its published decode batch, taken as it is; none elsewhere."""
+    if w.role != "mixed":
+        return 0, 0
+    return w.num_decoding, w.decode_context_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What one step of the worker's scheduler gives to prefill."""
+
+    budget: int         # prefill tokens: the token budget less the decode batch
+    chunk: int          # at most this many tokens of one prompt
+    capped_base: int    # the tokens a capped class's share is of (fairness.capped_base)
+    attention: int      # while it decodes, the prefill chunks' (query, key) pairs (0: no cap)
 
 
 def _arrive(queues: dict[str, deque[_Prompt]], tokens: int, chunk_size: int) -> None:
@@ -142,28 +175,32 @@ def _cost(w: pb.WorkerStats, tokens: int, pairs: int) -> float:
     return w.prefill_step_s + w.prefill_s_per_token * tokens + w.prefill_s_per_pair * pairs
 
 
-def _step(queues, by_name, drr, weights, budget: int,
-          chunk_size: int) -> dict[int, tuple[int, int]]:
+def _step(queues, by_name, drr, weights, shape: _Shape) -> dict[int, tuple[int, int]]:
     """One step of the scheduler's prefill part: id(prompt) -> (tokens, attention pairs) of its
     chunk; the prompts advance and finished ones leave their queues."""
     chunks: dict[int, tuple[int, int]] = {}
     given: dict[int, tuple[_Prompt, int]] = {}
+    budget = shape.budget
+    pairs = _Pairs(shape.attention or math.inf)
     interactive_waits = any(queues.get(INTERACTIVE.name, {}).values())
     order = sorted((c for c in queues if any(queues[c].values())),
                    key=lambda c: -by_name[c].priority)
-    total = capped_base("prefill", budget, chunk_size)      # the base of a capped class's share
     for name in order:
         if budget <= 0:
             break
         cls = by_name[name]
         capped = interactive_waits and name != INTERACTIVE.name
-        allowed = class_budget(cls, budget, total, capped)
+        allowed = class_budget(cls, budget, shape.capped_base, capped)
         with_work = {t: weights.get(t, 1.0) for t, q in queues[name].items() if q}
+        share = cls.share_while_interactive_waits if capped else 1.0
+        pairs.share(share * shape.attention if shape.attention else math.inf)
+        first = [True]       # the class's first chunk this step gets MIN_CHUNK at least
 
-        def take(tenant: str, n: int, q=queues[name]) -> int:
-            return _take(q[tenant], n, chunk_size, given)
+        def take(tenant: str, n: int, q=queues[name], first=first) -> int:
+            return _take(q[tenant], n, shape.chunk, given, pairs, first)
 
         budget -= drr[name].serve(with_work, allowed, take)
+        pairs.unshare()
     for prompt, n in given.values():
         chunks[id(prompt)] = (n, attention_pairs(prompt.done, n))
         prompt.done += n
@@ -175,18 +212,54 @@ def _step(queues, by_name, drr, weights, budget: int,
     return chunks
 
 
+class _Pairs:
+    """The attention pairs a step's prefill chunks may still spend (the scheduler's
+    `attention_left`), and a capped class's share of them (`_attention_share`)."""
+
+    def __init__(self, left: float) -> None:
+        self.left = left
+        self._whole: float | None = None
+        self._mine = 0.0
+
+    def share(self, most: float) -> None:
+        self._whole, self._mine = self.left, min(self.left, most)
+        self.left = self._mine
+
+    def unshare(self) -> None:
+        if math.isinf(self._whole):          # no cap: nothing was counted
+            self.left = self._whole
+        else:
+            self.left = self._whole - (self._mine - self.left)
+
+    def fit(self, start: int, floor: bool) -> int:
+        """The most tokens from position `start` whose attention fits (the engine's
+        `_attention_fit`)."""
+        if math.isinf(self.left):
+            return 1 << 62
+        b = start + 0.5
+        n = int(math.sqrt(b * b + 2 * max(0.0, self.left)) - b)
+        return max(n, MIN_CHUNK if floor else 0)
+
+
 def _take(queue: deque[_Prompt], max_tokens: int, chunk_size: int,
-          given: dict[int, tuple[_Prompt, int]]) -> int:
-    """The engine's `_take` without KV or attention limits: FCFS, a prompt given a chunk in an
-    earlier turn of this step has it extended, each at most `chunk_size`."""
+          given: dict[int, tuple[_Prompt, int]], pairs: _Pairs, first: list[bool]) -> int:
+    """The engine's `_take` without KV limits: FCFS, a prompt given a chunk in an earlier turn
+    of this step has it extended, each at most `chunk_size` and within the attention pairs left
+    (the class's first chunk at least MIN_CHUNK; a prompt that fits less waits whole)."""
     used = 0
     for prompt in queue:
         if used >= max_tokens:
             break
         have = given.get(id(prompt), (prompt, 0))[1]
+        floor = not have and first[0]
+        if not have and pairs.fit(prompt.done, floor) < min(prompt.left, MIN_CHUNK):
+            break
         n = min(prompt.left - have, chunk_size - have, max_tokens - used)
+        n = min(n, pairs.fit(prompt.done + have, floor))
         if n <= 0:
             continue
+        pairs.left -= attention_pairs(prompt.done + have, n)
         given[id(prompt)] = (prompt, have + n)
+        first[0] = False
         used += n
     return used

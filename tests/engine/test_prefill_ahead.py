@@ -2,7 +2,7 @@
 of it would wait behind in the scheduler's order (its own and higher class priorities)."""
 from __future__ import annotations
 
-from services.engine.engine import PUBLISHED_PROMPTS, queued_prompts
+from services.engine.engine import PUBLISHED_PROMPTS, queued_computed, queued_prompts
 from tests.engine.scheduler_helpers import add, make_scheduler, step
 
 
@@ -41,8 +41,10 @@ def test_each_queued_prompt_is_listed_in_its_tenants_order_up_to_the_published_c
     add(sched, 20, tenant="a")
     add(sched, 300, cls="document", tenant="b")
     assert queued_prompts(sched) == {("interactive", "a"): [50, 20], ("document", "b"): [300]}
+    assert queued_computed(sched) == {("interactive", "a"): [0, 0], ("document", "b"): [0]}
     step(sched)                # 64 tokens: the chats' first chunks (32 each)
     assert queued_prompts(sched)[("interactive", "a")] == [18]
+    assert queued_computed(sched)[("interactive", "a")] == [32]     # where its next chunk starts
     for _ in range(PUBLISHED_PROMPTS + 5):
         add(sched, 1, tenant="c")
     assert len(queued_prompts(sched)[("interactive", "c")]) == PUBLISHED_PROMPTS

@@ -21,6 +21,7 @@ from services.router.admission import AdmissionConfig
 from services.router.stages import S0, StageConfig
 
 BURST = str(Path(__file__).parent / "workloads" / "admission-burst.yaml")
+SLOW_KV = str(Path(__file__).parent / "workloads" / "slow-kv-path.yaml")
 KV_TOKENS = 400_000        # a smaller pool than the target's: quicker to set up
 
 
@@ -168,3 +169,24 @@ def test_a_bad_guarantee_in_a_workload_is_refused_naming_the_field(tmp_path, fie
     spec_file.write_text(yaml.safe_dump(d))
     with pytest.raises(SpecError, match=f"tenants.{first}.{field}"):
         load_workload(str(spec_file))
+
+
+def test_on_a_slow_kv_path_the_first_token_does_not_wait_for_the_kv_and_too_slow_is_refused():
+    # 0.5 Gbit/s: a chat's KV takes ~0.5 s to move, a 16K-token document's ~40 s, past the 30 s
+    # one KV write may take (its decode reservation would not outlive it)
+    spec = load_workload(SLOW_KV)
+    sim_cfg = SimConfig(kv_tokens=KV_TOKENS, network_gbps=0.5)
+    cfg = SimRunConfig(fleet=Fleet.parse("disagg:1:1"), sim=sim_cfg, admission=SimAdmissionConfig(
+        policy=policy_for(spec, sim_cfg.network_gbps)))
+    sim = run_sim(spec, cfg)
+    decided = {d.request_id: d for d in sim.gate.decisions}
+    docs = [d for d in decided.values() if d.target_s == 10.0]
+    assert docs and all(not d.admitted and d.term == "kv transfer" for d in docs)
+    assert all(d.best_case_s <= d.target_s for d in docs)        # their prefill would have made it
+
+    chats = [r for r in sim._result().records if r.traffic_class == "interactive"]
+    assert chats and all(r.ok for r in chats)
+    for r in chats:
+        # the KV landed long after the first token, and the prediction did not wait for it
+        assert r.timing["transfer_s"] > r.ttft_s
+        assert r.timing["predicted_transfer_s"] > r.timing["predicted_ttft_s"]

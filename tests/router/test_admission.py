@@ -7,6 +7,7 @@ from hypothesis import given, strategies as st
 
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.timeouts import Timeouts
 from services.router import admission
 from services.router.admission import AdmissionConfig, stage_rule
 from services.router.predict import Prediction
@@ -63,9 +64,10 @@ def test_the_headroom_is_left_to_protected_requests():
 
 
 def test_a_miss_waits_while_its_best_case_can_still_make_the_target():
+    # the best case is its own prefill: the KV transfer comes after the first token
     p = Prediction(wait_s=3.0, prefill_s=0.4, transfer_s=0.1, decode_wait_s=0.0)
-    assert admission.best_case_s(p) == 0.5
-    assert admission.wait_until(100.0, 1.0, p, bound_s=20.0) == 100.5     # the target bounds it
+    assert admission.best_case_s(p) == 0.4
+    assert admission.wait_until(100.0, 1.0, p, bound_s=20.0) == 100.6     # the target bounds it
     assert admission.wait_until(100.0, 600.0, p, bound_s=20.0) == 120.0   # the call's bound does
     too_slow = Prediction(0.0, 2.0, 0.0, 0.0)
     assert admission.wait_until(100.0, 1.0, too_slow, 20.0) == 100.0      # no wait at all
@@ -97,3 +99,15 @@ def test_a_router_started_with_a_zero_weight_tenant_exits_naming_the_file_and_te
                       "    - {name: default}\n    - {name: acme, weight: 0}\n")
     with pytest.raises(SystemExit, match=f"{config}: tenant weights must be > 0: acme"):
         admission_config(str(config))
+
+
+def test_the_kv_may_take_one_writes_limit_within_what_the_reservation_leaves_after_its_prefill():
+    # a chat's reservation waits 30 + 4 x 1 s; less the 1-s margin and its first token (its
+    # own prefill at the soonest): ~33 s, so the write's own 30 s bounds it
+    p = Prediction(wait_s=5.0, prefill_s=0.5, transfer_s=4.0, decode_wait_s=0.0)
+    assert admission.kv_write_limit_s(Timeouts(), 1.0, p) == 30.0
+    short = Timeouts(reservation_s=5.0, reservation_per_target=0.0, kv_deadline_margin_s=1.0)
+    assert admission.kv_write_limit_s(short, 1.0, p) == 3.5     # 5 - 1 - 0.5: the reservation's
+    # a class whose target is longer than any reservation (batch: minutes) still has its 30 s
+    assert admission.kv_write_limit_s(Timeouts(), 600.0, p) == 30.0
+    assert "predicted 4 s to move the KV vs the 3.5 s" in admission.explain_transfer(p, 3.5, "S0")

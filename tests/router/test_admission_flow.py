@@ -22,6 +22,7 @@ from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
+from services.protocol.timeouts import Timeouts
 from services.router.admission import AdmissionConfig
 from services.router.placement import kv_blocks_needed
 from services.router.service import RouterServicer
@@ -129,6 +130,24 @@ def test_a_request_whose_best_case_misses_its_target_is_refused_at_once_saying_w
             assert st.message.startswith("prefill: predicted TTFT ")
             assert "vs target 1e-06 s (stage S0_NORMAL)" in st.message
             assert st.HasField("retry_after_s") and st.retry_after_s > 0
+        finally:
+            await close()
+    asyncio.run(story())
+    assert held(workers.stats("decode-0")) == 0          # nothing was reserved for it
+
+
+def test_a_request_whose_kv_could_not_land_while_its_reservation_holds_is_refused_at_once(
+        workers, normal_stage):  # noqa: F811
+    # the KV moves after the first token, so it is no part of the TTFT; but a write may take at
+    # most kv_transfer_s, here far less than any prompt's KV takes over loopback
+    async def story():
+        (router,), close = await serve_routers(workers, 1, policy=POLICY,
+                                               timeouts=Timeouts(kv_transfer_s=1e-9))
+        try:
+            st = await refusal(router, request("kv-slow-1", PROMPT, 8, "interactive"))
+            assert st.reason == pb.OVERLOADED and st.stage == pb.S0_NORMAL
+            assert st.message.startswith("kv transfer: predicted ")
+            assert "to move the KV vs the 1e-09 s its decode reservation allows" in st.message
         finally:
             await close()
     asyncio.run(story())

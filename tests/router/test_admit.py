@@ -44,13 +44,14 @@ def held(stats: pb.WorkerStats) -> int:
     return stats.kv_blocks_used + stats.kv_blocks_reserved
 
 
-async def serve_routers(fleet, n: int, mode: str = "disagg", policy=None):
+async def serve_routers(fleet, n: int, mode: str = "disagg", policy=None, timeouts=None):
     """n routers over the fleet's Redis, each behind its own gRPC server; -> (stubs, closer)."""
     servers, states, channels, stubs, servicers = [], [], [], [], []
     for i in range(n):
         state = FleetState(fleet.redis_url)
         server = grpc.aio.server()
-        servicers.append(RouterServicer(state, mode, f"r{i}", auth=fleet.auth, policy=policy))
+        servicers.append(RouterServicer(state, mode, f"r{i}", auth=fleet.auth, policy=policy,
+                                        timeouts=timeouts))
         pb_grpc.add_RouterServicer_to_server(servicers[-1], server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

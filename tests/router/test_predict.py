@@ -23,10 +23,22 @@ def test_a_measured_rate_wins_over_the_prior_and_cached_tokens_cost_nothing():
     assert p.prefill_s == 0.25 and p.wait_s == 0.0
 
 
-def test_the_transfer_and_decode_wait_terms_add_up_and_name_the_dominant_one():
+def test_the_decode_wait_adds_up_and_names_itself_the_dominant_term():
     w = pb.WorkerStats(worker_id="p0", prefill_tokens_per_s=1e6)
-    p = predict(w, 100, kv_bytes=10**9, decode_wait_s=0.5, prior=Prior(kv_gbps=8.0))
-    assert p.transfer_s == 1.0 and p.decode_wait_s == 0.5 and p.dominant() == "kv transfer"
+    p = predict(w, 100, decode_wait_s=0.5)
+    assert p.decode_wait_s == 0.5 and p.dominant() == "decode slot"
+    assert p.total_s == pytest.approx(PATH_S + p.prefill_s + 0.5)
+
+
+def test_the_kv_transfer_follows_the_first_token_it_is_not_part_of_the_ttft():
+    # the prefill worker sends the first token to the gateway before any KV moves: a slow KV
+    # path delays the second token (and must fit the reservation), never the first
+    w = pb.WorkerStats(worker_id="p0", prefill_tokens_per_s=1e6)
+    moved = predict(w, 100, kv_bytes=10**9, prior=Prior(kv_gbps=8.0))
+    kept = predict(w, 100)
+    assert moved.transfer_s == 1.0 and kept.transfer_s == 0.0
+    assert moved.total_s == kept.total_s and moved.dominant() == "prefill"
+    assert moved.kv_landed_s == pytest.approx(moved.total_s + 1.0)
 
 
 @given(st.integers(0, 10**6), st.integers(1, 10**5), st.integers(0, 10**5),

@@ -77,13 +77,34 @@ def test_prompts_expected_to_arrive_before_its_step_starts_join_it_within_the_bu
     assert predict(idle, 100, now_unix_s=T0 + 0.010).prefill_s == pytest.approx(alone_s(100))
 
 
-def test_a_colocated_replica_keeps_its_decode_batch_rule():
+def test_a_colocated_replica_prices_its_step_in_flight_and_its_decode_batch_in_every_step():
+    """Decodes go first: a mixed replica decoding 100 sequences leaves its prompts 1,948 of the
+    2,048-token budget, and every step also costs the batch (its tokens, its context)."""
     w = prefill_worker(role="mixed", num_decoding=100, decode_context_tokens=50_000,
                        running=100)
     p = predict(w, 100, now_unix_s=T0 + 0.020)
+    assert p.in_flight_s == pytest.approx(0.010)
+    assert p.prefill_s == pytest.approx(step_s(w, 100, attention_pairs(0, 100)))
+
+
+def test_a_colocated_replica_whose_beat_is_older_than_its_step_keeps_its_decode_batch_rule():
+    w = prefill_worker(role="mixed", num_decoding=100, decode_context_tokens=50_000,
+                       running=100)
+    p = predict(w, 100, now_unix_s=T0 + 0.5)
     assert p.in_flight_s == 0.0
     own = step_s(w, 0, 0) + 100 * PER_TOKEN + attention_pairs(0, 100) * PER_PAIR
     assert p.prefill_s == pytest.approx(own + 0.5 * step_s(w, 0, 0))   # half a decode step
+
+
+def test_a_step_past_its_predicted_end_is_still_the_one_in_flight_until_twice_its_length():
+    """A step that overran its predicted 30 ms (the fit is a few % off) is still running: the
+    prompt starts as it ends (nothing left in flight), in the next step; a step begun more than
+    two of its lengths ago has ended, and the beat is stale (the older rule)."""
+    w = prefill_worker(queued=4000, prefill_recent_step_s=0.4)
+    overran = predict(w, 100, now_unix_s=T0 + 0.035)
+    assert overran.in_flight_s == 0.0 and overran.prefill_s < 0.4
+    stale = predict(w, 100, now_unix_s=T0 + 0.061)
+    assert stale.in_flight_s == 0.0 and stale.prefill_s == pytest.approx(2 * 0.4)
 
 
 def test_the_in_flight_term_counts_as_queue_and_is_written_into_the_plans_wait():

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from services.engine.config import Tenant
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.router.predict import ARRIVALS_JOINING, predict
-from services.router.step_ahead import Ahead, step_ahead, stepped
+from services.router.step_ahead import MAX_STEPS, Ahead, step_ahead, stepped
 from tests.engine.scheduler_helpers import add, make_scheduler, step
 
 STEP_S, PER_TOKEN = 0.010, 2e-5
@@ -124,3 +124,81 @@ def test_a_document_behind_waiting_chats_gets_the_share_the_prefill_worker_gives
     w.queued_prefill_tokens += 300
     router = [n for n, _, _ in stepped(w, 300, 0, "document", "c", {}, 0.0, 0.0)]
     assert router == engine        # (stepped on the whole budget's share, they differ)
+
+
+@settings(max_examples=30, deadline=None)
+@given(queued, st.sampled_from("abc"), st.integers(1, 900), st.integers(1, 24),
+       st.sampled_from((0, 2_000, 20_000)))
+def test_on_a_colocated_replica_the_steps_are_the_engines_steps_beside_its_decode_batch(
+        prompts, tenant, tokens, decoding, cap):
+    """A mixed replica decodes first, so its prompts share what the decode batch leaves of the
+    budget, and while it decodes their chunks attend over at most `max_prefill_attention` pairs
+    (the class's first chunk at least MIN_CHUNK tokens, a prompt that fits less waiting whole):
+    the router steps the same tokens as the engine's scheduler."""
+    sched, _ = make_scheduler(num_blocks=8192, block_size=16, prefix_caching=False,
+                              token_budget=BUDGET, chunk_size=CHUNK, max_running=BUDGET,
+                              role="mixed", protect_itl=False, max_prefill_attention=cap)
+    # the decode batch is of another class: the chats' round-robin starts fresh, as stepped
+    batch = [add(sched, 4, tenant="a", cls="batch", max_tokens=10_000) for _ in range(decoding)]
+    while not all(r.is_decoding for r in batch):
+        step(sched)
+    for t, n in prompts:
+        add(sched, n, tenant=t, max_tokens=1)
+    by_tenant: dict[str, list[int]] = {}
+    for t, n in prompts:
+        by_tenant.setdefault(t, []).append(n)
+    w = worker(by_tenant, num_decoding=decoding, max_prefill_attention=cap)
+    w.role = "mixed"
+    mine = add(sched, tokens, tenant=tenant, max_tokens=1)
+    engine = []
+    while mine.num_computed_tokens < tokens:
+        chunk = step(sched).prefill_of(mine)
+        engine.append(chunk.num_tokens if chunk else 0)
+    router = [n for n, _, _ in stepped(w, tokens, 0, "interactive", tenant, {}, 0.0, 0.5)]
+    assert router == engine[:MAX_STEPS]      # past them the router goes on at the last pace
+
+
+def test_a_document_after_a_chat_in_the_same_step_takes_the_rest_of_the_budget():
+    """With no attention cap (a prefill worker) the classes after the first are as unbounded
+    in pairs as it: the document's chunk beside a short chat is the engine's."""
+    sched, _ = make_scheduler(num_blocks=4096, block_size=16, prefix_caching=False,
+                              token_budget=BUDGET, chunk_size=CHUNK, max_running=BUDGET,
+                              role="prefill", tenants=(Tenant("a"), Tenant("b")))
+    add(sched, 20, tenant="a", max_tokens=1)
+    mine = add(sched, 300, tenant="b", cls="document", max_tokens=1)
+    engine = []
+    while mine.num_computed_tokens < 300:
+        chunk = step(sched).prefill_of(mine)
+        engine.append(chunk.num_tokens if chunk else 0)
+    w = worker({"a": [20]})
+    router = [n for n, _, _ in stepped(w, 300, 0, "document", "b", {}, 0.0, 0.0)]
+    assert router == engine and engine[0] == CHUNK
+
+
+def test_a_document_deep_in_its_prompt_spends_the_attention_cap_as_the_engine_says():
+    """On a co-located replica that decodes, a document half prefilled attends over its 3,000
+    computed tokens: its chunk spends most of the attention cap, the chat behind it in the same
+    tenant's queue gets what is left, then waits whole. Stepped from the published positions
+    (`computed`), the router gives the chat the engine's steps; taken as fresh prompts, not."""
+    sched, _ = make_scheduler(num_blocks=8192, block_size=16, prefix_caching=False,
+                              token_budget=BUDGET, chunk_size=CHUNK, max_running=BUDGET,
+                              role="mixed", protect_itl=False, max_prefill_attention=50_000,
+                              max_model_len=16_384)
+    batch = [add(sched, 4, tenant="b", cls="batch", max_tokens=10_000) for _ in range(2)]
+    doc = add(sched, 6000, tenant="a", max_tokens=1)
+    while doc.num_computed_tokens < 3000 or not all(r.is_decoding for r in batch):
+        step(sched)
+    w = worker({"a": [doc.num_prompt_tokens - doc.num_computed_tokens]}, num_decoding=2,
+               max_prefill_attention=50_000)
+    w.role = "mixed"
+    fresh = [n for n, _, _ in stepped(w, 100, 0, "interactive", "a", {}, 0.0, 0.0)]
+    w.prefill_queues[0].computed.append(doc.num_computed_tokens)
+    router = [n for n, _, _ in stepped(w, 100, 0, "interactive", "a", {}, 0.0, 0.0)]
+    mine = add(sched, 100, tenant="a", max_tokens=1)
+    engine = []
+    while mine.num_computed_tokens < 100:
+        chunk = step(sched).prefill_of(mine)
+        engine.append(chunk.num_tokens if chunk else 0)
+    # the first steps: later, the round-robin's deficits (taken as fresh by the router, with
+    # the document's history in the engine) decide by a token which of the two a step cuts
+    assert router[:3] == engine[:3] == [60, 22, 0] and fresh[:3] != router[:3]

@@ -761,16 +761,18 @@ class TenantShare(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., sequences: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class TenantQueue(_message.Message):
-    __slots__ = ("traffic_class", "tenant", "tokens", "prompts")
+    __slots__ = ("traffic_class", "tenant", "tokens", "prompts", "computed")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     tenant: str
     tokens: int
     prompts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, traffic_class: _Optional[str] = ..., tenant: _Optional[str] = ..., tokens: _Optional[int] = ..., prompts: _Optional[_Iterable[int]] = ...) -> None: ...
+    computed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, traffic_class: _Optional[str] = ..., tenant: _Optional[str] = ..., tokens: _Optional[int] = ..., prompts: _Optional[_Iterable[int]] = ..., computed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServiceRecord(_message.Message):
     __slots__ = ("service_id", "role", "address", "metrics_url", "updated_at_unix_s", "pid")
