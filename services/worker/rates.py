@@ -72,9 +72,9 @@ class Prior:
 # docs/benchmarks.md, "Engine, in process" (2-core CPU, fp32), made ~1.5x slower. The tiny model
 # (2,048 KV bytes a token): batch-1 decode step 2.4 ms, +0.09 ms a token at batch 32, a 4,096-token
 # prefill in 512-token chunks at 7,413 tok/s; the fleet achieved 3.7-4.1K tok/s in bursts. A pair
-# costs ~1.1e-3 of a token (loadtests/attention_ratio.py: 8K prompts' 512-token chunks beside
-# 200-token chats' steps, docs/benchmarks.md, "a9doc"); the CostFit keeps that ratio until deep
-# steps are measured. SmolLM2-135M (46,080 KV bytes a token): batch-1 step 78.5 ms, +4.1 ms a
+# costs 0.7-1.1e-3 of a token (loadtests/attention_ratio.py: 8K prompts' 512-token chunks and
+# 200-token chats' steps, docs/benchmarks.md, "a9doc"); the prior takes the top of it, and the
+# CostFit keeps that ratio until deep steps are measured. SmolLM2-135M (46,080 KV bytes a token): batch-1 step 78.5 ms, +4.1 ms a
 # decode token, prefill 236 tok/s (4.2 ms a token).
 TINY = Prior(3.6e-3, 1.5e-4, 1.6e-7, "default:torch-cpu tiny (docs/benchmarks.md, x1.5)")
 SMOLLM2 = Prior(0.12, 6.3e-3, 1e-6, "default:torch-cpu smollm2-135m (docs/benchmarks.md, x1.5)")
