@@ -2,8 +2,9 @@
 published in its stats heartbeat (WorkerStats):
 
   prefill cost    step seconds = step_s + s_per_token x tokens + s_per_pair x attention pairs,
-                  fitted online (`CostFit`: recursive least squares with a forgetting factor) on
-                  the steps that ran prefill, started from a `Prior`; tokens and pairs count the
+                  fitted online (`CostFit`: least squares with a forgetting factor) on the
+                  steps that ran prefill, started from a `Prior` whose pairs-to-token cost ratio
+                  holds until deep steps pin the pair cost; tokens and pairs count the
                   step's decodes too (a decode token goes through the same layers and attends over
                   its context), so a mixed worker's fit prices its decode share
   drain rate      prefill tokens computed per busy second: the steps that ran prefill, whole
@@ -70,10 +71,12 @@ class Prior:
 
 # docs/benchmarks.md, "Engine, in process" (2-core CPU, fp32), made ~1.5x slower. The tiny model
 # (2,048 KV bytes a token): batch-1 decode step 2.4 ms, +0.09 ms a token at batch 32, a 4,096-token
-# prefill in 512-token chunks at 7,413 tok/s (the rest of its time is attention: ~2e-8 s a pair);
-# the fleet achieved 3.7-4.1K tok/s in bursts. SmolLM2-135M (46,080 KV bytes a token): batch-1
-# step 78.5 ms, +4.1 ms a decode token, prefill 236 tok/s (4.2 ms a token).
-TINY = Prior(3.6e-3, 1.5e-4, 3e-8, "default:torch-cpu tiny (docs/benchmarks.md, x1.5)")
+# prefill in 512-token chunks at 7,413 tok/s; the fleet achieved 3.7-4.1K tok/s in bursts. A pair
+# costs 0.7-1.1e-3 of a token (loadtests/attention_ratio.py: 8K prompts' 512-token chunks and
+# 200-token chats' steps, docs/benchmarks.md, "a9doc"); the prior takes the top of it, and the
+# CostFit keeps that ratio until deep steps are measured. SmolLM2-135M (46,080 KV bytes a token): batch-1 step 78.5 ms, +4.1 ms a
+# decode token, prefill 236 tok/s (4.2 ms a token).
+TINY = Prior(3.6e-3, 1.5e-4, 1.6e-7, "default:torch-cpu tiny (docs/benchmarks.md, x1.5)")
 SMOLLM2 = Prior(0.12, 6.3e-3, 1e-6, "default:torch-cpu smollm2-135m (docs/benchmarks.md, x1.5)")
 SMOLLM2_KV_BYTES = 46080
 
@@ -119,33 +122,57 @@ def prior_for(kv_bytes_per_token: int, *, profile: str | None = None, cost_model
 
 
 class CostFit:
-    """Recursive least squares of step seconds on x = (1, tokens, pairs), with forgetting factor
+    """Weighted least squares of step seconds on x = (1, tokens, pairs), with forgetting factor
     `forget` (the weight of a step `k` steps old is forget**k), started from `prior` with
-    confidence `prior_weight` (in steps' worth of evidence). The features are scaled so that the
-    three coefficients are of similar size. Coefficients are published clipped at 0 (a time only
-    adds up)."""
+    confidence `prior_weight` (in steps' worth of evidence, forgotten like a step). The features
+    are scaled so that the three coefficients are of similar size. Coefficients are published
+    clipped at 0 (a time only adds up).
+
+    The attention term also has a prior that is never forgotten, of weight `ratio_weight`: that a
+    pair costs the prior's pairs-to-token ratio of a token (s_per_pair / s_per_token). Steps of
+    short prompts barely tell a pair's cost from a token's (their pairs grow with their tokens):
+    without it, once the starting prior was forgotten, the pair cost drifted wherever noise took
+    it (5e-8 s on the CPU fleet's chat steps, 3-4e-7 once 8K-deep steps were seen), and an
+    absolute value would not follow a loaded machine, whose token and pair costs grow together.
+    Its weight, 0.3, is the pair evidence of ~8 chat steps (a 2,048-token step of 200-token
+    chats: 0.04 in the scaled features, most of it the same as its tokens') and under a
+    fiftieth of one 512-token chunk's at 8K deep (17): where the steps tell the pair cost the
+    ratio gives way, where they cannot it holds."""
 
     def __init__(self, prior: Prior, forget: float = 0.98, prior_weight: float = 4.0,
-                 scale: tuple[float, float, float] = (1.0, 1e-3, 1e-6)) -> None:
+                 scale: tuple[float, float, float] = (1.0, 1e-3, 1e-6),
+                 ratio_weight: float = 0.3) -> None:
         if not 0 < forget <= 1:
             raise ValueError(f"forgetting factor must be in (0, 1], got {forget!r}")
         self.prior = prior
         self.forget = forget
         self._scale = np.array(scale, float)
-        self._theta = np.array([prior.step_s, prior.s_per_token, prior.s_per_pair]) / self._scale
-        # the inverse information: small = confident. Sized so the prior counts as ~prior_weight
-        # steps of each feature's typical magnitude (1 after scaling)
-        self._p = np.eye(3) / prior_weight
+        theta0 = np.array([prior.step_s, prior.s_per_token, prior.s_per_pair]) / self._scale
+        # the forgotten evidence (normal equations), the prior's counting as prior_weight steps of
+        # each feature's typical magnitude (1 after scaling)
+        self._info = np.eye(3) * prior_weight
+        self._moment = self._info @ theta0
+        # the kept one: pair cost = ratio x token cost (scaled), or, for a prior without a token
+        # cost, the prior's pair cost itself
+        if prior.s_per_token > 0:
+            v = np.array([0.0, -prior.s_per_pair / prior.s_per_token * scale[1] / scale[2], 1.0])
+        else:
+            v = np.array([0.0, 0.0, 1.0])
+        self._ratio_info = ratio_weight * np.outer(v, v)
+        self._ratio_moment = self._ratio_info @ theta0
+        self._theta = theta0
         self.steps = 0
 
     def observe(self, tokens: int, pairs: int, seconds: float) -> None:
         if tokens <= 0 or not (seconds > 0 and math.isfinite(seconds)):
             return
         x = np.array([1.0, tokens, pairs], float) * self._scale
-        px = self._p @ x
-        gain = px / (self.forget + x @ px)
-        self._theta = self._theta + gain * (seconds - x @ self._theta)
-        self._p = (self._p - np.outer(gain, px)) / self.forget
+        self._info = self.forget * self._info + np.outer(x, x)
+        self._moment = self.forget * self._moment + x * seconds
+        # a direction no step has excited lately has no information left: the ridge keeps the
+        # solve defined there without weighing on the rest
+        info = self._info + self._ratio_info + 1e-9 * np.eye(3)
+        self._theta = np.linalg.solve(info, self._moment + self._ratio_moment)
         self.steps += 1
 
     @property
