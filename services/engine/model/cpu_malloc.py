@@ -7,8 +7,8 @@ to the OS above its trim threshold. Either way the next tensor of that size is n
 minor page fault per 4 KiB on first touch, in the kernel, on every step. Measured on this
 2-core box: RMSNorm with its residual over 2,048 rows of SmolLM2 (bfloat16) took ~1,970 minor
 faults and 5.5 ms a call, and 77 faults and 1.3 ms with the thresholds raised
-(docs/benchmarks.md, "Page faults"). vLLM's CPU build has users preload tcmalloc for the same
-reason.
+(docs/benchmarks.md, "The engine next to vLLM, round 3"). vLLM's CPU build has users preload
+tcmalloc for the same reason.
 
 keep_freed_memory() raises both thresholds (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD) for
 the process. The engine calls it once its model, packed weights and KV cache exist, so only
