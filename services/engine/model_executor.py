@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from services.engine.config import EngineConfig
 from services.engine.device import check_rank_devices, rank_device, resolve_device, use_cuda_graphs
 from services.engine.model.batch import SeqChunk
+from services.engine.model.cpu_malloc import keep_freed_memory
 from services.engine.model.decode_graphs import DecodeGraphConfig, DecodeGraphRunner
 from services.engine.model.kv_cache import KVCache, kv_bytes_per_token, kv_cache_shape, resolve_kv_dtype
 from services.engine.model.loader import load_model
@@ -73,6 +74,8 @@ class ModelExecutor:
         self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.last_prepare_s = 0.0
         self._table = None
+        if self.device.type == "cpu":   # weights and cache exist: what is freed now is a step's
+            keep_freed_memory()
 
     def _padded_decodes(self, config: EngineConfig, model) -> ModelRunner | DecodeGraphRunner:
         """The runner whose decode-only steps run at fixed batch sizes (graphs on CUDA with the
