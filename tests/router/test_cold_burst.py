@@ -8,6 +8,7 @@ published stats; the router behind a real gRPC server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -27,45 +28,51 @@ COLD = pb.WorkerStats(worker_id="mixed-0", role="mixed", kv_blocks_total=10_000,
                       grpc_address="127.0.0.1:1", model="tiny", kv_backend="local")
 
 
+@contextlib.asynccontextmanager
+async def router_beside(redis_url: str, redis_ns: str, stats: pb.WorkerStats, **policy):
+    """A co-located router behind a real gRPC server, over a Redis holding `stats` as the one
+    worker's beat (stamped now); yields (the servicer, a stub to it)."""
+    state = FleetState(redis_url, redis_ns)
+    beat = pb.WorkerStats()
+    beat.CopyFrom(stats)
+    beat.updated_at_unix_s = time.time()
+    await state.heartbeat(beat, 60.0)
+    servicer = RouterServicer(state, "colocated", "r0", **policy)
+    server = grpc.aio.server()
+    pb_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            yield servicer, pb_grpc.RouterStub(ch)
+    finally:
+        await server.stop(0)
+        await servicer.close()
+        await state.close()
+
+
 def test_a_cold_fleets_first_burst_is_admitted_only_as_far_as_the_prior_allows(redis_url,
                                                                                redis_ns):
     async def story():
-        state = FleetState(redis_url, redis_ns)
-        cold = pb.WorkerStats()
-        cold.CopyFrom(COLD)
-        cold.updated_at_unix_s = time.time()
-        await state.heartbeat(cold, 60.0)
-        servicer = RouterServicer(state, "colocated", "r0", policy=AdmissionConfig(
-            prior=Prior(prefill_tokens_per_s=2000.0)))
-        server = grpc.aio.server()
-        pb_grpc.add_RouterServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                router = pb_grpc.RouterStub(ch)
-                plans = []
-                for i in range(4):        # 0.24 s more each (+ the hops): within the 1-s target
-                    r = pb.WorkRequest(request_id=f"b{i}", traffic_class="interactive",
-                                       prompt_token_ids=PROMPT,
-                                       params=pb.SamplingParams(max_tokens=8))
-                    plans.append(await router.Admit(r, timeout=30))
-                assert [round(p.predicted_ttft_s, 2) for p in plans] == [
-                    round(PATH_S + 0.24 * k, 2) for k in (1, 2, 3, 4)]
-                r = pb.WorkRequest(request_id="b4", traffic_class="interactive",
+        prior = AdmissionConfig(prior=Prior(prefill_tokens_per_s=2000.0))
+        async with router_beside(redis_url, redis_ns, COLD, policy=prior) as (servicer, router):
+            plans = []
+            for i in range(4):        # 0.24 s more each (+ the hops): within the 1-s target
+                r = pb.WorkRequest(request_id=f"b{i}", traffic_class="interactive",
                                    prompt_token_ids=PROMPT, params=pb.SamplingParams(max_tokens=8))
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await router.Admit(r, timeout=30)
+                plans.append(await router.Admit(r, timeout=30))
+            assert [round(p.predicted_ttft_s, 2) for p in plans] == [
+                round(PATH_S + 0.24 * k, 2) for k in (1, 2, 3, 4)]
+            r = pb.WorkRequest(request_id="b4", traffic_class="interactive",
+                               prompt_token_ids=PROMPT, params=pb.SamplingParams(max_tokens=8))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await router.Admit(r, timeout=30)
             st = status.of(e.value)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert st.message.startswith(f"queue: predicted TTFT {PATH_S + 1.2:.3g} s vs target 1 s")
             assert "in the queue" in st.message                  # it waited before refusing
             depth = await servicer.queue.depth("interactive", time.time())
             assert depth.waiting == 0                             # and left the queue
-        finally:
-            await server.stop(0)
-            await servicer.close()
-            await state.close()
     asyncio.run(story())
 
 
@@ -88,30 +95,14 @@ def test_a_burst_within_one_beat_sees_its_own_backlog_ahead_of_its_class(redis_u
     empty class queue alone every chat was predicted alike, and the fleet admitted a burst whose
     chats waited 2-4x their predictions."""
     async def story():
-        state = FleetState(redis_url, redis_ns)
-        warm = pb.WorkerStats()
-        warm.CopyFrom(WARM)
-        warm.updated_at_unix_s = time.time()
-        await state.heartbeat(warm, 60.0)
-        servicer = RouterServicer(state, "colocated", "r0")
-        server = grpc.aio.server()
-        pb_grpc.add_RouterServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                router = pb_grpc.RouterStub(ch)
-                answers = await asyncio.gather(*(router.Admit(pb.WorkRequest(
-                    request_id=f"c{i}", traffic_class="interactive", prompt_token_ids=PROMPT,
-                    params=pb.SamplingParams(max_tokens=8)), timeout=30) for i in range(12)),
-                    return_exceptions=True)
-            predicted = sorted(a.predicted_ttft_s for a in answers if isinstance(a, pb.Plan))
-            refused = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
-            assert predicted[-1] > 2 * predicted[0]
-            assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                                   and "vs target 1 s" in status.of(e).message for e in refused)
-        finally:
-            await server.stop(0)
-            await servicer.close()
-            await state.close()
+        async with router_beside(redis_url, redis_ns, WARM) as (_, router):
+            answers = await asyncio.gather(*(router.Admit(pb.WorkRequest(
+                request_id=f"c{i}", traffic_class="interactive", prompt_token_ids=PROMPT,
+                params=pb.SamplingParams(max_tokens=8)), timeout=30) for i in range(12)),
+                return_exceptions=True)
+        predicted = sorted(a.predicted_ttft_s for a in answers if isinstance(a, pb.Plan))
+        refused = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
+        assert predicted[-1] > 2 * predicted[0]
+        assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                               and "vs target 1 s" in status.of(e).message for e in refused)
     asyncio.run(story())
