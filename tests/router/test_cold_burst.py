@@ -69,7 +69,8 @@ def test_a_cold_fleets_first_burst_is_admitted_only_as_far_as_the_prior_allows(r
                 await router.Admit(r, timeout=30)
             st = status.of(e.value)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert st.message.startswith(f"queue: predicted TTFT {PATH_S + 1.2:.3g} s vs target 1 s")
+            expected = f"queue: predicted TTFT {PATH_S + 1.2:.3g} s vs target 1 s"
+            assert st.message.startswith(expected)
             assert "in the queue" in st.message                  # it waited before refusing
             depth = await servicer.queue.depth("interactive", time.time())
             assert depth.waiting == 0                             # and left the queue
