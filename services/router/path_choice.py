@@ -2,11 +2,14 @@
 `Paths.options`): each path priced by the router's TTFT prediction on its best-ranked replicas,
 the earlier first token taken, the length's path on a tie.
 
-The price is the one admission would quote on that path (services/router/predict.py): the wait
-behind the prefill tokens queued there, the prompt's own prefill (on a co-located replica with
-its decode batch in every step) and the wait for decode KV; not the KV transfer of the
-disaggregated path, which follows the first token. A path with no replica that can ever hold the
-request is not a choice.
+The price is admission's prediction on that path (services/router/predict.py) up to the moment
+the stream can go on past its first token: the wait behind the prefill tokens queued there, the
+prompt's own prefill (on a co-located replica with its decode batch in every step), the wait for
+decode KV and, on the disaggregated path, the KV transfer (`Prediction.kv_landed_s`). The
+transfer follows the first token, so admission leaves it out of the TTFT it holds to the target;
+but a path whose first token comes earlier by less than its transfer makes the second token
+later, so the choice counts it. A path with no replica that can ever hold the request is not a
+choice.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from services.router.predict import Prior, decode_wait_s, kv_bytes_of, predict
 def priced_s(workers: Sequence[pb.WorkerStats], path: str, prompt_tokens: int,
              params: pb.SamplingParams, *, traffic_class: str = "", prior: Prior = Prior(),
              tenant: str = "", weights: Mapping[str, float] | None = None) -> float | None:
-    """Predicted TTFT of the prompt on `path`'s best replicas; None: no replica can hold it."""
+    """When the prompt's stream can go on past its first token on `path`'s best replicas (its
+    predicted TTFT plus, disaggregated, its KV transfer); None: no replica can hold it."""
     role = "mixed" if path == "colocated" else "decode"
     holders = [w for w in workers if w.role == role and can_ever_hold(w, prompt_tokens, params)]
     if not holders:
@@ -39,7 +43,7 @@ def priced_s(workers: Sequence[pb.WorkerStats], path: str, prompt_tokens: int,
                 kv_bytes=0 if path == "colocated" else kv_bytes_of(prefill, prompt_tokens),
                 decode_wait_s=decode_wait_s(decode, blocks), prior=prior, tenant=tenant,
                 weights=weights)
-    return p.total_s
+    return p.kv_landed_s
 
 
 def choose(paths: Paths, workers: Sequence[pb.WorkerStats], prompt_tokens: int,
