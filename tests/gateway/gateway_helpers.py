@@ -15,6 +15,7 @@ import httpx
 import yaml
 
 from tests.harness import TEST_TTFT_TARGET_S
+from tests.waiting import wait_until
 
 
 CONTEXT = 4096
@@ -85,6 +86,24 @@ def stream_counter(redis_client, tenant: str) -> int:
     """The tenant's open streams, as services/state/fleet_state.py keeps them: live leases."""
     return redis_client.zcount(f"kvfleet:tenant:{tenant}:leases", f"({int(time.time() * 1000)}",
                                "+inf")
+
+
+def stream_holders(redis_client, tenant: str) -> list[str]:
+    """The tenant's live leases by id (`holder/seq`: the gateway that holds each one)."""
+    return [m.decode() for m in redis_client.zrangebyscore(
+        f"kvfleet:tenant:{tenant}:leases", f"({int(time.time() * 1000)}", "+inf")]
+
+
+def slots_free(redis_url: str, tenant: str, timeout_s: float = 15.0) -> None:
+    """A quota story's start: the tenant holds no stream slot in Redis (a slot an earlier story's
+    gateway left lapses within the lease's 10 s), else say who holds one."""
+    import redis  # noqa: PLC0415
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert wait_until(lambda: stream_counter(client, tenant) == 0, timeout_s), \
+            f"tenant {tenant!r} still holds stream slots: {stream_holders(client, tenant)}"
+    finally:
+        client.close()
 
 
 # ------------------------------------------------------------------------------ telemetry
