@@ -683,8 +683,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         return call
 
     async def close(self) -> None:
-        for call in self._reserve_calls.values():
-            call.close()
+        # the late cancels of reservations whose plans went nowhere (`_give_up`) go out first
+        await asyncio.gather(*(call.finish(CLOSE_S) for call in self._reserve_calls.values()))
         if self._refreshing is not None:
             self._refreshing.cancel()
         for task in self._background:
