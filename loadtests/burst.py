@@ -5,7 +5,8 @@ endpoint (kvfleet, vLLM): the check that nothing that would be served in time is
   --output-tokens out each, streamed, ignore_eos; prompts are seeded random token ids, so both
   servers see the same lengths whatever their tokenizer does.
 Prints one JSON report: served / refused (by status and code, with a sample message and its
-Retry-After), TTFT p50/p99 per class, ITL p50/p99, output tokens/s over the burst, and, against
+Retry-After), TTFT p50/p99 per class, ITL p50/p99 (the gaps between the network reads that brought
+text: events read together count once), output tokens/s over the burst, and, against
 kvfleet, `prediction_error`: |predicted - actual| / actual TTFT (p50 / p90, median signed) of the
 served requests, from the `timing` object of each stream's last chunk. `--per-request` adds one
 row per request: its class, status, predicted and actual TTFT (a refusal's predicted TTFT is in
@@ -19,6 +20,7 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -50,13 +52,38 @@ class Outcome:
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
     predicted_ttft: float | None = None     # kvfleet's `timing.predicted_ttft_s`, when it sends one
+    started: float = 0.0
+    last: float = 0.0
+
+    def read(self, events: list[dict], now: float) -> bool:
+        """The events one network read brought, at `now`; False on an error event. TTFT is the
+        first read with text; each later read with text adds one inter-token gap, since the last
+        such read. Events read together arrived together: the microseconds between parsing them
+        are no gap the client waited (counted, they made the ITL p50 0 once the server's
+        events coalesced under load), so a read counts once."""
+        texts = 0
+        for event in events:
+            if "error" in event:
+                self.code, self.message = "error_event", str(event["error"].get("message"))[:200]
+                return False
+            self.predicted_ttft = event.get("timing", {}).get("predicted_ttft_s",
+                                                              self.predicted_ttft)
+            texts += bool(event.get("choices") and event["choices"][0].get("text"))
+        if texts:
+            if self.ttft is None:
+                self.ttft = now - self.started
+            else:
+                self.itls.append(now - self.last)
+            self.last = now
+            self.tokens += texts
+        return True
 
 
 async def one(client: httpx.AsyncClient, model: str, kind: str, ids: list[int], out: int) -> Outcome:
     o = Outcome(kind)
     body = {"model": model, "prompt": ids, "max_tokens": out, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    started = last = time.perf_counter()
+    o.started = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         o.status = r.status_code
         if r.status_code != 200:
@@ -64,24 +91,24 @@ async def one(client: httpx.AsyncClient, model: str, kind: str, ids: list[int], 
             o.code, o.message = error.get("code"), str(error.get("message", ""))[:200]
             o.retry_after = r.headers.get("retry-after")
             return o
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                o.code, o.message = "error_event", str(event["error"].get("message"))[:200]
-                return o
-            o.predicted_ttft = event.get("timing", {}).get("predicted_ttft_s", o.predicted_ttft)
-            if not event.get("choices") or not event["choices"][0].get("text"):
-                continue
+        async for events in sse_reads(r.aiter_bytes()):
             now = time.perf_counter()
-            if o.ttft is None:
-                o.ttft = now - started
-            else:
-                o.itls.append(now - last)
-            last = now
-            o.tokens += 1
+            if not o.read(events, now):
+                return o
     return o
+
+
+async def sse_reads(chunks) -> AsyncIterator[list[dict]]:
+    """The stream's SSE events, grouped by the network read that brought them (a read may hold
+    several events, and an event may span reads)."""
+    pending = b""
+    async for chunk in chunks:
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        events = [json.loads(line[6:]) for line in lines
+                  if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
+        if events:
+            yield events
 
 
 def pct(xs: list[float], p: float) -> float | None:

@@ -300,6 +300,15 @@ class SharedCall(Generic[Ask, Answer]):
         for receiver in waiting.values():
             receiver.fail(why)
 
+    async def finish(self, timeout_s: float) -> None:
+        """Close once the asks already queued have gone out (a late cancel among them: the peer
+        undoes what it gave) and the peer, having answered what ran, ended the call; at most
+        `timeout_s`, then as `close`."""
+        if self._call is not None and self._reader is not None:
+            self._out.put_nowait(None)      # half-close after what is queued
+            await asyncio.wait({self._reader}, timeout=timeout_s)
+        self.close()
+
     def close(self) -> None:
         if self._out is not None:
             self._out.put_nowait(None)      # the request iterator ends: grpc's sender task too

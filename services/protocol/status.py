@@ -10,8 +10,9 @@ A caller's stub raises CallFailed (services/protocol/typed_stub.py converts grpc
 there, once), and so does code that fails a request locally the way a remote failure would.
 
 A failure that carries no CallStatus (a transport error, a deadline, a peer that died mid-call) is
-read from its code (`_UNTYPED`; UNAVAILABLE when nothing fits, REASON_UNSPECIFIED for a handler's
-own INTERNAL / UNKNOWN), so callers switch on `reason` only.
+read from its code (`_UNTYPED`; UNAVAILABLE when nothing fits or the transport broke, INTERNAL
+included; REASON_UNSPECIFIED for a handler's uncaught exception, UNKNOWN), so callers switch on
+`reason` only.
 """
 from __future__ import annotations
 
@@ -43,7 +44,11 @@ _UNTYPED: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.NOT_FOUND: pb.NO_RESERVATION,
     grpc.StatusCode.FAILED_PRECONDITION: pb.WRONG_ROLE,
     grpc.StatusCode.UNAUTHENTICATED: pb.UNAUTHENTICATED,
-    grpc.StatusCode.INTERNAL: pb.REASON_UNSPECIFIED,     # a handler's own bug: 502 at the gateway
+    # grpc's core ends a call whose peer died mid-stream (its HTTP/2 stream reset, the process
+    # SIGKILLed) INTERNAL "Internal error from Core": the transport failed, as with UNAVAILABLE.
+    # A kvfleet handler never ends a call INTERNAL itself: `abort` sends a CallStatus, and a
+    # handler's uncaught exception reaches the caller UNKNOWN (502 at the gateway).
+    grpc.StatusCode.INTERNAL: pb.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN: pb.REASON_UNSPECIFIED,
 }
 

@@ -245,8 +245,14 @@ class RouterServicer(pb_grpc.RouterServicer):
                 record_exception=False, set_status_on_exception=False) as span:
             if span.is_recording():
                 span.set_attributes(self._attributes(request))
+            made: list[pb.Plan] = []      # the plan once made: its decode reservation is held
+            if context is not None:
+                context.add_done_callback(lambda ctx: ctx.cancelled() and self._give_up(made))
             try:
-                plan = await self._admit(request, context)
+                plan = await self._admit(request, context, made)
+            except asyncio.CancelledError:
+                self._give_up(made)
+                raise
             except status.CallFailed as e:
                 if e.status.reason == pb.UNAVAILABLE:
                     self._workers = (float("-inf"), [])   # a worker failed: the next request re-reads
@@ -278,7 +284,19 @@ class RouterServicer(pb_grpc.RouterServicer):
                 tracing.MAX_TOKENS: request.params.max_tokens,
                 tracing.STAGE: stage_name(self.keeper.stage)}
 
-    async def _admit(self, request: pb.WorkRequest, context) -> pb.Plan:
+    def _give_up(self, made: list[pb.Plan]) -> None:
+        """The plan will not reach its caller (the Admit was cancelled while it charged the
+        tenant's turn or left the queue, or its call ended before the answer went out): its decode
+        reservation ends now (a late cancel on the Reserve call: the worker undoes it), not at its
+        deadline, so the tenant's KV share and the worker's held blocks come back at once."""
+        while made:
+            plan = made.pop()
+            if plan.mode == pb.Plan.DISAGGREGATED and plan.decode.address:
+                log.info("%s: the Admit's caller went after its reservation; ending it",
+                         plan.request_id)
+                self._reserve_call(plan.decode.address).cancel(plan.request_id)
+
+    async def _admit(self, request: pb.WorkRequest, context, made: list[pb.Plan]) -> pb.Plan:
         """Try; a miss whose best case still makes the target waits in the queue (woken by
         capacity, or by its own timer) and tries again until its wait ends."""
         cls = self.policy.traffic_class(request.traffic_class)
@@ -290,7 +308,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         tenant = self.policy.tenant(request.tenant).name
         try:
             while True:
-                outcome = await self._try(request, cls, first=until is None,
+                outcome = await self._try(request, cls, made, first=until is None,
                                           waited_s=time.monotonic() - began)
                 if isinstance(outcome, pb.Plan):
                     if queued_at is not None:     # how long it waited in the queue
@@ -389,10 +407,11 @@ class RouterServicer(pb_grpc.RouterServicer):
             if plan is not None:
                 span.set_attribute(tracing.PREDICTED_TTFT, plan.predicted_ttft_s)
 
-    async def _try(self, request: pb.WorkRequest, cls, first: bool,
+    async def _try(self, request: pb.WorkRequest, cls, made: list[pb.Plan], first: bool,
                    waited_s: float = 0.0) -> pb.Plan | Miss:
         """One decision on the live workers: a plan, or why not. `waited_s`: what the request
-        already spent in the queue, which its TTFT target no longer has."""
+        already spent in the queue, which its TTFT target no longer has. A plan is put in `made`
+        the moment its reservation is held (Admit ends it if the plan goes nowhere)."""
         workers = await self.live_workers()
         span = trace.get_current_span()
         if workers and span.is_recording():     # one model per fleet: any worker names it
@@ -488,7 +507,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             if path == "colocated":
                 plan = await self._colocated(request, ranked, p)
             else:
-                plan = await self._disaggregated(request, prefill, ranked, p)
+                plan = await self._disaggregated(request, prefill, ranked, p, made)
                 if isinstance(plan, str):
                     return Miss("decode slot", p, blocks, detail=plan, protected=protected)
             plan = served_by(plan, workers, pool)
@@ -556,17 +575,19 @@ class RouterServicer(pb_grpc.RouterServicer):
                               router_id=self.router_id))
 
     async def _disaggregated(self, request: pb.WorkRequest, prefill, decode,
-                             p: Prediction) -> pb.Plan | str:
-        """The plan, or why no decode replica could reserve KV for it now."""
+                             p: Prediction, made: list[pb.Plan]) -> pb.Plan | str:
+        """The plan (also put in `made`: its reservation is held), or why no decode replica could
+        reserve KV for it now."""
         reserved = await self._reserve(request, decode)
         if isinstance(reserved, str):
             return reserved
         chosen, reservation = reserved
-        return p.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.DISAGGREGATED,
-                              prefill=[_ref(w) for w in prefill[:PREFILL_CHOICES]],
-                              decode=_ref(chosen), target=reservation.target,
-                              deadline_unix_s=reservation.expires_at_unix_s,
-                              router_id=self.router_id))
+        made.append(p.fill(pb.Plan(request_id=request.request_id, mode=pb.Plan.DISAGGREGATED,
+                                   prefill=[_ref(w) for w in prefill[:PREFILL_CHOICES]],
+                                   decode=_ref(chosen), target=reservation.target,
+                                   deadline_unix_s=reservation.expires_at_unix_s,
+                                   router_id=self.router_id)))
+        return made[-1]
 
     def _cached(self, request: pb.WorkRequest, workers) -> dict[str, int]:
         """Leading prompt tokens each worker holds in its prefix cache ({}: no index)."""
@@ -668,8 +689,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         return call
 
     async def close(self) -> None:
-        for call in self._reserve_calls.values():
-            call.close()
+        # the late cancels of reservations whose plans went nowhere (`_give_up`) go out first
+        await asyncio.gather(*(call.finish(CLOSE_S) for call in self._reserve_calls.values()))
         if self._refreshing is not None:
             self._refreshing.cancel()
         for task in self._background:

@@ -57,8 +57,8 @@ def test_unauthenticated_serving_is_only_for_loopback():
 def typed(reason, message: str, **fields) -> AioRpcError:
     """What a call that a service ended with `status.abort` raises at its caller's grpc."""
     st = status.failed(reason, message, **fields)
-    return AioRpcError(status.GRPC_CODE[st.reason], Metadata(), Metadata(*status.trailing(st)),
-                       details=st.message)
+    return AioRpcError(status.GRPC_CODE.get(st.reason, grpc.StatusCode.UNKNOWN), Metadata(),
+                       Metadata(*status.trailing(st)), details=st.message)
 
 
 def bare(code: grpc.StatusCode, details: str) -> AioRpcError:
@@ -75,11 +75,18 @@ def bare(code: grpc.StatusCode, details: str) -> AioRpcError:
     (bare(grpc.StatusCode.RESOURCE_EXHAUSTED, "all busy"), 429, "overloaded", "1"),
     (bare(grpc.StatusCode.UNAVAILABLE, "Socket closed"), 503, "unavailable", "2"),
     (bare(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 503, "unavailable", "2"),
-    (bare(grpc.StatusCode.INTERNAL, "boom"), 502, "upstream_error", None),
+    # a worker SIGKILLed mid-stream: grpc's core resets the stream INTERNAL, no CallStatus
+    (bare(grpc.StatusCode.INTERNAL, "Internal error from Core"), 503, "unavailable", "2"),
+    # a handler's uncaught exception, and a failure a worker reported itself without a reason
+    (bare(grpc.StatusCode.UNKNOWN, "Unexpected <class 'RuntimeError'>: boom"), 502,
+     "upstream_error", None),
+    (typed(pb.REASON_UNSPECIFIED, "boom"), 502, "upstream_error", None),
 ])
 def test_fleet_statuses_map_to_gateway_errors(error, http, error_code, retry_after):
     """Every refusal, 429 (load) or 503 (no healthy capacity), carries Retry-After; and the
-    reason, the engine's code and field travel typed, no text is parsed."""
+    reason, the engine's code and field travel typed, no text is parsed. A call that broke
+    without a CallStatus (UNAVAILABLE, a deadline, INTERNAL from grpc's core) is the fleet's
+    availability; a worker's own failure keeps the reason it gave."""
     failed = call_failed(error)          # what the gateway's typed stub raises
     assert failed.untyped_code == (None if error.trailing_metadata() else error.code())
     e = from_status(failed.status)

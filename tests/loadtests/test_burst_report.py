@@ -4,9 +4,11 @@ served requests that carried one; a refusal or a server that predicts nothing (v
 and `--per-request` lists every request with its refusal message."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from loadtests.burst import Outcome, report
+from loadtests.burst import Outcome, report, sse_reads
 
 
 def test_the_prediction_error_is_over_the_served_requests_that_carried_a_prediction():
@@ -23,3 +25,33 @@ def test_the_prediction_error_is_over_the_served_requests_that_carried_a_predict
     assert out["requests"][3]["message"].startswith("overloaded: prefill: predicted TTFT 13 s")
     assert report(outcomes[2:3], wall=1.0)["prediction_error"] is None
     assert "requests" not in report(outcomes, wall=2.0)
+
+
+def text(t: str) -> dict:
+    return {"choices": [{"text": t}]}
+
+
+def test_events_read_together_count_one_gap_not_zero_gaps_between_them():
+    """Under load the gateway's events coalesce: three arrive in one read, 40 ms after the last.
+    The client waited 40 ms once; the microseconds between parsing them are no inter-token gap."""
+    o = Outcome("chat", 200, started=0.0)
+    assert o.read([text("a")], 0.30)                                 # the first token: TTFT
+    assert o.read([{"choices": [{"text": ""}]}], 0.31)               # no text: no gap
+    assert o.read([text("b"), text("c"), text("d")], 0.35)
+    assert o.read([text("e")], 0.37)
+    assert o.ttft == pytest.approx(0.30) and o.tokens == 5
+    assert o.itls == pytest.approx([0.05, 0.02])
+    assert report([o], wall=1.0)["itl_p50_s"] > 0
+    assert not o.read([text("f"), {"error": {"message": "a worker failed"}}], 0.4)
+    assert o.code == "error_event"
+
+
+def test_sse_events_are_grouped_by_the_read_that_brought_them_even_split_across_reads():
+    async def chunks():
+        for c in (b'data: {"n": 1}\n\ndata: {"n": 2}\n\nda', b'ta: {"n": 3}\n\n',
+                  b"data: [DONE]\n\n"):
+            yield c
+
+    async def reads():
+        return [[e["n"] for e in events] async for events in sse_reads(chunks())]
+    assert asyncio.run(reads()) == [[1, 2], [3]]

@@ -14,7 +14,7 @@ import dataclasses
 import grpc
 import pytest
 
-from tests.waiting import wait_until
+from tests.waiting import eventually, wait_until
 from services.protocol import status
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -95,6 +95,49 @@ def test_a_plan_names_both_workers_and_holds_a_reservation_on_the_decode_worker(
             await close()
     asyncio.run(story())
     assert wait_until(lambda: held(workers.stats("decode-0")) == 0, 5)
+
+
+def test_an_admit_whose_caller_goes_after_its_reservation_leaves_nothing_held(workers):
+    """The caller goes (cancelled, or past its deadline) after the decode worker reserved for its
+    request but before the plan reached it: nobody will use or cancel that reservation, so the
+    router ends it then, rather than leave its blocks and its tenant's KV share held until its
+    deadline (30 s and more on). Here the router is held once its plan is made (its queue left,
+its tenant charged: the awaits where a caller's cancel lands after the Reserve)."""
+    async def story():
+        state = FleetState(workers.redis_url)
+        router = RouterServicer(state, "disagg", "r-gone", auth=workers.auth)
+        reserved, never = asyncio.Event(), asyncio.Event()
+        decide = router._admit
+
+        async def decide_then_hold(*args):
+            plan = await decide(*args)
+            reserved.set()
+            await never.wait()               # the plan is on its way when the caller goes
+            return plan
+        router._admit = decide_then_hold
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(router, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with internal_channel(f"127.0.0.1:{port}", workers.auth) as channel:
+                call = pb_grpc.RouterStub(channel).Admit(route_request("gone-1", PROMPT, 8),
+                                                         timeout=30)
+                await asyncio.wait_for(reserved.wait(), 30)
+                assert held(workers.stats("decode-0")) == 5          # reserved for it
+                call.cancel()                                         # the caller goes
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+
+            async def nothing_held() -> bool:
+                return held(await asyncio.to_thread(workers.stats, "decode-0")) == 0
+            # ended by the router, long before the reservation's own deadline would free it
+            assert await eventually(nothing_held, 10)
+        finally:
+            await server.stop(0)
+            await router.close()
+            await state.close()
+    asyncio.run(story())
 
 
 def test_two_routers_over_one_redis_place_alike(workers):

@@ -63,10 +63,18 @@ async def collect(stream) -> list:
     return await asyncio.wait_for(run(), DEADLINE_S)
 
 
+def busy(stats) -> bool:
+    """Something is queued, running or waiting for its KV: a request just added sits in the queue
+    (num_running 0) until the core's next step admits it, so running alone is not idle."""
+    return bool(stats.num_queued or stats.num_running or stats.num_waiting_for_kv)
+
+
 async def until_idle(client: EngineClient) -> None:
-    """Poll the core's stats until nothing runs (bounded by DEADLINE_S)."""
+    """Poll the core's stats until nothing is queued or runs (bounded by DEADLINE_S). The core
+    sends a request's outputs before it answers a later stats call, so once it is idle every
+    delta of a finished request has reached its stream."""
     deadline = time.monotonic() + DEADLINE_S
-    while (await client.stats()).num_running:
+    while busy(await client.stats()):
         assert time.monotonic() < deadline, "the core never went idle"
         await asyncio.sleep(0.01)
 
