@@ -7,6 +7,7 @@ grpc.aio runs on it unchanged.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -16,14 +17,37 @@ import grpc
 from services.protocol import fleet_token
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+SETTLE_S = 3.0          # how long a service's leftover tasks get to end once cancelled at exit
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop  # noqa: PLC0415 - optional
     except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+        return asyncio.run(_settled(main))
+    return uvloop.run(_settled(main))
+
+
+async def _settled(main: Coroutine[Any, Any, T]) -> T:
+    """`main`, then the tasks it left running cancelled while the loop still runs as it did,
+    each given SETTLE_S to end; one that does not is logged with its stack. (Left to asyncio.run's
+    own cancel-all, after `main` has returned, a worker whose engine core failed sometimes never
+    reached its exit status: the supervisor killed it unresponsive after 30 s.)"""
+    try:
+        return await main
+    finally:
+        me = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            _, stuck = await asyncio.wait(left, timeout=SETTLE_S)
+            for task in stuck:
+                stack = io.StringIO()
+                task.print_stack(file=stack)
+                log.error("task %s did not end %.0f s after it was cancelled at shutdown:\n%s",
+                          task.get_name(), SETTLE_S, stack.getvalue())
 
 
 def setup_logging(name: str) -> None:
