@@ -33,6 +33,13 @@ class GatedRouter(pb_grpc.RouterServicer):
         self.late_cancels: asyncio.Queue[str] = asyncio.Queue()
         self.calls = 0
         self.seen_trace: dict[str, dict] = {}
+        self.arrived = asyncio.Condition()              # notified as each request arrives
+
+    async def seen(self, count: int) -> None:
+        """Until `count` requests have arrived here."""
+        async with self.arrived:
+            await asyncio.wait_for(self.arrived.wait_for(lambda: len(self.seen_trace) >= count),
+                                   WAIT_S)
 
     def gate(self, rid: str) -> asyncio.Event:
         return self.gates.setdefault(rid, asyncio.Event())
@@ -45,6 +52,8 @@ class GatedRouter(pb_grpc.RouterServicer):
         ending = self.ending(rid)
         context.add_done_callback(lambda ctx: ending.done() or ending.set_result(ctx.cancelled()))
         self.seen_trace[rid] = dict(context.invocation_metadata())
+        async with self.arrived:
+            self.arrived.notify_all()
         if rid.startswith("refuse"):
             await status.abort(context, REFUSAL)
         await self.gate(rid).wait()
@@ -132,8 +141,7 @@ def test_a_deadline_on_one_request_ends_it_alone_on_both_sides():
 def test_a_caller_that_gives_up_cancels_its_request_on_the_peer():
     async def story(peer: Peer):
         ask = asyncio.create_task(peer.admit("gone"))
-        while "gone" not in peer.router.seen_trace:          # the router is handling it
-            await asyncio.sleep(0.01)
+        await peer.router.seen(1)                            # the router is handling it
         ask.cancel()
         assert await asyncio.wait_for(peer.router.ending("gone"), WAIT_S) is True
         peer.router.gate("next").set()
@@ -164,8 +172,7 @@ def test_a_typed_refusal_and_the_trace_context_travel_in_the_messages():
 def test_a_peer_gone_fails_every_waiting_request_and_the_next_one_reopens_the_call():
     async def story(peer: Peer):
         waiting = [asyncio.create_task(peer.admit(f"w{i}")) for i in range(3)]
-        while len(peer.router.seen_trace) < 3:
-            await asyncio.sleep(0.01)
+        await peer.router.seen(3)
         await peer.kill()
         for ask in waiting:
             with pytest.raises(status.CallFailed) as failed:
