@@ -5,7 +5,7 @@ endpoint (kvfleet, vLLM): the check that nothing that would be served in time is
   --output-tokens out each, streamed, ignore_eos; prompts are seeded random token ids, so both
   servers see the same lengths whatever their tokenizer does.
 Prints one JSON report: served / refused (by status and code, with a sample message and its
-Retry-After), TTFT p50/p99 per class, ITL p50/p99 (the gaps between the network reads that brought
+Retry-After), TTFT p50/p99 per class, ITL p50/p99 (the gaps between the arrivals that brought
 text: events read together count once), output tokens/s over the burst, and, against
 kvfleet, `prediction_error`: |predicted - actual| / actual TTFT (p50 / p90, median signed) of the
 served requests, from the `timing` object of each stream's last chunk. `--per-request` adds one
@@ -24,6 +24,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+
+# Body pieces parsed within this long of the previous one came in the same network read: httpx
+# hands each HTTP chunk of one socket read over separately, microseconds apart, so a read that
+# brought several of the gateway's chunks would otherwise count as several near-zero gaps.
+# Far below any engine step (the emulated 70B decode step is ~15 ms).
+SAME_ARRIVAL_S = 0.001
 
 
 def add_burst_args(p: argparse.ArgumentParser) -> None:
@@ -56,11 +62,11 @@ class Outcome:
     last: float = 0.0
 
     def read(self, events: list[dict], now: float) -> bool:
-        """The events one network read brought, at `now`; False on an error event. TTFT is the
-        first read with text; each later read with text adds one inter-token gap, since the last
-        such read. Events read together arrived together: the microseconds between parsing them
-        are no gap the client waited (counted, they made the ITL p50 0 once the server's
-        events coalesced under load), so a read counts once."""
+        """The events one piece of the body brought, at `now`; False on an error event. TTFT is
+        the first arrival with text; each later arrival with text adds one inter-token gap, since
+        the last one. Events that arrived together (in one piece, or in pieces parsed within
+        SAME_ARRIVAL_S of the last) are no gap the client waited: counted, the microseconds
+        between parsing them made the ITL p50 0 once the server's events coalesced under load."""
         texts = 0
         for event in events:
             if "error" in event:
@@ -72,7 +78,7 @@ class Outcome:
         if texts:
             if self.ttft is None:
                 self.ttft = now - self.started
-            else:
+            elif now - self.last >= SAME_ARRIVAL_S:
                 self.itls.append(now - self.last)
             self.last = now
             self.tokens += texts

@@ -46,6 +46,19 @@ def listening(address: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
+def described(pid: int) -> str:
+    """A live process as a failure message names it: pid, state and command line."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/status") as f:
+            state = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("State:")), "?")
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} [{state}] {command}"
+
+
 def test_kill_9_of_kvfleet_up_leaves_no_process_and_no_port(redis_url, tiny_model_dir, config):
     with supervised_fleet(redis_url, str(tiny_model_dir), config) as fleet:
         tree = descendants(fleet.proc.pid)
@@ -55,7 +68,7 @@ def test_kill_9_of_kvfleet_up_leaves_no_process_and_no_port(redis_url, tiny_mode
         fleet.proc.send_signal(signal.SIGKILL)
         fleet.proc.wait()
         assert wait_until(lambda: not any(running(pid) for pid in tree), 15), \
-            [pid for pid in tree if running(pid)]
+            [described(pid) for pid in tree if running(pid)]
         assert wait_until(lambda: not any(listening(a) for a in addresses), 15), \
             [a for a in addresses if listening(a)]
 

@@ -46,6 +46,18 @@ def test_events_read_together_count_one_gap_not_zero_gaps_between_them():
     assert o.code == "error_event"
 
 
+def test_pieces_of_one_network_read_parsed_microseconds_apart_are_one_arrival():
+    """httpx hands each HTTP chunk of one socket read over on its own: the gateway's events for
+    three tokens, written as three chunks and read at once, reach the client 0.1 ms apart. The
+    client waited once (40 ms), and the tokens still count."""
+    o = Outcome("chat", 200, started=0.0)
+    assert o.read([text("a")], 0.30)
+    for t, at in (("b", 0.3400), ("c", 0.3401), ("d", 0.3402)):
+        assert o.read([text(t)], at)
+    assert o.read([text("e")], 0.3600)
+    assert o.itls == pytest.approx([0.04, 0.0198]) and o.tokens == 5
+
+
 def test_sse_events_are_grouped_by_the_read_that_brought_them_even_split_across_reads():
     async def chunks():
         for c in (b'data: {"n": 1}\n\ndata: {"n": 2}\n\nda', b'ta: {"n": 3}\n\n',
