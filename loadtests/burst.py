@@ -2,11 +2,11 @@
 endpoint (kvfleet, vLLM): the check that nothing that would be served in time is refused.
 
   --chats N (200 prompt tokens each) and --documents M (--doc-tokens each), all sent at once,
-  --output-tokens out each, streamed, ignore_eos; prompts are seeded random token ids, so both
+  --output-tokens out each, streamed (with the usage event), ignore_eos; prompts are seeded random token ids, so both
   servers see the same lengths whatever their tokenizer does.
 Prints one JSON report: served / refused (by status and code, with a sample message and its
 Retry-After), TTFT p50/p99 per class, ITL p50/p99 (the gaps between the arrivals that brought
-text: events read together count once), output tokens/s over the burst, and, against
+text: events read together count once), output tokens/s over the burst (the servers' usage counts), and, against
 kvfleet, `prediction_error`: |predicted - actual| / actual TTFT (p50 / p90, median signed) of the
 served requests, from the `timing` object of each stream's last chunk. `--per-request` adds one
 row per request: its class, status, predicted and actual TTFT (a refusal's predicted TTFT is in
@@ -56,10 +56,17 @@ class Outcome:
     retry_after: str | None = None
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
-    tokens: int = 0
+    tokens: int = 0                         # events that brought text
+    usage_tokens: int | None = None         # the server's own count (its usage event)
     predicted_ttft: float | None = None     # kvfleet's `timing.predicted_ttft_s`, when it sends one
     started: float = 0.0
     last: float = 0.0
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens generated: the server's usage count where it sent one (an event may carry more
+        than one token), else the events that brought text."""
+        return self.usage_tokens if self.usage_tokens is not None else self.tokens
 
     def read(self, events: list[dict], now: float) -> bool:
         """The events one piece of the body brought, at `now`; False on an error event. TTFT is
@@ -75,6 +82,8 @@ class Outcome:
             self.predicted_ttft = event.get("timing", {}).get("predicted_ttft_s",
                                                               self.predicted_ttft)
             texts += bool(event.get("choices") and event["choices"][0].get("text"))
+            if event.get("usage"):                   # the last event (stream_options)
+                self.usage_tokens = event["usage"].get("completion_tokens")
         if texts:
             if self.ttft is None:
                 self.ttft = now - self.started
@@ -88,7 +97,7 @@ class Outcome:
 async def one(client: httpx.AsyncClient, model: str, kind: str, ids: list[int], out: int) -> Outcome:
     o = Outcome(kind)
     body = {"model": model, "prompt": ids, "max_tokens": out, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     o.started = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         o.status = r.status_code
@@ -174,7 +183,7 @@ def report(outcomes: list[Outcome], wall: float, per_request: bool = False) -> d
         "refusal_sample": ({"message": refused[0].message, "retry_after": refused[0].retry_after}
                            if refused else None),
         "classes": by_kind, "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
-        "output_tokens_per_s": round(sum(o.tokens for o in served) / wall, 1),
+        "output_tokens_per_s": round(sum(o.output_tokens for o in served) / wall, 1),
         "wall_s": round(wall, 2), "prediction_error": prediction_error(served),
         **({"requests": rows(outcomes)} if per_request else {})}
 

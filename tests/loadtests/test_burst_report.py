@@ -67,3 +67,14 @@ def test_sse_events_are_grouped_by_the_read_that_brought_them_even_split_across_
     async def reads():
         return [[e["n"] for e in events] async for events in sse_reads(chunks())]
     assert asyncio.run(reads()) == [[1, 2], [3]]
+
+
+def test_output_tokens_are_the_servers_usage_count_where_it_sent_one():
+    """An event may carry two tokens: the usage event's count is what was generated; without
+    one (a server that sends none), the events that brought text are counted."""
+    o = Outcome("chat", 200, started=0.0)
+    assert o.read([text("ab")], 0.1) and o.read([text("c")], 0.2)
+    assert o.output_tokens == 2
+    assert o.read([{"choices": [], "usage": {"completion_tokens": 3}}], 0.21)
+    assert o.output_tokens == 3 and o.tokens == 2
+    assert report([o], wall=1.0)["output_tokens_per_s"] == 3.0
