@@ -208,6 +208,14 @@ def in_flight_s(w: pb.WorkerStats, now_unix_s: float) -> float:
     return max(0.0, min(left, w.step_predicted_s))
 
 
+def at_rest(w: pb.WorkerStats) -> bool:
+    """Whether `w` was at rest at its beat: a worker of this build (it publishes its fitted cost)
+    with nothing running or queued, so no step in flight (services/worker/rates.py `fields`). What is queued on it now is what routers placed there
+    since (placements.with_placed_prompts), and it starts on that at once: nothing is in flight."""
+    return (fitted(w) and not w.step_predicted_s
+            and not (w.num_running or w.num_queued or decode_batch(w)[0]))
+
+
 def step_current(w: pb.WorkerStats, now_unix_s: float) -> bool:
     """Whether the step `w` published is still the one it runs at `now_unix_s`: begun less than
     OVERRUN_STEPS of its predicted lengths ago. A step past its predicted end but within that
@@ -420,9 +428,8 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     now = time.time() if now_unix_s is None else now_unix_s
     current = step_current(w, now)
     flight = in_flight_s(w, now) if current else 0.0
-    idle = not (w.queued_prefill_tokens or decode_batch(w)[0])
-    if current or (publishes_step(w) and idle):
-        # a beat younger than a step (or an idle worker): its queue is the one the prompt meets
+    if current or at_rest(w):
+        # a beat younger than a step (or an idle worker's): its queue is the one the prompt meets
         forward = step_ahead(w, own, cached_tokens, traffic_class or INTERACTIVE.name,
                             tenant, weights or {}, flight, ARRIVALS_JOINING, classes)
         if forward is not None:
