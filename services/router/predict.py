@@ -60,9 +60,19 @@ runs, `step_current`):
             flight to the step that takes the prompt's last token, each step through the fitted cost;
             on a co-located replica each step with its decode batch first (the prompts share what
             it leaves of the budget, within the attention cap while it decodes) and in its cost
-Otherwise (no step published, or it has ended: a beat older than a step, whose queue has moved
-on and whose current step's phase is unknown) the older rules above: on a prefill worker a whole
-busy step in flight inside `prefill`, on a co-located replica its decode-batch rule.
+The same stepping, with nothing in flight, on a worker at rest at its beat (`at_rest`: nothing
+running or queued there, so it publishes no step): what is queued there now is only what routers
+placed since, and it starts on that at once.
+In both, the prompts this router placed on the worker since its beat are in its published queues
+(placements.with_placed_prompts: each at the back of its tenant's queue of its class, where the
+engine puts it), so a burst's k-th document is stepped beside the k - 1 placed before it (on a
+prefill worker each takes a chunk of every step while the budget lasts: they share the steps, and
+each step costs their chunks together), and a chat ahead of the documents (its class goes first;
+the documents only fill what the chats leave of a step, at most their share while chats wait)
+keeps its own tokens of every step, slowed only by the documents' chunks in what it leaves.
+Otherwise (a step published and ended: a beat older than a step, whose queue has moved on and
+whose current step's phase is unknown) the older rules above: on a prefill worker a whole busy
+step in flight inside `prefill`, on a co-located replica its decode-batch rule.
 
 A worker that publishes none of it (an older build) is predicted with the router's `Prior`,
 never as 0: a cold fleet does not admit blindly.
@@ -210,8 +220,9 @@ def in_flight_s(w: pb.WorkerStats, now_unix_s: float) -> float:
 
 def at_rest(w: pb.WorkerStats) -> bool:
     """Whether `w` was at rest at its beat: a worker of this build (it publishes its fitted cost)
-    with nothing running or queued, so no step in flight (services/worker/rates.py `fields`). What is queued on it now is what routers placed there
-    since (placements.with_placed_prompts), and it starts on that at once: nothing is in flight."""
+    with nothing running or queued, so no step in flight (services/worker/rates.py `fields`).
+    What is queued on it now is what routers placed there since (placements.with_placed_prompts),
+    and it starts on that at once: nothing is in flight."""
     return (fitted(w) and not w.step_predicted_s
             and not (w.num_running or w.num_queued or decode_batch(w)[0]))
 
