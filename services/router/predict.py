@@ -439,7 +439,8 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     now = time.time() if now_unix_s is None else now_unix_s
     current = step_current(w, now)
     flight = in_flight_s(w, now) if current else 0.0
-    if current or at_rest(w):
+    idle = not (w.queued_prefill_tokens or decode_batch(w)[0])
+    if current or at_rest(w) or (publishes_step(w) and idle):
         # a beat younger than a step (or an idle worker's): its queue is the one the prompt meets
         forward = step_ahead(w, own, cached_tokens, traffic_class or INTERACTIVE.name,
                             tenant, weights or {}, flight, ARRIVALS_JOINING, classes)
