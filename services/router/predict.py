@@ -227,6 +227,18 @@ def at_rest(w: pb.WorkerStats) -> bool:
             and not (w.num_running or w.num_queued or decode_batch(w)[0]))
 
 
+def rested_in_flight_s(w: pb.WorkerStats) -> float:
+    """On a worker at rest at its beat, the step in flight when prompts were placed there since:
+    it began on the first of them as it arrived, with what had arrived (a burst reaches the
+    worker over its admissions, not at once), so a newcomer waits for it before the queue is
+    stepped: IN_FLIGHT_STEP of a step of their first chunks (within the budget), as on a busy
+    worker whose step is not published. 0 while nothing is queued there."""
+    queued = w.queued_prefill_tokens
+    if not queued:
+        return 0.0
+    return IN_FLIGHT_STEP * with_chunks_s(w, min(queued, w.token_budget or queued))
+
+
 def step_current(w: pb.WorkerStats, now_unix_s: float) -> bool:
     """Whether the step `w` published is still the one it runs at `now_unix_s`: begun less than
     OVERRUN_STEPS of its predicted lengths ago. A step past its predicted end but within that
@@ -437,10 +449,10 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     else:
         wait = ahead / prefill_rate(w, prior)
     now = time.time() if now_unix_s is None else now_unix_s
-    current = step_current(w, now)
-    flight = in_flight_s(w, now) if current else 0.0
+    current, rested = step_current(w, now), at_rest(w)
+    flight = in_flight_s(w, now) if current else rested_in_flight_s(w) if rested else 0.0
     idle = not (w.queued_prefill_tokens or decode_batch(w)[0])
-    if current or at_rest(w) or (publishes_step(w) and idle):
+    if current or rested or (publishes_step(w) and idle):
         # a beat younger than a step (or an idle worker's): its queue is the one the prompt meets
         forward = step_ahead(w, own, cached_tokens, traffic_class or INTERACTIVE.name,
                             tenant, weights or {}, flight, ARRIVALS_JOINING, classes)

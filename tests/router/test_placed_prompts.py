@@ -6,13 +6,14 @@ step. Numbers are injected; the engine's Scheduler (real, over a real BlockPool,
 the same cost law per step is the truth."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant
 from services.engine.scheduler import attention_pairs
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.router.placements import PlacedPrompt, PlacedPrompts, with_placed_prompts
-from services.router.predict import PATH_S, predict
+from services.router.predict import PATH_S, Prediction, predict
 from services.router.step_ahead import stepped
 from tests.engine.scheduler_helpers import add, make_scheduler, step
 
@@ -59,6 +60,11 @@ def predicted(placed: list[tuple[str, str, int]], cls: str, tenant: str, tokens:
                    classes=CLASSES)
 
 
+def queued_s(p: Prediction) -> float:
+    """The predicted TTFT from the end of the step in flight (the engine's steps, stepped)."""
+    return p.wait_s + p.prefill_s
+
+
 def own_steps(placed: list[tuple[str, str, int]], cls: str, tenant: str, tokens: int) -> list[int]:
     w = with_placed_prompts(at_rest(), [PlacedPrompt(*p) for p in placed], CLASSES)
     return [n for n, _, _ in stepped(w, tokens, 0, cls, tenant, {}, 0.0, 0.0, CLASSES)]
@@ -92,11 +98,11 @@ def test_four_documents_at_once_are_each_predicted_with_those_placed_before_them
     ledger, beat, predictions = PlacedPrompts(), at_rest(), []
     for c, t, n in docs:
         w = ledger.onto(beat, CLASSES)
-        predictions.append(predict(w, n, traffic_class=c, tenant=t, now_unix_s=100.2,
-                                   classes=CLASSES).total_s)
+        predictions.append(queued_s(predict(w, n, traffic_class=c, tenant=t, now_unix_s=100.2,
+                                            classes=CLASSES)))
         ledger.add(beat, PlacedPrompt(c, t, n))
-    assert predictions[0] - PATH_S == engine_seconds(docs[:1])[0]      # the first: alone
-    assert predictions[-1] - PATH_S == truth[-1]
+    assert predictions[0] == engine_seconds(docs[:1])[0]      # the first: alone
+    assert predictions[-1] == truth[-1]
     assert all(a < b for a, b in zip(predictions, predictions[1:]))
     ledger.take_back(beat, PlacedPrompt("document", "a", 2000))
     assert len(ledger.since_beat(beat)) == 3
@@ -114,10 +120,14 @@ def test_each_prompt_of_a_burst_is_predicted_as_the_engine_runs_it_behind_those_
         placed, mine):
     """Whatever chats and documents of whichever tenants were placed since an idle worker's beat,
     the next prompt's predicted TTFT is the engine's time to its last token behind them (no
-    arrivals expected: the worker measured none)."""
+    arrivals expected: the worker measured none), after the step in flight: the worker began one
+    on the first of them as it arrived (a step of their first chunks; none when nothing is
+    placed)."""
     truth = engine_seconds([*placed, mine])[-1]
     p = predicted(placed, *mine)
-    assert abs(p.total_s - PATH_S - truth) <= 1e-9 * truth
+    assert abs(queued_s(p) - truth) <= 1e-9 * truth
+    assert (p.in_flight_s > 0) == bool(placed)
+    assert p.total_s == pytest.approx(PATH_S + p.in_flight_s + queued_s(p))
 
 
 @settings(max_examples=60, deadline=None)
@@ -141,7 +151,8 @@ def test_documents_never_take_a_chats_tokens_and_slow_it_only_in_the_steps_it_le
         chats, tokens, documents):
     """The engine serves chats first and gives documents only what the chats leave of a step: a
     chat's tokens in each step are the same whatever documents are queued, its prediction never
-    earlier; and when the chats fill every step up to its last, the documents do not move it."""
+    earlier; and when the chats fill every step up to its last, the documents do not move it
+    (the step in flight aside: it holds whichever arrived first)."""
     ahead = [("interactive", "a", n) for n in chats]
     docs = [("document", t, n) for t, n in documents]
     alone = own_steps(ahead, "interactive", "a", tokens)
@@ -151,5 +162,5 @@ def test_documents_never_take_a_chats_tokens_and_slow_it_only_in_the_steps_it_le
     fill = -(sum(chats) + tokens) % BUDGET       # chats ahead (a chunk each) that fill its steps
     full = ahead + [("interactive", "a", n) for n in [CHUNK] * (fill // CHUNK) + [fill % CHUNK]
                     if n]
-    assert (predicted(docs + full, "interactive", "a", tokens).total_s
-            == predicted(full, "interactive", "a", tokens).total_s)
+    assert (queued_s(predicted(docs + full, "interactive", "a", tokens))
+            == queued_s(predicted(full, "interactive", "a", tokens)))
