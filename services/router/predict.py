@@ -60,9 +60,10 @@ runs, `step_current`):
             flight to the step that takes the prompt's last token, each step through the fitted cost;
             on a co-located replica each step with its decode batch first (the prompts share what
             it leaves of the budget, within the attention cap while it decodes) and in its cost
-The same stepping, with nothing in flight, on a worker at rest at its beat (`at_rest`: nothing
-running or queued there, so it publishes no step): what is queued there now is only what routers
-placed since, and it starts on that at once.
+The same stepping on a worker at rest at its beat (`at_rest`: nothing running or queued there,
+so it publishes no step): what is queued there now is only what routers placed since; the step
+in flight is the one it began on the first of them (`rested_in_flight_s`; none while nothing is
+placed there).
 In both, the prompts this router placed on the worker since its beat are in its published queues
 (placements.with_placed_prompts: each at the back of its tenant's queue of its class, where the
 engine puts it), so a burst's k-th document is stepped beside the k - 1 placed before it (on a
@@ -222,7 +223,7 @@ def at_rest(w: pb.WorkerStats) -> bool:
     """Whether `w` was at rest at its beat: a worker of this build (it publishes its fitted cost)
     with nothing running or queued, so no step in flight (services/worker/rates.py `fields`).
     What is queued on it now is what routers placed there since (placements.with_placed_prompts),
-    and it starts on that at once: nothing is in flight."""
+    and it began on that as it arrived (`rested_in_flight_s`)."""
     return (fitted(w) and not w.step_predicted_s
             and not (w.num_running or w.num_queued or decode_batch(w)[0]))
 
