@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.engine.config import TrafficClass
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -142,26 +143,88 @@ def _at_beat(counts: dict[str, tuple[float, dict[str, int]]], w: pb.WorkerStats)
     return by_tenant if beat == w.updated_at_unix_s else {}
 
 
-def with_placed_prompts(w: pb.WorkerStats, placed: dict[str, list[int]],
+@dataclass(frozen=True, slots=True)
+class PlacedPrompt:
+    """A prompt a router placed on a prefill (or mixed) worker since its beat."""
+
+    traffic_class: str
+    tenant: str
+    tokens: int         # to prefill: the prompt less its cached prefix on that worker
+    cached: int = 0     # the prefix it holds (where the prompt's first chunk starts)
+
+
+class PlacedPrompts:
+    """The prompts this router placed on each prefill worker since that worker's beat, in the
+    order it placed them: each counted from its prediction on (before any await, so a burst's
+    concurrent admissions see it ahead of them), taken back when it ends without a plan; a newer
+    beat starts from none (it lists them in its own queues)."""
+
+    def __init__(self) -> None:
+        self._placed: dict[str, tuple[float, list[PlacedPrompt]]] = {}  # id -> (beat, prompts)
+
+    def since_beat(self, w: pb.WorkerStats) -> list[PlacedPrompt]:
+        beat, placed = self._placed.get(w.worker_id, (None, []))
+        return placed if beat == w.updated_at_unix_s else []
+
+    def add(self, w: pb.WorkerStats, prompt: PlacedPrompt) -> None:
+        placed = self.since_beat(w)
+        self._placed[w.worker_id] = (w.updated_at_unix_s, [*placed, prompt])
+
+    def take_back(self, w: pb.WorkerStats, prompt: PlacedPrompt) -> None:
+        """Take back a prompt `add` counted that was not placed after all (unless a newer beat has
+        already started the count afresh)."""
+        placed = self.since_beat(w)
+        if prompt in placed:
+            placed.remove(prompt)
+
+    def onto(self, w: pb.WorkerStats, classes: Sequence[TrafficClass]) -> pb.WorkerStats:
+        """`w` with the prompts placed on it since its beat queued there: `with_placed_prompts`."""
+        return with_placed_prompts(w, self.since_beat(w), classes)
+
+
+def with_placed_prompts(w: pb.WorkerStats, placed: Sequence[PlacedPrompt],
                         classes: Sequence[TrafficClass]) -> pb.WorkerStats:
-    """`w` with the prompts a router placed on it since its beat (`placed`: class -> prompt
-    tokens of each) counted as queued there, as the worker's scheduler counts its own queue: in
-    its total and, per class it publishes, in the tokens a new request of that class waits behind
-    (the placed prompts of its own and higher priorities: Scheduler.prefill_tokens_ahead) and in
-    what they take of one step (each at most its chunk: prefill_step_tokens_ahead). A burst
-    within one beat so sees its own backlog ahead of each prompt, not an empty queue."""
-    if not any(placed.values()):
+    """`w` with the prompts a router placed on it since its beat (`placed`, in the order it
+    placed them) counted as queued there, as the worker's scheduler counts its own queue: in its
+    total; per class it publishes, in the tokens a new request of that class waits behind (the
+    placed prompts of its own and higher priorities: Scheduler.prefill_tokens_ahead) and in what
+    they take of one step (each at most its chunk: prefill_step_tokens_ahead); and each at the
+    back of its tenant's queue (`prefill_queues`, none of it computed), where the scheduler puts
+    it, so the router's step-ahead (step_ahead.py) steps it with the rest, in the engine's order.
+    A burst within one beat so sees its own backlog ahead of each prompt, not an empty queue."""
+    if not placed:
         return w
     out = pb.WorkerStats()
     out.CopyFrom(w)
-    out.queued_prefill_tokens += sum(sum(p) for p in placed.values())
+    out.queued_prefill_tokens += sum(p.tokens for p in placed)
     chunk = w.chunk_size
     priority = {c.name: c.priority for c in classes}
     for c in classes:
-        above = [n for name, prompts in placed.items()
-                 if priority.get(name, c.priority) >= c.priority for n in prompts]
+        above = [p.tokens for p in placed
+                 if priority.get(p.traffic_class, c.priority) >= c.priority]
         if c.name in out.queued_prefill_tokens_ahead:
             out.queued_prefill_tokens_ahead[c.name] += sum(above)
         if c.name in out.prefill_step_tokens_ahead:
             out.prefill_step_tokens_ahead[c.name] += sum(min(n, chunk or n) for n in above)
+    for p in placed:
+        _queue_last(_tenant_queue(out, p.traffic_class, p.tenant), p.tokens, p.cached)
     return out
+
+
+def _tenant_queue(w: pb.WorkerStats, traffic_class: str, tenant: str) -> pb.TenantQueue:
+    for q in w.prefill_queues:
+        if q.traffic_class == traffic_class and q.tenant == tenant:
+            return q
+    return w.prefill_queues.add(traffic_class=traffic_class, tenant=tenant)
+
+
+def _queue_last(q: pb.TenantQueue, tokens: int, cached: int) -> None:
+    """Queue a prompt of `tokens` to compute after `cached` behind everything in `q`: behind its
+    unlisted tail too (a worker lists its first PUBLISHED_PROMPTS prompts; the rest of its tokens
+    come after them, none computed), which so becomes a listed prompt of its own before it."""
+    unlisted = q.tokens - sum(q.prompts)
+    for n, done in ((unlisted, 0),) * (unlisted > 0) + ((tokens, cached),):
+        if len(q.computed) == len(q.prompts):   # positions kept in step (empty: older build)
+            q.computed.append(done)
+        q.prompts.append(n)
+    q.tokens += tokens

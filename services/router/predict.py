@@ -60,9 +60,20 @@ runs, `step_current`):
             flight to the step that takes the prompt's last token, each step through the fitted cost;
             on a co-located replica each step with its decode batch first (the prompts share what
             it leaves of the budget, within the attention cap while it decodes) and in its cost
-Otherwise (no step published, or it has ended: a beat older than a step, whose queue has moved
-on and whose current step's phase is unknown) the older rules above: on a prefill worker a whole
-busy step in flight inside `prefill`, on a co-located replica its decode-batch rule.
+The same stepping on a worker at rest at its beat (`at_rest`: nothing running or queued there,
+so it publishes no step): what is queued there now is only what routers placed since; the step
+in flight is the one it began on the first of them (`rested_in_flight_s`; none while nothing is
+placed there).
+In both, the prompts this router placed on the worker since its beat are in its published queues
+(placements.with_placed_prompts: each at the back of its tenant's queue of its class, where the
+engine puts it), so a burst's k-th document is stepped beside the k - 1 placed before it (on a
+prefill worker each takes a chunk of every step while the budget lasts: they share the steps, and
+each step costs their chunks together), and a chat ahead of the documents (its class goes first;
+the documents only fill what the chats leave of a step, at most their share while chats wait)
+keeps its own tokens of every step, slowed only by the documents' chunks in what it leaves.
+Otherwise (a step published and ended: a beat older than a step, whose queue has moved on and
+whose current step's phase is unknown) the older rules above: on a prefill worker a whole busy
+step in flight inside `prefill`, on a co-located replica its decode-batch rule.
 
 A worker that publishes none of it (an older build) is predicted with the router's `Prior`,
 never as 0: a cold fleet does not admit blindly.
@@ -206,6 +217,27 @@ def in_flight_s(w: pb.WorkerStats, now_unix_s: float) -> float:
     step while it is idle); 0 once it has ended."""
     left = w.step_started_unix_s + w.step_predicted_s - now_unix_s
     return max(0.0, min(left, w.step_predicted_s))
+
+
+def at_rest(w: pb.WorkerStats) -> bool:
+    """Whether `w` was at rest at its beat: a worker of this build (it publishes its fitted cost)
+    with nothing running or queued, so no step in flight (services/worker/rates.py `fields`).
+    What is queued on it now is what routers placed there since (placements.with_placed_prompts),
+    and it began on that as it arrived (`rested_in_flight_s`)."""
+    return (fitted(w) and not w.step_predicted_s
+            and not (w.num_running or w.num_queued or decode_batch(w)[0]))
+
+
+def rested_in_flight_s(w: pb.WorkerStats) -> float:
+    """On a worker at rest at its beat, the step in flight when prompts were placed there since:
+    it began on the first of them as it arrived, with what had arrived (a burst reaches the
+    worker over its admissions, not at once), so a newcomer waits for it before the queue is
+    stepped: IN_FLIGHT_STEP of a step of their first chunks (within the budget), as on a busy
+    worker whose step is not published. 0 while nothing is queued there."""
+    queued = w.queued_prefill_tokens
+    if not queued:
+        return 0.0
+    return IN_FLIGHT_STEP * with_chunks_s(w, min(queued, w.token_budget or queued))
 
 
 def step_current(w: pb.WorkerStats, now_unix_s: float) -> bool:
@@ -418,11 +450,11 @@ def predict(w: pb.WorkerStats, prompt_tokens: int, *, cached_tokens: int = 0,
     else:
         wait = ahead / prefill_rate(w, prior)
     now = time.time() if now_unix_s is None else now_unix_s
-    current = step_current(w, now)
-    flight = in_flight_s(w, now) if current else 0.0
+    current, rested = step_current(w, now), at_rest(w)
+    flight = in_flight_s(w, now) if current else rested_in_flight_s(w) if rested else 0.0
     idle = not (w.queued_prefill_tokens or decode_batch(w)[0])
-    if current or (publishes_step(w) and idle):
-        # a beat younger than a step (or an idle worker): its queue is the one the prompt meets
+    if current or rested or (publishes_step(w) and idle):
+        # a beat younger than a step (or an idle worker's): its queue is the one the prompt meets
         forward = step_ahead(w, own, cached_tokens, traffic_class or INTERACTIVE.name,
                             tenant, weights or {}, flight, ARRIVALS_JOINING, classes)
         if forward is not None:

@@ -67,7 +67,7 @@ from services.router.placement import (Placed, can_ever_hold, kv_blocks_needed, 
                                        rank_mixed, rank_prefill, room_after)
 from services.router.path_choice import choose
 from services.router.paths import DEFAULT_THRESHOLD_TOKENS, PATH_ROLES, Paths
-from services.router.placements import PlacementLedger, with_placed_prompts
+from services.router.placements import PlacedPrompt, PlacedPrompts, PlacementLedger
 from services.router.pools import choose_pool, in_pool, served_by
 from services.router.prefix_index import PrefixIndex
 from services.router.predict import Prediction, decode_wait_s, kv_bytes_of, predict
@@ -158,9 +158,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                                   StageMachine(self.policy.stages), router_id, self.fleet_signals,
                                   on_stage=self.metrics.stage.set)
         self._background: list[asyncio.Task] = []
-        # prompts placed on each prefill worker since its beat:
-        # {id: (beat time, {class: [prompt tokens of each]})}
-        self._prefill_placed: dict[str, tuple[float, dict[str, list[int]]]] = {}
+        self.placed_prompts = PlacedPrompts()   # on each prefill worker since its beat
 
     def start(self, keeper: bool = True) -> None:
         """The capacity subscription and (unless `keeper` is False) the stage keeper, once."""
@@ -450,13 +448,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         protected = admission.protected(tenant, held, blocks)
         rule = admission.stage_rule(self.policy, self.keeper.stage, cls, protected,
                                     request.params.max_tokens, fallback_pool=pool != "primary")
-        p = predict(self._with_placed(prefill[0]), prompt, traffic_class=cls.name,
-                    cached_tokens=cached.get(prefill[0].worker_id, 0),
+        hit = cached.get(prefill[0].worker_id, 0)
+        mine = PlacedPrompt(cls.name, tenant.name, prompt - hit, hit)
+        p = predict(self.placed_prompts.onto(prefill[0], self.policy.classes), prompt,
+                    traffic_class=cls.name, cached_tokens=hit,
                     kv_bytes=0 if path == "colocated" else kv_bytes_of(prefill[0], prompt),
                     decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior,
                     tenant=tenant.name, weights=self._weights, classes=self.policy.classes)
         # counted before any await: a burst's concurrent admissions see it ahead of them
-        self._placed_prefill(prefill[0], prompt, cls.name)
+        self.placed_prompts.add(prefill[0], mine)
         kept = False
         try:
             if first and admission.best_case_s(p) <= cls.ttft_target_s:
@@ -520,7 +520,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             return plan
         finally:
             if not kept:
-                self._unplaced_prefill(prefill[0], prompt, cls.name)
+                self.placed_prompts.take_back(prefill[0], mine)
 
     async def _ahead(self, cls: str, tenant: str, deadline_unix_s: float,
                      waiting: int) -> tuple[int, bool]:
@@ -541,30 +541,6 @@ class RouterServicer(pb_grpc.RouterServicer):
             await self.queue.admitted(cls, tenant.name, tenant.weight)
         except (RedisError, OSError) as e:
             log.warning("could not charge tenant %s its turn in class %s: %s", tenant.name, cls, e)
-
-    def _with_placed(self, w: pb.WorkerStats) -> pb.WorkerStats:
-        """`w` with the prompts this router placed on it since its beat counted as queued, by
-        class (placements.with_placed_prompts): a burst within one beat (a cold fleet's first)
-        sees its own backlog."""
-        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
-        if beat != w.updated_at_unix_s:
-            return w
-        return with_placed_prompts(w, placed, self.policy.classes)
-
-    def _placed_prefill(self, w: pb.WorkerStats, prompt_tokens: int, traffic_class: str) -> None:
-        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
-        if beat != w.updated_at_unix_s:
-            placed = {}
-        placed.setdefault(traffic_class, []).append(prompt_tokens)
-        self._prefill_placed[w.worker_id] = (w.updated_at_unix_s, placed)
-
-    def _unplaced_prefill(self, w: pb.WorkerStats, prompt_tokens: int, traffic_class: str) -> None:
-        """Take back a prompt counted by `_placed_prefill` that was not placed after all (unless
-        a newer beat has already started the count afresh)."""
-        beat, placed = self._prefill_placed.get(w.worker_id, (None, {}))
-        prompts = placed.get(traffic_class, [])
-        if beat == w.updated_at_unix_s and prompt_tokens in prompts:
-            prompts.remove(prompt_tokens)
 
     async def _colocated(self, request: pb.WorkRequest, candidates, p: Prediction) -> pb.Plan:
         prompt = len(request.prompt_token_ids)

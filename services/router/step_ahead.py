@@ -97,12 +97,22 @@ def step_ahead(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, 
         t += seconds
         if left <= 0:
             return Ahead(started, t - started)
-    # past MAX_STEPS: the rest in steps like the last one (a full one if it has not started)
-    chunk = w.chunk_size or w.token_budget
-    if not own:
-        own, seconds = min(left, chunk), _cost(w, w.token_budget, decode_batch(w)[1])
+    # past MAX_STEPS: the rest in steps like the last one (a full one if it has not started),
+    # the others' part of it alike in each, its own chunks each at their depth (a long
+    # document's later chunks attend over more: priced at the last one's, it came out short)
+    done = cached + tokens - left
+    if own:
+        others = seconds - _own_s(w, done - own, own)
+    else:
+        own = min(left, w.chunk_size or w.token_budget)
+        others = _cost(w, w.token_budget - own, decode_batch(w)[1])
     started = t if started is None else started
-    return Ahead(started, t - started + -(-left // own) * seconds)
+    return Ahead(started, t - started + -(-left // own) * others + _own_s(w, done, left))
+
+
+def _own_s(w: pb.WorkerStats, start: int, tokens: int) -> float:
+    """The part of steps' cost that `tokens` of one prompt from position `start` make."""
+    return w.prefill_s_per_token * tokens + w.prefill_s_per_pair * attention_pairs(start, tokens)
 
 
 def stepped(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, tenant: str,

@@ -18,7 +18,8 @@ from services.protocol import status
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.router.admission import AdmissionConfig
-from services.router.predict import PATH_S, Prior
+from services.router.placements import PlacedPrompt, with_placed_prompts
+from services.router.predict import PATH_S, Prior, predict
 from services.router.service import RouterServicer
 from services.state.fleet_state import FleetState
 
@@ -107,3 +108,28 @@ def test_a_burst_within_one_beat_sees_its_own_backlog_ahead_of_its_class(redis_u
         assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                                and "vs target 1 s" in status.of(e).message for e in refused)
     asyncio.run(story())
+
+
+def test_documents_of_one_burst_are_each_predicted_behind_the_ones_placed_before_it(redis_url,
+                                                                                    redis_ns):
+    """A warm worker at rest; four documents arrive at once, within one beat. Each is queued
+    where the engine puts it the moment it is predicted (at the back of its tenant's document
+    queue), so each next one is predicted with the documents placed before it sharing its
+    steps: the four predictions are the worker's beat stepped forward with 0, 1, 2 and 3 of
+    them queued. (Queued only in the totals, the stepping gave up and all four were priced
+    alike: docs/benchmarks.md, a9doc.)"""
+    doc = list(range(1000))
+    async def story():
+        async with router_beside(redis_url, redis_ns, WARM) as (servicer, router):
+            plans = await asyncio.gather(*(router.Admit(pb.WorkRequest(
+                request_id=f"d{i}", traffic_class="document", prompt_token_ids=doc,
+                params=pb.SamplingParams(max_tokens=8)), timeout=30) for i in range(4)))
+            return plans, servicer.policy
+    plans, policy = asyncio.run(story())
+    tenant = policy.tenant("").name
+    before = [PlacedPrompt("document", tenant, len(doc))]
+    expected = [predict(with_placed_prompts(WARM, before * k, policy.classes), len(doc),
+                        traffic_class="document", tenant=tenant, classes=policy.classes).total_s
+                for k in range(4)]
+    assert all(a < b for a, b in zip(expected, expected[1:]))
+    assert sorted(p.predicted_ttft_s for p in plans) == pytest.approx(expected)

@@ -33,10 +33,15 @@ def test_a_lone_prompt_takes_its_chunks_one_step_each():
 
 
 def test_a_long_document_past_the_stepped_steps_goes_on_at_their_pace():
-    """Past MAX_STEPS the rest is priced in steps like the last one, not stepped one by one."""
+    """Past MAX_STEPS the rest is priced in steps like the last one, not stepped one by one:
+    the others' part of each alike, its own chunks each at their depth."""
     tokens = 100 * CHUNK + 10
     ahead = step_ahead(worker({}), tokens, 0, "interactive", "a", {}, 0.0, 0.5)
-    assert ahead.prefill_s == pytest.approx(101 * (STEP_S + PER_TOKEN * CHUNK))
+    assert ahead.prefill_s == pytest.approx(101 * STEP_S + PER_TOKEN * tokens)
+    pairs = worker({}, prefill_s_per_pair=1e-8)
+    deep = step_ahead(pairs, tokens, 0, "interactive", "a", {}, 0.0, 0.5)
+    assert deep.prefill_s == pytest.approx(101 * STEP_S + PER_TOKEN * tokens
+                                           + 1e-8 * tokens * (tokens + 1) / 2)
 
 
 def test_behind_other_tenants_a_prompt_takes_more_steps_than_its_chunks():
