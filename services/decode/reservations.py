@@ -119,7 +119,13 @@ class DecodeRole:
     def readiness(self) -> str | None:
         return self.state.readiness()
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str, reservation: float | None = None) -> bool:
+        """End the request (the Cancel RPC, or a late cancel on a ReserveStream call);
+        `reservation`: only while it holds the reservation that expires then (a plan's release,
+        which may come after the request ended and its id was taken again)."""
+        res = self._reservations.get(request_id)
+        if reservation is not None and (res is None or res.expires_at_unix_s != reservation):
+            return False
         return self.end(request_id)
 
     def load(self) -> RoleLoad:

@@ -22,6 +22,17 @@ the workers it names (DESIGN 3: one relay, worker -> gateway -> client).
      touched (fire and forget: the decode worker owns the safety of its blocks, so the order of
      these Cancels does not matter).
 
+Where a cancel can fall between the router's answer and the decode stream owning the request,
+and what frees the plan's decode reservation then (docs/architecture.md, "Cancel windows"):
+  - the plan on its way back (the caller went; its ask's cancel found the router done): the
+    answer comes to no one, and the admit call hands it to `Channels.release`, which ends the
+    reservation on its decode worker by a Cancel naming it (request id and the reservation's
+    deadline, so a late one ends nothing else);
+  - the plan taken but its calls not opened (a Cancel call while the Admit ran, `close()` before
+    the first read): the run is closed, so it opens none and releases the plan the same way;
+  - the calls opened (prefill accepted or not, KV on its way, decode running): `close()` cancels
+    the subscription on the DecodeStream call, and the decode worker ends the reservation.
+
 Words: the router's answer is the request's plan (pb.Plan); a FleetRun is one request's calls to
 the workers the plan names; how the REST answer is shaped is openai_schema.ResponseShape.
 
@@ -60,8 +71,10 @@ RETRYABLE = (pb.UNAVAILABLE, pb.ENGINE_FAILED, pb.REASON_UNSPECIFIED)
 class Channels:
     """One channel per service address, made on first use, carrying the fleet token."""
 
-    def __init__(self, auth: FleetAuth | None = None) -> None:
+    def __init__(self, auth: FleetAuth | None = None, cancel_s: float = 2.0) -> None:
         self._auth = auth
+        self._cancel_s = cancel_s            # a release's Cancel call (Timeouts.cancel_s)
+        self._releases: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._links: dict[str, DecodeLink] = {}
         self._admits: dict[str, shared_call.SharedCall] = {}
@@ -82,8 +95,35 @@ class Channels:
         call = self._admits.get(address)
         if call is None:
             call = self._admits[address] = shared_call.admit_call(
-                TypedStub(pb_grpc.RouterStub(self.get(address))), address)
+                TypedStub(pb_grpc.RouterStub(self.get(address))), address, self._orphaned)
         return call
+
+    def _orphaned(self, answer: pb.AdmitAnswer) -> None:
+        if answer.HasField("plan"):
+            self.release(answer.plan)
+
+    def release(self, plan: pb.Plan) -> None:
+        """End a plan that will not run (its caller went before it opened any call): the decode
+        worker ends the reservation the plan names, by a Cancel carrying the request id and that
+        reservation's deadline. Idempotent, and safe whatever the reservation's stage: one already
+        ended, or one a later request made under the same id, is left alone. A co-located plan
+        holds nothing on its worker until its subscription comes."""
+        if plan.mode != pb.Plan.DISAGGREGATED or not plan.decode.address:
+            return
+        log.info("%s: its plan went unused; releasing its reservation on %s", plan.request_id,
+                 plan.decode.worker_id)
+        task = asyncio.get_running_loop().create_task(self._release(plan))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, plan: pb.Plan) -> None:
+        request = pb.CancelRequest(request_id=plan.request_id,
+                                   reservation_deadline_unix_s=plan.deadline_unix_s)
+        try:
+            await self.worker(plan.decode.address).Cancel(request, timeout=self._cancel_s)
+        except status.CallFailed as e:
+            log.warning("%s: releasing its reservation on %s: %s", plan.request_id,
+                        plan.decode.worker_id, e.status.message)
 
     def prefill_call(self, address: str) -> shared_call.SharedCall:
         """The one PrefillStream call to this prefill worker (a new one once the last broke)."""
@@ -102,6 +142,8 @@ class Channels:
         return link
 
     async def close(self) -> None:
+        if self._releases:            # plans released just before: their Cancels go out first
+            await asyncio.wait(self._releases, timeout=self._cancel_s)
         for link in self._links.values():
             link.close()
         for call in [*self._admits.values(), *self._prefills.values()]:
@@ -300,15 +342,33 @@ class FleetRun:
         self._reader = self._read()
         self._prefill_tail: asyncio.Task | None = None
         self.finished = False
+        self.closed = False                         # close() ran: no call opens after it
+        self._admitting: asyncio.Future | None = None   # the Admit, while it runs
+        self._opened = False                        # the plan's calls were opened
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     async def start(self) -> pb.Plan:
-        self.plan = await self.routers.admit(self.request, self._metadata)
-        self.admitted_at = time.monotonic()
-        return self.plan
+        """The router's plan. The Admit runs in a task of its own, so that `close()` (a Cancel
+        call, not the reader's task) ends it too; a plan that comes anyway, or that this task
+        was cancelled before it could take, is released at once, and the run ends cancelled."""
+        admitting = self._admitting = asyncio.ensure_future(
+            self.routers.admit(self.request, self._metadata))
+        try:
+            plan = await admitting
+        except asyncio.CancelledError:
+            if admitting.done() and not admitting.cancelled() and admitting.exception() is None:
+                self.channels.release(admitting.result())    # answered as the caller went
+            raise
+        finally:
+            self._admitting = None
+        self.plan, self.admitted_at = plan, time.monotonic()
+        if self.closed:
+            self.channels.release(plan)
+            raise asyncio.CancelledError()
+        return plan
 
     async def next(self) -> pb.TokenChunk | None:
         try:
@@ -321,6 +381,9 @@ class FleetRun:
 
     async def _read(self):
         plan = self.plan if self.plan is not None else await self.start()
+        if self.closed:               # closed after `start` and before this first read
+            raise asyncio.CancelledError()
+        self._opened = True
         if plan.mode == pb.Plan.COLOCATED:
             async for chunk in self._colocated(plan):
                 yield chunk
@@ -416,6 +479,11 @@ class FleetRun:
         not finish stops its calls and cancels the request on every worker it touched."""
         if self.finished:
             return                    # a prefill call still shipping KV ends by itself
+        if self.plan is not None and not self._opened and not self.closed:
+            self.channels.release(self.plan)    # a plan taken but never run
+        self.closed = True
+        if self._admitting is not None:
+            self._admitting.cancel()            # the router is told (or the answer released)
         for call in self._calls:
             call.cancel()
         if self._prefill_tail is not None:

@@ -92,7 +92,7 @@ async def serve(config: GatewayConfig, timeouts: Timeouts | None = None) -> int:
                               config.quality_version, config.served_model_aliases)
     state = FleetState(config.redis_url)
     # its calls to routers and workers carry the fleet token: without one, refuse to start
-    channels = Channels(fleet_token.active().require("gateway"))
+    channels = Channels(fleet_token.active().require("gateway"), timeouts.cancel_s)
     quotas = Quotas(state, gateway_id(), lease_terms(timeouts))
     tracing.setup("gateway", quotas.holder)
     core = GatewayCore(config, model, quotas, channels, timeouts)

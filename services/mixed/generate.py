@@ -55,7 +55,11 @@ class MixedRole:
     def readiness(self) -> str | None:
         return self.state.readiness()
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str, reservation: float | None = None) -> bool:
+        """End the request here. A plan's release (`reservation`) names a decode reservation:
+        a co-located request holds none."""
+        if reservation is not None:
+            return False
         return bool(await self.parts.engine.cancel(request_id))
 
     def load(self) -> RoleLoad:

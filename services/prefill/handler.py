@@ -219,9 +219,12 @@ class PrefillRole:
                      " (abandoned: the request was cancelled)" if abandoned else "")
         self.engine.cancel_soon(rid)
 
-    async def cancel(self, rid: str) -> bool:
+    async def cancel(self, rid: str, reservation: float | None = None) -> bool:
         """Stop the request here; a KV write already under way runs to its end (bounded by its
-        deadline), and the request's blocks go back after it."""
+        deadline), and the request's blocks go back after it. A plan's release (`reservation`)
+        names a decode reservation: none is held here."""
+        if reservation is not None:
+            return False
         if rid in self._writes:
             self._abandoned.add(rid)
             return True            # the Prefill call's own ending frees it after the write

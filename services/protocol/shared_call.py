@@ -18,8 +18,11 @@ cancels a handler whose call ended, so every handler keeps its cleanup.
 
 Client side, `SharedCall`: `ask` sends one request and waits for its answer within the request's
 deadline (`stream`: a StreamedRequest, read as a streamed call is); a deadline passed or a
-caller cancelled sends `cancel`, so the server undoes what it did. The call breaking (the peer died) fails every request waiting on it UNAVAILABLE, with the
-bare code a dead peer's unary call would raise (`untyped_code`), so callers fail over the same
+caller cancelled sends `cancel`, so the server undoes what it did. An answer that comes for a
+request its caller gave up (the cancel crossed it on the way, or came after the answer was
+delivered but before the caller took it) is the caller's `orphaned(answer)` to undo: the server
+had finished, so its cancel undoes nothing there. The call breaking (the peer died) fails every
+request waiting on it UNAVAILABLE, with the bare code a dead peer's unary call would raise (`untyped_code`), so callers fail over the same
 way; the next ask opens a new call, unless it comes within a short backoff after the last break
 (doubling while new calls break before any answer): then it fails UNAVAILABLE at once, so a
 gateway asks its next router without waiting. The channel's own reconnect backoff governs the
@@ -196,6 +199,10 @@ def _headers(shape: AskShape, rid: str, answers: asyncio.Queue) -> Callable[[], 
 
 
 BACKOFF_S = (0.05, 1.0)        # after a break: the first wait before a new call, and the most
+# How long an ask given up still waits for an answer that crossed its cancel: a peer that had
+# answered before the cancel came sends nothing more, and one that had not sends nothing at all,
+# so this bounds only what is remembered (a loaded peer may take seconds to read the cancel).
+ORPHAN_WAIT_S = 60.0
 
 
 class SharedCall(Generic[Ask, Answer]):
@@ -204,11 +211,15 @@ class SharedCall(Generic[Ask, Answer]):
     answer (`ask`) or reads a stream of them (`stream`)."""
 
     def __init__(self, open_call: Callable[[AsyncIterator], Any], address: str,
-                 answer_id: Callable[[Answer], str], cancel_of: Callable[[str], Ask]) -> None:
+                 answer_id: Callable[[Answer], str], cancel_of: Callable[[str], Ask],
+                 orphaned: Callable[[Answer], None] | None = None) -> None:
         self.address = address
         self._open_call = open_call
         self._answer_id = answer_id
         self._cancel_of = cancel_of
+        self._orphaned = orphaned          # an `ask`'s answer that came after its caller went
+        # asks given up whose answer may still come -> until when one is awaited (time.monotonic)
+        self._given_up: dict[str, float] = {}
         self._call = None
         self._out: asyncio.Queue | None = None
         self._waiting: dict[str, _Unary | StreamedRequest] = {}
@@ -229,14 +240,38 @@ class SharedCall(Generic[Ask, Answer]):
             async with asyncio.timeout(timeout_s):
                 return await unary.future
         except asyncio.TimeoutError:
-            self.cancel(request_id)
+            self._give_up(request_id, unary)
             raise no_answer(request_id, self.address, timeout_s) from None
         except asyncio.CancelledError:
-            self.cancel(request_id)
+            self._give_up(request_id, unary)
             raise
         finally:
             if self._waiting.get(request_id) is unary:
                 del self._waiting[request_id]
+
+    def _give_up(self, request_id: str, unary: _Unary) -> None:
+        """The caller went: the peer is told (a late cancel, where it answered already: a
+        ReserveStream undoes its answer then). With an `orphaned` hook, an answer already
+        delivered (the caller was cancelled before it woke) is orphaned now instead, and one
+        that crosses the cancel on the way is orphaned when it comes (`_read`)."""
+        answer = unary.answer()
+        if answer is not None and self._orphaned is not None:
+            self._orphan(answer)
+            return
+        self.cancel(request_id)
+        if self._orphaned is not None and not self.broken:
+            now = time.monotonic()
+            while self._given_up and next(iter(self._given_up.values())) < now:
+                del self._given_up[next(iter(self._given_up))]    # the oldest first: no answer
+            self._given_up[request_id] = now + ORPHAN_WAIT_S
+
+    def _orphan(self, answer) -> None:
+        if self._orphaned is None:
+            return
+        try:
+            self._orphaned(answer)
+        except Exception:  # noqa: BLE001 - one answer's undo must not break the call's reader
+            log.exception("undoing an answer whose caller went failed")
 
     def stream(self, request_id: str, ask: Ask, timeout_s: float, final: Callable[[Answer], bool],
                read: Callable[[Answer], Any]) -> StreamedRequest:
@@ -282,6 +317,8 @@ class SharedCall(Generic[Ask, Answer]):
                 receiver = self._waiting.get(rid)
                 if receiver is not None and receiver.deliver(answer):
                     del self._waiting[rid]
+                elif receiver is None and self._given_up.pop(rid, None) is not None:
+                    self._orphan(answer)
             why = status.CallFailed(status.failed(
                 pb.UNAVAILABLE, f"{self.address} ended its shared call"),
                 untyped_code=grpc.StatusCode.UNAVAILABLE)
@@ -296,6 +333,7 @@ class SharedCall(Generic[Ask, Answer]):
             self._broke_at = time.monotonic()
             self._backoff_s = min(BACKOFF_S[1], max(BACKOFF_S[0], 2 * self._backoff_s))
         out.put_nowait(None)
+        self._given_up.clear()                # their answers cannot come on a new call
         waiting, self._waiting = self._waiting, {}
         for receiver in waiting.values():
             receiver.fail(why)
@@ -349,6 +387,12 @@ class _Unary:
         if not self.future.done():
             self.future.set_exception(why)
             self.future.exception()       # retrieved: a caller gone past its deadline is no bug
+
+    def answer(self):
+        """The answer delivered, or None (none came, or the call failed)."""
+        if self.future.done() and not self.future.cancelled() and not self.future.exception():
+            return self.future.result()
+        return None
 
 
 class StreamedRequest:
@@ -441,10 +485,12 @@ RESERVE: AskShape[pb.ReserveAsk, pb.ReserveAnswer] = AskShape(
     failed=lambda rid, st: pb.ReserveAnswer(request_id=rid, failure=st))
 
 
-def admit_call(stub, address: str) -> SharedCall[pb.AdmitAsk, pb.AdmitAnswer]:
-    """A gateway's shared call to one router (`stub`: a TypedStub of pb_grpc.RouterStub)."""
+def admit_call(stub, address: str, orphaned: Callable[[pb.AdmitAnswer], None] | None = None
+               ) -> SharedCall[pb.AdmitAsk, pb.AdmitAnswer]:
+    """A gateway's shared call to one router (`stub`: a TypedStub of pb_grpc.RouterStub);
+    `orphaned(answer)`: an answer whose caller went first (its plan's reservation is held)."""
     return SharedCall(stub.AdmitStream, address, lambda a: a.request_id, lambda rid: pb.AdmitAsk(
-        request=pb.WorkRequest(request_id=rid), cancel=True))
+        request=pb.WorkRequest(request_id=rid), cancel=True), orphaned)
 
 
 def reserve_call(stub, address: str) -> SharedCall[pb.ReserveAsk, pb.ReserveAnswer]:

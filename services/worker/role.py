@@ -74,8 +74,10 @@ class Role(Protocol):
         """Why this role cannot take calls now (Health: NOT_SERVING), or None when it can."""
         ...
 
-    async def cancel(self, request_id: str) -> bool:
-        """End a request here (the Cancel RPC); whether this worker held it."""
+    async def cancel(self, request_id: str, reservation: float | None = None) -> bool:
+        """End a request here (the Cancel RPC); whether this worker held it. `reservation`: only
+        while it holds the reservation that expires then (a plan's release, CancelRequest's
+        reservation_deadline_unix_s); a role that makes no reservations holds none."""
         ...
 
     def load(self) -> RoleLoad:

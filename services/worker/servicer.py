@@ -98,7 +98,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if request.HasField("sample_index"):
                 return pb.CancelResponse(cancelled=await self.engine.cancel(
                     request.request_id, request.sample_index))
-            return pb.CancelResponse(cancelled=await self.role.cancel(request.request_id))
+            reservation = (request.reservation_deadline_unix_s
+                           if request.HasField("reservation_deadline_unix_s") else None)
+            return pb.CancelResponse(cancelled=await self.role.cancel(request.request_id,
+                                                                      reservation))
         except EngineFailed:
             return pb.CancelResponse(cancelled=False)   # a dead engine holds nothing any more
 

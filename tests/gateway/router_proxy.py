@@ -3,7 +3,12 @@ WorkRequest a gateway sends to Router.Admit, refuses the next `refusals[class]` 
 as the router refuses a request that would miss its TTFT target (OVERLOADED, with a retry hint),
 and forwards everything else to the fleet's real router. The gateway asks on AdmitStream (one
 long-lived call, services/protocol/shared_call.py): each ask is answered by a thread of its own,
-so asks wait on the real router side by side as they do on a real router."""
+so asks wait on the real router side by side as they do on a real router.
+
+A slow way back, on demand: while `hold` is set, each plan the real router made (its decode
+reservation held) waits here, in `holding`, until `release(request_id)`, as an answer does on a
+slow network. It records the asks whose gateway cancelled them (`cancelled`) and the plans it
+sent on (`answered`)."""
 from __future__ import annotations
 
 import collections
@@ -24,6 +29,10 @@ class RouterProxy(pb_grpc.RouterServicer):
         self.retry_after_s = retry_after_s
         self.received: list[pb.WorkRequest] = []
         self.refusals: collections.Counter[str] = collections.Counter()   # class -> to refuse
+        self.hold = False
+        self.holding: dict[str, threading.Event] = {}    # request id -> its plan's release
+        self.cancelled: set[str] = set()
+        self.answered: set[str] = set()
         self._lock = threading.Lock()
         self._channel = fleet.channel(fleet.router)
         self._router = pb_grpc.RouterStub(self._channel)
@@ -60,15 +69,21 @@ class RouterProxy(pb_grpc.RouterServicer):
             if refusal is not None:
                 return done(pb.AdmitAnswer(request_id=rid, failure=refusal))
             try:
-                done(pb.AdmitAnswer(request_id=rid, plan=self._router.Admit(ask.request,
-                                                                            timeout=10)))
+                plan = self._router.Admit(ask.request, timeout=10)
             except grpc.RpcError as e:
-                done(pb.AdmitAnswer(request_id=rid, failure=status.of(e)))
+                return done(pb.AdmitAnswer(request_id=rid, failure=status.of(e)))
+            self._held(rid)
+            with self._lock:
+                self.answered.add(rid)
+            done(pb.AdmitAnswer(request_id=rid, plan=plan))
 
         def read() -> None:
             try:
                 for ask in asks:
-                    if not ask.cancel:
+                    if ask.cancel:
+                        with self._lock:
+                            self.cancelled.add(ask.request.request_id)
+                    else:
                         with self._lock:
                             left[0] += 1
                         threading.Thread(target=one, args=(ask,), daemon=True).start()
@@ -81,6 +96,25 @@ class RouterProxy(pb_grpc.RouterServicer):
         threading.Thread(target=read, daemon=True).start()
         while (answer := answers.get()) is not None:
             yield answer
+
+    def _held(self, rid: str) -> None:
+        """While `hold` is set: wait for `release(rid)` (at most a minute)."""
+        with self._lock:
+            if not self.hold:
+                return
+            released = self.holding[rid] = threading.Event()
+        released.wait(60)
+
+    def release(self, rid: str) -> None:
+        with self._lock:
+            self.holding.pop(rid).set()
+
+    def release_all(self) -> None:
+        with self._lock:
+            self.hold = False
+            held, self.holding = list(self.holding.values()), {}
+        for released in held:
+            released.set()
 
     def _refusal(self, request: pb.WorkRequest) -> pb.CallStatus | None:
         """Records the request; the refusal it gets here, if its class has refusals left."""
@@ -101,5 +135,6 @@ class RouterProxy(pb_grpc.RouterServicer):
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release_all()
         self._server.stop(0).wait(5)
         self._channel.close()

@@ -75,6 +75,7 @@ class Peer:
         self.port = 0
         self.channel: grpc.aio.Channel | None = None
         self.call: shared_call.SharedCall | None = None
+        self.orphans: asyncio.Queue[pb.AdmitAnswer] = asyncio.Queue()   # answers to no one
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -84,7 +85,7 @@ class Peer:
         if self.channel is None:
             self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
             self.call = shared_call.admit_call(TypedStub(pb_grpc.RouterStub(self.channel)),
-                                               f"127.0.0.1:{self.port}")
+                                               f"127.0.0.1:{self.port}", self.orphans.put_nowait)
 
     async def kill(self) -> None:
         await self.server.stop(None)
@@ -155,6 +156,28 @@ def test_a_cancel_after_the_answer_asks_the_peer_to_undo_it():
         await peer.admit("done")
         peer.call.cancel("done")         # e.g. the answer came after its asker's deadline
         assert await asyncio.wait_for(peer.router.late_cancels.get(), WAIT_S) == "done"
+    run(story)
+
+
+def test_a_request_given_up_as_it_is_answered_is_undone_once_one_way_or_the_other():
+    """The caller gives up in the very step the router is let answer: either the cancel reaches
+    the router's handler (cancelled, no answer), or the answer was on its way and comes back to
+    the caller's `orphaned` hook (which undoes it: the gateway releases the plan). Never both,
+    never neither, whichever wins (here, one loop serving both ends, the answer mostly does)."""
+    async def story(peer: Peer):
+        for i in range(12):
+            rid = f"race-{i}"
+            ask = asyncio.create_task(peer.admit(rid))
+            await peer.router.seen(2 * i + 1)
+            peer.router.gate(rid).set()
+            ask.cancel()
+            handler_cancelled = await asyncio.wait_for(peer.router.ending(rid), WAIT_S)
+            if not handler_cancelled:      # answered: it comes back to no one but the hook
+                orphan = await asyncio.wait_for(peer.orphans.get(), WAIT_S)
+                assert orphan.request_id == rid and orphan.HasField("plan")
+            peer.router.gate(f"probe-{i}").set()       # answered after anything of rid's
+            assert (await peer.admit(f"probe-{i}")).request_id == f"probe-{i}"
+            assert peer.orphans.empty()
     run(story)
 
 

@@ -6,7 +6,14 @@ The decode pool is full; the noisy tenant queues three documents, then the quiet
 fair order puts the quiet tenant's waiter second (its first turn ties the noisy tenant's first,
 whose deadline is earlier), ahead of the noisy tenant's second and third. Reservations then free
 one at a time; only the head of the queue tries (`wake_width` 1) and only when a capacity
-notification comes (the router's retry timers are far), so the admissions follow the order."""
+notification comes (the router's retry timers are far), so the admissions follow the order.
+
+The waiters ask as the gateway does (services/gateway/fleet_run.py: an ask on its AdmitStream
+call), so that giving one up is a cancel message the router acts on: a story ends its waiters,
+sees the router end each (the queue empties), and only then frees the pool. (On unary Admits a
+caller's cancel reached the router's handler late or never under load; freeing the pool woke
+that waiter, which reserved for no one, and grpc's `context.cancelled()` said False when its
+plan went out, so its blocks stayed held until the reservation's lifetime.)"""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +25,8 @@ import pytest
 import yaml
 
 from services.engine.config import Tenant
+from services.gateway.fleet_run import Channels
+from services.protocol import shared_call
 from services.protocol.aio import internal_channel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -64,7 +73,8 @@ def settled(workers):
     asyncio.run(settle())
 
 
-async def serve_router(fleet, policy=FAIR) -> tuple[pb_grpc.RouterStub, RouterServicer, object]:
+async def serve_router(fleet, policy=FAIR) -> tuple[pb_grpc.RouterStub, RouterServicer, object,
+                                                    str]:
     state = FleetState(fleet.redis_url)
     servicer = RouterServicer(state, "disagg", "r-fair", timeouts=NOT_BY_TIMER, auth=fleet.auth,
                               policy=policy)
@@ -79,13 +89,14 @@ async def serve_router(fleet, policy=FAIR) -> tuple[pb_grpc.RouterStub, RouterSe
         await server.stop(0)
         await servicer.close()
         await state.close()
-    return pb_grpc.RouterStub(channel), servicer, close
+    return pb_grpc.RouterStub(channel), servicer, close, f"127.0.0.1:{port}"
 
 
 class FullPool:
     """A router of its own over the module's workers with the decode pool full of long documents
     (`fill`); tenants' documents then join the wait queue (`join`); `free_one` cancels one fill
-    plan and returns the waiter admitted next. Leaving it cancels every waiter and plan."""
+    plan and returns the waiter admitted next. Leaving it cancels every waiter and plan. The
+    waiters ask on a gateway's AdmitStream call (`Channels`), the fills on unary Admits."""
 
     def __init__(self, workers, policy=FAIR):
         self.workers, self.policy = workers, policy
@@ -96,7 +107,10 @@ class FullPool:
         self.plans, self.waiters = [], {}
 
     async def __aenter__(self) -> "FullPool":
-        self.router, self.servicer, self._close = await serve_router(self.workers, self.policy)
+        self.router, self.servicer, self._close, address = await serve_router(self.workers,
+                                                                              self.policy)
+        self.channels = Channels(self.workers.auth)
+        self.admits = self.channels.admit_call(address)
         self.state = FleetState(self.workers.redis_url)
         self.queue = WaitQueue(self.state.redis, self.state.ns)
         for i in range(self.fill):                              # the decode pool is full
@@ -105,18 +119,23 @@ class FullPool:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        """The waiters go first, and the pool frees only once the router has ended each of them
+        (they left the queue), so freeing it wakes no waiter whose caller went."""
         for w in self.waiters.values():
             w.cancel()
-        await asyncio.gather(*self.waiters.values(), return_exceptions=True)
+        ended = await asyncio.gather(*self.waiters.values(), return_exceptions=True)
+        self.plans += [p for p in ended if isinstance(p, pb.Plan)]    # admitted as it went
+        await until(lambda: _waiting(self.queue, 0))
         for p in self.plans:
             await cancel(self.workers, p)
+        await self.channels.close()        # after the releases of plans that came to no one
         await self.state.close()
         await self._close()
 
     async def join(self, rid: str, tenant: str) -> None:
         """`tenant`'s document `rid` asks, and waits in the queue."""
-        self.waiters[rid] = asyncio.ensure_future(
-            admit(self.router, request(rid, self.long, 32, "document", tenant)))
+        self.waiters[rid] = asyncio.ensure_future(shared_call.admit(
+            self.admits, request(rid, self.long, 32, "document", tenant), 30.0))
         n = len(self.waiters)
         await until(lambda: _queued(self.queue, n, self.waiters[rid]))
 

@@ -200,12 +200,14 @@ class CallStatus(_message.Message):
     def __init__(self, reason: _Optional[_Union[Reason, str]] = ..., code: _Optional[str] = ..., param: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., stage: _Optional[_Union[OverloadStage, str]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id", "sample_index")
+    __slots__ = ("request_id", "sample_index", "reservation_deadline_unix_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    reservation_deadline_unix_s: float
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., reservation_deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("cancelled",)
