@@ -18,6 +18,8 @@ output tokens / wall time from the first add to the last token (prefills include
 loads the model, runs a short warm-up burst, then `--bursts` timed bursts, and prints one JSON
 line: output tok/s per burst, and output tokens per CPU-second of the side's processes (on a
 loaded box the wall clock says how much CPU the side got; the CPU time what its work cost).
+Each line also names the side's busy threads (`busy_threads`: CPU seconds per wall second of
+every thread that ran over 2% of the bursts), so a run says how many cores each side computed on.
 Printed, never asserted: a measurement for docs/benchmarks.md, not a test.
 """
 from __future__ import annotations
@@ -119,32 +121,42 @@ def _timed(args: argparse.Namespace, burst, load_s: float) -> dict:
     """A short warm-up burst (other prompts), then args.bursts timed ones on fresh prompts each."""
     vocab = vocab_size(args.model)
     burst(prompts(min(args.requests, 4), args.prompt, vocab, args.seed + 1000))
-    cpu0, t0, rates = cpu_seconds(), time.perf_counter(), []
+    threads0, t0, rates = thread_cpu_seconds(), time.perf_counter(), []
     for i in range(args.bursts):
         rates.append(burst(prompts(args.requests, args.prompt, vocab, args.seed + i)))
-    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - t0
+    threads, wall = thread_cpu_seconds(), time.perf_counter() - t0
+    used = {k: s - threads0.get(k, 0.0) for k, s in threads.items()}
+    cpu = sum(used.values())
     tokens = args.bursts * args.requests * args.output
     return {"side": args.side, "dtype": args.dtype, "requests": args.requests,
             "prompt": args.prompt, "output": args.output, "load_s": round(load_s, 1),
             "tok_s": [round(r, 2) for r in rates], "cpu_share": round(cpu / wall, 2),
-            "tok_per_cpu_s": round(tokens / cpu, 2), "load_avg": os.getloadavg()[0]}
+            "tok_per_cpu_s": round(tokens / cpu, 2), "load_avg": os.getloadavg()[0],
+            "busy_threads": busy_threads(used, wall)}
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process and its live children (vLLM's engine core is one):
-    on a shared box, output tokens per CPU-second say what the work costs whatever the wall
-    clock got."""
+def thread_cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds of every thread of this process and its live children (vLLM's
+    engine core and worker), keyed "process name:thread id". Their sum over the timed bursts is
+    the side's CPU; the busiest threads say how many cores the side computed on (vLLM binds one
+    OpenMP thread in its worker; the engine runs on its own thread)."""
     import psutil
     me = psutil.Process()
-    procs = [me, *me.children(recursive=True)]
-    total = 0.0
-    for p in procs:
+    out: dict[str, float] = {}
+    for p in (me, *me.children(recursive=True)):
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
+            name = p.name()
+            for t in p.threads():
+                out[f"{name}:{t.id}"] = t.user_time + t.system_time
         except psutil.NoSuchProcess:
             pass
-    return total
+    return out
+
+
+def busy_threads(used: dict[str, float], wall: float) -> dict[str, float]:
+    """The threads that ran over 2% of the bursts' wall time: CPU seconds / wall seconds each."""
+    return {k: round(s / wall, 3) for k, s in sorted(used.items(), key=lambda kv: -kv[1])
+            if s > 0.02 * wall}
 
 
 def run_pair(args: argparse.Namespace) -> dict:
