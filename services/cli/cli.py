@@ -76,6 +76,10 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.engine != "real" and not args.fleet:
+        print("kvfleet demo: --engine sim runs the fleet's workers on the simulated core; it "
+              "needs --fleet (the in-process demo runs the model)", file=sys.stderr)
+        return 2
     if args.fleet:
         from services.cli.fleet_demo import run_fleet_demo
         return run_fleet_demo(args)
@@ -152,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --fleet: the fleet's mode")
     d.add_argument("--no-compare", dest="compare", action="store_false",
                    help="skip the baseline run whose prefills are not chunked")
+    add_sim_args(d)                 # with --fleet: its workers on the simulated engine core
     d.set_defaults(func=_demo)
 
     _delegate(sub, "kvfleet serve", "run one worker process (prefill | decode | mixed)",

@@ -35,7 +35,7 @@ from services.cli.up import model_dir, start_fleet
 from services.protocol.timeouts import Timeouts
 from services.cli.engine_demo import SIZES, DemoSize, demo_size, model_kind, pct
 from services.engine import config as engine_config
-from services.engine.config import KV_CACHE_MIB
+from services.engine.config import KV_CACHE_MIB, SIM_FLAGS
 
 TENANTS = {"acme": "interactive", "globex": "interactive", "initech": "interactive",
            "docs": "document"}
@@ -280,11 +280,14 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
     up = argparse.Namespace(model=path, mode=args.mode, prefill=1, decode=1,
                             host="127.0.0.1", http_port=0, grpc_port=0, redis_url=None,
                             api_keys=keys_yaml, kv_backend="tcp", kv_cache_mib=KV_CACHE_MIB,
-                            insecure=False, config=engine_yaml)
+                            insecure=False, config=engine_yaml,
+                            **{flag: getattr(args, flag, None)
+                               for flag in ("engine", *SIM_FLAGS, "sim_step_ms")})
     redis, launcher = start_redis(), Launcher()
     try:
         endpoints = start_fleet(up, launcher, redis.url, tuning.timeouts())
-        print(f"kvfleet up ({args.mode}, model {args.model}): gateway "
+        engine = ", simulated engine core" if up.engine == "sim" else ""
+        print(f"kvfleet up ({args.mode}, model {args.model}{engine}): gateway "
               f"http://{endpoints['gateway']}/v1; {len(launcher.children)} processes "
               f"({', '.join(launcher.children)})")
         asks = workload(size, document_text(size.doc_tokens, token_counter(path)), args.seed)

@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,8 +75,9 @@ def import_gguf(source: GgufSource, out_dir, dtype: str = "float32") -> Path:
 
     hf_logging.disable_progress_bar()
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _one_reader_per_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = model.config
     if config.model_type != "llama":
         raise ValueError(f"{gguf}: model_type {config.model_type!r}; kvfleet serves llama only")
@@ -102,6 +104,28 @@ def import_gguf(source: GgufSource, out_dir, dtype: str = "float32") -> Path:
         "package": source.package, "package_version": source.version(), "file": source.path,
         "dtype": dtype})
     return out
+
+
+@contextmanager
+def _one_reader_per_file():
+    """transformers parses the GGUF file once for the tokenizer, once for the config and once for
+    the weights (`gguf.GGUFReader`, field by field: its 49K-token vocabulary is most of a
+    SmolLM2 make's CPU); inside this block the three share one reader of the read-only file."""
+    import gguf as gguf_package  # noqa: PLC0415 - transformers' GGUF dependency
+
+    real, readers = gguf_package.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kwargs)
+        return readers[key]
+
+    gguf_package.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader = real
 
 
 def _config_json(config, dtype: str) -> dict:

@@ -1,6 +1,7 @@
-"""`kvfleet demo`, run as a user would: on the tiny model it still reports TTFT and ITL per class
-(in process and through the fleet); on the real model (SmolLM2-135M-Instruct) the fleet demo's
-chats get real answers, printed before the table."""
+"""`kvfleet demo`, run as a user would: it reports TTFT and ITL per class in process on the tiny
+model and through the fleet on the simulated engine core (`--engine sim`: the table's rows are
+counts and times, whatever makes the tokens); on the real model (SmolLM2-135M-Instruct) the fleet
+demo's chats get real answers, printed before the table."""
 from __future__ import annotations
 
 import re
@@ -23,13 +24,20 @@ def rows(stdout: str, pattern: re.Pattern) -> dict[str, tuple[str, ...]]:
     return {m[1]: m.groups()[1:] for m in map(pattern.match, stdout.splitlines()) if m}
 
 
-def test_the_fleet_demo_on_the_tiny_model_reports_ttft_and_itl_per_class(tiny_model_dir):
-    run = demo("--fleet", "--model", str(tiny_model_dir), "--chats", "6", "--rate", "20",
-               "--documents", "1", "--doc-tokens", "512")
+def test_the_fleet_demo_on_the_simulated_core_reports_ttft_and_itl_per_class(tiny_model_dir):
+    run = demo("--fleet", "--engine", "sim", "--model", str(tiny_model_dir), "--chats", "6",
+               "--rate", "20", "--documents", "1", "--doc-tokens", "512")
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "simulated engine core" in run.stdout
     table = rows(run.stdout, FLEET_ROW)
     assert table == {"interactive": ("6", "0"), "document": ("1", "0")}, run.stdout
     assert "fleet stopped" in run.stdout
+
+
+def test_the_simulated_core_without_the_fleet_is_a_usage_error(tiny_model_dir):
+    run = demo("--engine", "sim", "--model", str(tiny_model_dir), timeout=60)
+    assert run.returncode == 2 and "needs --fleet" in run.stderr
+    assert "Traceback" not in run.stderr
 
 
 def test_the_engine_demo_on_the_tiny_model_reports_ttft_and_itl_per_class(tiny_model_dir):

@@ -12,10 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.cli.launcher import descendants
 from services.state import redis_auth
 from tests.harness import up_fleet
+
+
+ONCE = Retry(NoBackoff(), 0)
 
 
 def serves(url: str) -> None:
@@ -53,10 +58,11 @@ def test_the_embedded_redis_gets_a_generated_password_its_children_use(tiny_mode
                        for c in command_lines([proc.pid, *descendants(proc.pid)]))
         serves(up.url)
 
+        # (asked once: redis-py retries a refused AUTH with backoff, ~3 s, for the same answer)
         with pytest.raises(redis.exceptions.NoPermissionError):
-            redis.Redis.from_url(url).get("kvfleet:workers")
+            redis.Redis.from_url(url, retry=ONCE).get("kvfleet:workers")
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis.from_url(url, password="guess").get("kvfleet:workers")
+            redis.Redis.from_url(url, password="guess", retry=ONCE).get("kvfleet:workers")
         client = redis.Redis.from_url(url, password=password)
         assert client.smembers("kvfleet:workers") == {b"mixed-0"}
         client.close()

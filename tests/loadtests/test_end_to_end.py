@@ -111,7 +111,10 @@ def kvfleet(*args: str) -> subprocess.CompletedProcess:
 def test_bench_serve_and_compare_from_the_command_line(fleet, tmp_path):
     keys = tmp_path / "keys.yaml"
     keys.write_text("".join(f"- {{key: {tenant_key(t)}, tenant: {t}}}\n" for t in ("acme", "globex")))
-    common = ["--workload", "chat-only", "--duration", "3", "--seed", "5", "--api-keys", str(keys)]
+    # 1.5 s of chat-only at seed 5 plans 3 requests from both tenants: enough for a table and a
+    # same-requests check (3 s planned 9; each of the three runs waited out its duration)
+    common = ["--workload", "chat-only", "--duration", "1.5", "--seed", "5",
+              "--api-keys", str(keys)]
     serve = kvfleet("bench", "serve", "--endpoint", fleet.endpoint, "--out", str(tmp_path / "one"), *common)
     assert serve.returncode == 0, serve.stderr
     assert "| interactive |" in serve.stdout and (tmp_path / "one" / "report.md").is_file()

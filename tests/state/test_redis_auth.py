@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.state import redis_auth
 from services.state.fleet_state import FleetState
@@ -30,8 +32,13 @@ def server(request):
         yield s
 
 
+# redis-py retries a refused AUTH as a connection error, with backoff (~3 s a refusal): the
+# refusal is the server's first answer, so these clients ask once.
+ONCE = Retry(NoBackoff(), 0)
+
+
 def get(port: int, **credentials) -> str:
-    client = redis.Redis(host=HOST, port=port, decode_responses=True, **credentials)
+    client = redis.Redis(host=HOST, port=port, decode_responses=True, retry=ONCE, **credentials)
     try:
         client.set("k", "v")
         return client.get("k")
@@ -142,9 +149,10 @@ def test_fleet_state_speaks_tls_to_a_real_redis_server_with_a_password():
         assert asyncio.run(round_trip()) == 0
         # the same port without TLS, or TLS without the password, gets nothing
         with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
-            redis.Redis(host=HOST, port=port, password=password, socket_timeout=1).ping()
+            redis.Redis(host=HOST, port=port, password=password, socket_timeout=1,
+                        retry=ONCE).ping()
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis.from_url(url, socket_timeout=1).ping()
+            redis.Redis.from_url(url, socket_timeout=1, retry=ONCE).ping()
     finally:
         proc.terminate()
         proc.wait(10)
