@@ -21,16 +21,13 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
-from services.router import admission
-from services.state.fleet_state import FleetState
-from services.state.wait_queue import WaitQueue
+from tests.fleet.tenant_books import tenant_books
 from tests.gateway.gateway_helpers import ENGINE_CONFIG, key
 from tests.harness import running_fleet, start_gateway
 from tests.waiting import wait_until
 
 KEY = key("sk-zero-0001", "acme", streams=8)
 DECODE = 4                   # one for every kill the examples may make (3), and one more
-CLASSES = ("interactive", "document", "batch")
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +62,7 @@ def listed(fleet, name: str) -> bool:
 async def books(redis_url: str) -> tuple[int, int, int]:
     """(the tenant's open stream leases, its decode KV blocks fleet-wide, requests waiting in the
     router's queue)."""
-    async with FleetState(redis_url) as state:
-        queue = WaitQueue(state.redis, state.ns)
-        waiting = sum([await queue.waiting(c) for c in CLASSES])
-        workers = await state.live_workers()
-        placed = await state.placed([(w.worker_id, w.updated_at_unix_s) for w in workers])
-        by_tenant: dict[str, int] = {}
-        for row in placed:
-            for t, n in row.tenants.items():
-                by_tenant[t] = by_tenant.get(t, 0) + n
-        kv = admission.tenant_kv(workers, by_tenant).get("acme", 0)
-        return await state.streams("acme"), kv, waiting
+    return await tenant_books(redis_url, "acme")
 
 
 def one_stream(fleet, gw, ending: str) -> None:

@@ -34,9 +34,7 @@ import yaml
 
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
-from services.router import admission
-from services.state.fleet_state import FleetState
-from services.state.wait_queue import WaitQueue
+from tests.fleet.tenant_books import tenant_books
 from tests.gateway.gateway_helpers import ENGINE_CONFIG, key
 from tests.gateway.router_proxy import RouterProxy
 from tests.harness import Gateway, engine_core_pid, running_fleet, sim_args
@@ -46,7 +44,6 @@ KEY = key("sk-cancel-0001", "acme", streams=4)
 AUTH = (("authorization", f"Bearer {KEY['key']}"),)
 LONG_LIVED = ("--timeout-reservation-s", "300", "--timeout-reservation-max-s", "300")
 SLOW_STEPS = ("--engine", "sim", *sim_args(64, step_ms=50))
-CLASSES = ("interactive", "document", "batch")
 PROMPT = "Tell me a long story about the sea"
 FREED_S = 15.0               # well inside the reservation's 300 s
 
@@ -90,19 +87,7 @@ def books(fleet) -> tuple[int, int, int, int]:
     """(blocks the decode worker holds, the tenant's open stream leases, its decode KV as a router
     reads it from Redis (published shares plus what routers placed since those beats), requests
     waiting in the router's queue)."""
-    async def read():
-        async with FleetState(fleet.redis_url) as state:
-            queue = WaitQueue(state.redis, state.ns)
-            waiting = sum([await queue.waiting(c) for c in CLASSES])
-            workers = await state.live_workers()
-            placed = await state.placed([(w.worker_id, w.updated_at_unix_s) for w in workers])
-            by_tenant: dict[str, int] = {}
-            for row in placed:
-                for t, n in row.tenants.items():
-                    by_tenant[t] = by_tenant.get(t, 0) + n
-            kv = admission.tenant_kv(workers, by_tenant).get("acme", 0)
-            return await state.streams("acme"), kv, waiting
-    return (held(fleet, "decode-0"), *asyncio.run(read()))
+    return (held(fleet, "decode-0"), *asyncio.run(tenant_books(fleet.redis_url, "acme")))
 
 
 def at_rest(fleet) -> bool:
