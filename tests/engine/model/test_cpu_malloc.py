@@ -14,7 +14,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 # Two "steps" of RMSNorm with its residual over 2,048 rows (SmolLM2, bfloat16: the float32
-# temporaries are 4.5 MiB each), then a third whose minor page faults are counted.
+# temporaries are 4.5 MiB each), then three more, each one's minor page faults counted. The
+# stories read the fewest of the three: a loaded machine's reclaim (kdamond runs on this box) can
+# take back a kept page and fault it in again during any one step.
 STEPS = """
 import json, resource, sys, torch
 from services.engine.model.cpu_malloc import keep_freed_memory
@@ -25,15 +27,17 @@ norm.weight = torch.nn.Parameter(torch.ones(576, dtype=torch.bfloat16), requires
 x = torch.ones(2048, 576, dtype=torch.bfloat16)
 step = lambda: norm(x, x)
 step(); step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
-print(json.dumps({"kept": kept,
-                  "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"kept": kept, "faults": min(faults), "each": faults}))
 """
 PAGES = 2048 * 576 * 4 // 4096   # pages of one float32 temporary: 1,152
 
 
-def third_step(mode: str) -> dict:
+def later_steps(mode: str) -> dict:
     out = subprocess.run([sys.executable, "-c", STEPS, mode], cwd=REPO, capture_output=True,
                          text=True, check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -44,13 +48,13 @@ glibc = pytest.mark.skipif(sys.platform != "linux", reason="mallopt is glibc's")
 
 @glibc
 def test_a_step_after_the_first_reuses_its_activation_pages():
-    kept = third_step("keep")
+    kept = later_steps("keep")
     assert kept["kept"] is True
     assert kept["faults"] < PAGES // 10, kept
 
 
 @glibc
 def test_without_it_every_step_faults_its_activation_in_again():
-    """The default this replaces: the same third step maps its temporaries afresh."""
-    default = third_step("default")
+    """The default this replaces: every later step maps its temporaries afresh."""
+    default = later_steps("default")
     assert default["faults"] >= PAGES, default
