@@ -46,8 +46,10 @@ def test_a_write_past_its_reservation_is_a_deadline_failure_in_an_error_span(tin
             labels = {"role": "prefill", "worker": "prefill-0"}
             assert registry.get_sample_value("kvfleet_kv_transfer_failures_total",
                                              {**labels, "backend": "tcp", "reason": "deadline"}) == 1
-            assert registry.get_sample_value("kvfleet_worker_requests_total",
-                                             {**labels, "outcome": "error"}) == 1
+            # the handler counts the request's ending after its status went out: the caller can
+            # read the status first
+            assert await eventually(lambda: registry.get_sample_value(
+                "kvfleet_worker_requests_total", {**labels, "outcome": "error"}) == 1)
         finally:
             target.close()
             await prefill.close()
