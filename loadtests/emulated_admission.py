@@ -9,8 +9,11 @@ starts `kvfleet up --engine sim --sim-model llama-3-70b --sim-gpu h200 --sim-tp 
 --rate-scale RATE_SCALE --out OUT/report` against it, writes the 1-minute load average before and
 after beside the report (OUT/load.json: the fleet's own overhead grows with the machine's load)
 and the gateway's own lag (OUT/probe.json: `GET /version` timed every 0.5 s during the load, from
-this process, not the load generator), and stops the fleet. The figures come from the report as for a simulated run
-(`python -m loadtests.admission_figures`)."""
+this process, not the load generator), the CPU seconds each of the fleet's processes and the
+load generator spent during the load (OUT/cpu.json: the gateway's CPU per request bounds the rate
+one gateway process can sustain), the gateway's `/metrics` after it (OUT/gateway_metrics.txt:
+refusals by reason and stage), and stops the fleet. The figures come from the report as for a
+simulated run (`python -m loadtests.admission_figures`)."""
 from __future__ import annotations
 
 import json
@@ -55,16 +58,49 @@ def run(workload: str, mode: str, duration: str, scale: str, out: Path,
     setup = FleetSetup(mode=mode, engine="sim", sim_args=TARGET, key_overrides=key_overrides or {})
     with local_fleet(list(spec.tenants), setup) as fleet:
         load["fleet_ready"] = os.getloadavg()[0]
+        before = process_cpu(fleet)
+        children = os.times()
         with GatewayProbe(fleet.endpoint) as probe:
             done = subprocess.run(
                 [sys.executable, "-m", "services.cli.cli", "bench", "serve", "--endpoint",
                  fleet.endpoint, "--workload", workload, "--duration", duration, "--rate-scale",
                  scale, "--api-keys", str(keys), "--no-progress", "--out", str(out / "report")])
         load["after"] = os.getloadavg()[0]
+        cpu = {name: round(process_cpu(fleet).get(name, 0.0) - s, 3) for name, s in before.items()}
+        after = os.times()
+        cpu["load generator"] = round(after.children_user + after.children_system
+                                      - children.children_user - children.children_system, 3)
+        (out / "gateway_metrics.txt").write_text(_metrics(fleet.endpoint))
+    (out / "cpu.json").write_text(json.dumps(cpu) + "\n")
     (out / "probe.json").write_text(json.dumps(probe.summary()) + "\n")
     (out / "load.json").write_text(json.dumps(load) + "\n")
     print(f"load average (1 min): {load}")
     return done.returncode
+
+
+SERVICES = ("gateway", "router-0", "prefill-0", "decode-0", "mixed-0")
+
+
+def process_cpu(fleet) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each of the fleet's services that runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name in SERVICES:
+        pid = fleet.up.pid(name)
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick    # utime, stime
+    return out
+
+
+def _metrics(endpoint: str) -> str:
+    try:
+        return httpx.get(f"{endpoint}/metrics", timeout=PROBE_TIMEOUT_S).text
+    except httpx.HTTPError as e:
+        return f"# unavailable: {e}\n"
 
 
 class GatewayProbe:
