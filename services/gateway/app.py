@@ -16,7 +16,8 @@
 
 A generation request, in order (through FastAPI's routing and middleware, like every request):
 API key -> the front door (door.py: this gateway's bound on requests in progress and the
-tenant's fair share of it; 429 / 503 at once) -> body (size limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread
+tenant's fair share of it; 429 / 503 at once) ->
+body (size limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread
 when the body is large) -> quotas -> Router.Admit and the plan's worker calls (fleet_run.py) -> first
 chunk (errors before it get a real status) -> JSON body or SSE stream. The client going away at
 any point after admission cancels it
@@ -210,7 +211,8 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
 
 
 async def _seated(core: GatewayCore, request: Request, model_cls, build, prefix: str,
-                  telemetry: RequestTelemetry, request_id: str, key: ApiKey, seat: Seat) -> Response:
+                  telemetry: RequestTelemetry, request_id: str, key: ApiKey,
+                  seat: Seat) -> Response:
     """The request past the front door: its session leaves `seat` when it closes."""
     with telemetry.phase("gateway.validate"):
         body = await read_body(request, core.config.max_body_bytes)

@@ -16,11 +16,12 @@ Policy (GatewayConfig.max_in_progress, 0: no bound, the door only counts):
   - else, a gateway holding all `max_in_progress` seats refuses: **503** (`service_unavailable`,
     code `gateway_full`): nothing this tenant did is over a limit; this gateway has no room, and
     another gateway (or this one, a moment later) may.
-  - a tenant's share = max(1, max_in_progress // (k + r)), k = the tenants holding seats now, the
-    asking one counted, r = 1 while some tenant this gateway has a key for holds none (a share is
-    kept free for it) else 0. A gateway with one tenant lets it use every seat; a flooding tenant
-    beside idle ones gets half; beside k - 1 busy ones, 1/k (max-min: a tenant under its share is
-    never refused for another's load, only for the gateway's).
+  - a tenant's share = max(1, (max_in_progress - kept) // k), k = the tenants holding seats now,
+    the asking one counted; kept = max(1, max_in_progress // KEPT_DIVISOR) seats while some
+    tenant this gateway has a key for holds none (room for it to get in at once), else 0. A
+    gateway with one tenant lets it use every seat; a flooding tenant beside idle ones gets all
+    but the kept seats; beside k - 1 busy ones, 1/k of the rest (max-min: a tenant under its
+    share is never refused for another's load, only for the gateway's).
 
 Both refusals carry `Retry-After` from the measured drain rate: the seats left (of the tenant, or
 of the gateway) over the last DRAIN_WINDOW_S, needed / rate, where needed = the leaves that would
@@ -49,6 +50,9 @@ DRAIN_PRIOR_S = 1.0        # Retry-After before any seat was ever left
 MIN_SPAN_S = 1.0           # a rate is measured over at least this long (less is noise)
 MIN_WAIT_S = 0.05          # the least wait an estimate says (the header rounds up to 1 s)
 EWMA_WEIGHT = 0.1          # of the mean time a seat is held
+# 1/8 of the seats kept for a tenant holding none: 4 of the default 32, where the noisy-neighbor
+# workload's three quiet tenants (0.5 req/s each, ~1 s a chat) hold ~1.5 at a time
+KEPT_DIVISOR = 8
 STAGE = pb.OverloadStage.Name(pb.S4_REJECT)
 TENANT_REASON, FULL_REASON = "door_tenant_share", "door_full"
 
@@ -134,8 +138,9 @@ class Door:
     def share(self, tenant: str) -> int:
         """The seats `tenant` may hold now (module docstring)."""
         busy = len(self.held) + (tenant not in self.held)
-        spare = 1 if any(t not in self.held and t != tenant for t in self.known) else 0
-        return max(1, self.limit // (busy + spare))
+        idle = any(t not in self.held and t != tenant for t in self.known)
+        kept = max(1, self.limit // KEPT_DIVISOR) if idle else 0
+        return max(1, (self.limit - kept) // busy)
 
     def enter(self, tenant: str) -> Seat:
         """A seat for a request of `tenant`, or the refusal (GatewayError) to send at once."""

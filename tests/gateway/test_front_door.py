@@ -77,12 +77,12 @@ def held_streams(gw, tenant: str, n: int):
 def test_a_flooding_tenant_is_refused_at_its_share_while_a_quiet_one_is_served(door_gateway):
     gw = door_gateway
     assert wait_until(lambda: in_progress(gw) == 0, 15.0)
-    # alone beside four idle tenants, flood's share is half the door: 2 of 4
-    with held_streams(gw, "flood", 2), client(gw, "flood") as c:
+    # beside four idle tenants, flood's share is the door less the seat kept for them: 3 of 4
+    with held_streams(gw, "flood", 3), client(gw, "flood") as c:
         refused = c.post("/v1/completions", json={"model": gw.model, **SHORT})
         error = openai_error(refused, 429)
         assert error["code"] == "tenant_share_exceeded" and error["type"] == "rate_limit_error"
-        assert "fair share (2 of max_in_progress 4" in error["message"]
+        assert "fair share (3 of max_in_progress 4" in error["message"]
         assert int(refused.headers["Retry-After"]) >= 1
         assert refused.headers["x-kvfleet-stage"] == "S4_REJECT"
         # refused before its body is read: a body that is not JSON gets the same 429
@@ -98,24 +98,23 @@ def test_a_flooding_tenant_is_refused_at_its_share_while_a_quiet_one_is_served(d
                       tenant="flood") >= 2
         assert metric(samples, "kvfleet_rejections_total", reason="door_tenant_share",
                       stage="S4_REJECT") >= 2
-        assert metric(samples, "kvfleet_gateway_in_progress", tenant="flood") == 2
+        assert metric(samples, "kvfleet_gateway_in_progress", tenant="flood") == 3
     assert wait_until(lambda: in_progress(gw) == 0, 15.0)
 
 
 def test_a_full_gateway_answers_503_to_a_tenant_under_its_share(door_gateway):
     gw = door_gateway
     assert wait_until(lambda: in_progress(gw) == 0, 15.0)
-    # shares as they fill: flood 2 (of 4, one share kept for the idle), quiet 1 (4 // 3),
-    # third 1 (4 // 4): every seat held, fourth (0 of its share 1) finds none
-    with held_streams(gw, "flood", 2), held_streams(gw, "quiet", 1), \
-            held_streams(gw, "third", 1), client(gw, "fourth") as c:
+    # shares as they fill: flood 3 (one seat kept for the idle), quiet 1 ((4 - 1) // 2): every
+    # seat held, and third (0 of its share 1) finds none
+    with held_streams(gw, "flood", 3), held_streams(gw, "quiet", 1), client(gw, "third") as c:
         full = c.post("/v1/completions", json={"model": gw.model, **SHORT})
         error = openai_error(full, 503)
         assert error["code"] == "gateway_full" and "max_in_progress 4" in error["message"]
         assert int(full.headers["Retry-After"]) >= 1
         assert httpx.get(f"http://{gw.http}/health", timeout=30).status_code == 200
     assert wait_until(lambda: in_progress(gw) == 0, 15.0)
-    with client(gw, "fourth") as c:
+    with client(gw, "third") as c:
         assert c.post("/v1/completions", json={"model": gw.model, **SHORT}).status_code == 200
 
 
@@ -143,7 +142,8 @@ def _end_one(gw, how: str) -> None:
             assert "request too large" in error["message"]
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(ENDINGS), min_size=1, max_size=5))
 def test_the_seats_come_back_however_requests_end(door_gateway, endings):
     gw = door_gateway
