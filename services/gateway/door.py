@@ -16,12 +16,15 @@ Policy (GatewayConfig.max_in_progress, 0: no bound, the door only counts):
   - else, a gateway holding all `max_in_progress` seats refuses: **503** (`service_unavailable`,
     code `gateway_full`): nothing this tenant did is over a limit; this gateway has no room, and
     another gateway (or this one, a moment later) may.
-  - a tenant's share = max(1, (max_in_progress - kept) // k), k = the tenants holding seats now,
-    the asking one counted; kept = max(1, max_in_progress // KEPT_DIVISOR) seats while some
-    tenant this gateway has a key for holds none (room for it to get in at once), else 0. A
-    gateway with one tenant lets it use every seat; a flooding tenant beside idle ones gets all
-    but the kept seats; beside k - 1 busy ones, 1/k of the rest (max-min: a tenant under its
-    share is never refused for another's load, only for the gateway's).
+  - a tenant's share is its max-min fair level of the seats this gateway does not keep: with C =
+    max_in_progress - kept, the level L at which the others' holdings, each counted up to L,
+    plus L fill C (water-filling; at least 1). kept = max(1, max_in_progress // KEPT_DIVISOR)
+    seats while some tenant this gateway has a key for holds none (room for it to get in at
+    once), else 0. A gateway with one tenant lets it use every seat; a flooding tenant beside
+    idle ones all but the kept seats; beside quiet ones holding a seat each, all but those and the
+    kept; beside k - 1 other floods, 1/k of C. A tenant under its share is never refused for
+    another's load, only when every seat is held (and then a tenant over its share drains first:
+    it gets no seat back until it is under its share again).
 
 Both refusals carry `Retry-After` from the measured drain rate: the seats left (of the tenant, or
 of the gateway) over the last DRAIN_WINDOW_S, needed / rate, where needed = the leaves that would
@@ -55,6 +58,18 @@ EWMA_WEIGHT = 0.1          # of the mean time a seat is held
 KEPT_DIVISOR = 8
 STAGE = pb.OverloadStage.Name(pb.S4_REJECT)
 TENANT_REASON, FULL_REASON = "door_tenant_share", "door_full"
+
+
+def fair_level(room: int, others: list[int]) -> int:
+    """The max-min fair share of `room` seats for one more tenant beside `others` (their
+    holdings): each other tenant counts up to the level, the level is what is left over the
+    tenants not under it (water-filling)."""
+    left, count = room, len(others) + 1
+    for held in sorted(others):
+        if held * count >= left:          # this one and the rest reach the level: they share
+            break
+        left, count = left - held, count - 1
+    return left // count
 
 
 class Drain:
@@ -137,10 +152,9 @@ class Door:
 
     def share(self, tenant: str) -> int:
         """The seats `tenant` may hold now (module docstring)."""
-        busy = len(self.held) + (tenant not in self.held)
         idle = any(t not in self.held and t != tenant for t in self.known)
-        kept = max(1, self.limit // KEPT_DIVISOR) if idle else 0
-        return max(1, (self.limit - kept) // busy)
+        room = self.limit - (max(1, self.limit // KEPT_DIVISOR) if idle else 0)
+        return max(1, fair_level(room, [n for t, n in self.held.items() if t != tenant]))
 
     def enter(self, tenant: str) -> Seat:
         """A seat for a request of `tenant`, or the refusal (GatewayError) to send at once."""
@@ -180,8 +194,8 @@ class Door:
         self.metrics.shed.labels(TENANT_REASON, self._label(tenant)).inc()
         return errors.GatewayError(
             429, f"tenant {tenant!r} holds {mine} of this gateway's requests in progress, its "
-                 f"fair share ({share} of max_in_progress {self.limit} while "
-                 f"{len(self.held) + (tenant not in self.held)} tenants are busy); retry in "
+                 f"fair share ({share} of max_in_progress {self.limit} beside "
+                 f"{len(self.held) - (tenant in self.held)} other busy tenants); retry in "
                  f"~{wait:.1f} s (its requests: {how})",
             code="tenant_share_exceeded", retry_after=wait).tagged(TENANT_REASON, STAGE)
 

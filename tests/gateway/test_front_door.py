@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.door import Door
+from services.gateway.door import Door, fair_level
 from services.gateway.errors import GatewayError
 from tests.gateway.gateway_helpers import key, metric, openai_error, scrape
 from tests.harness import TEST_TTFT_TARGET_S, running_fleet, sim_args, start_gateway
@@ -191,6 +191,20 @@ def test_the_door_counts_back_to_zero_and_refuses_only_past_a_share_or_when_full
         seat.leave()
     assert door.in_progress == 0 and door.held == {}
     assert all(s.value == 0 for m in door.metrics.in_progress.collect() for s in m.samples)
+
+
+@given(st.integers(0, 200), st.lists(st.integers(1, 100), max_size=8))
+def test_a_share_is_the_max_min_fair_level(room, others):
+    level = fair_level(room, others)
+    filled = lambda lv: sum(min(h, lv) for h in others) + lv      # noqa: E731
+    assert filled(level) <= room < filled(level + 1)
+
+
+def test_a_flood_beside_quiet_tenants_keeps_what_they_do_not_use():
+    assert fair_level(28, []) == 28               # alone (4 of 32 kept for the idle)
+    assert fair_level(28, [1, 1, 1]) == 25        # three quiet tenants hold a seat each
+    assert fair_level(28, [28]) == 14             # a second flood: half each
+    assert fair_level(28, [2, 20]) == 13          # (28 - 2) / 2
 
 
 def test_retry_after_follows_the_measured_drain_rate():
