@@ -19,8 +19,9 @@ Policy (GatewayConfig.max_in_progress, 0: no bound, the door only counts):
   - a tenant's share is its max-min fair level of the seats this gateway does not keep: with C =
     max_in_progress - kept, the level L at which the others' holdings, each counted up to L,
     plus L fill C (water-filling; at least 1). kept = max(1, max_in_progress // KEPT_DIVISOR)
-    seats while some tenant this gateway has a key for holds none (room for it to get in at
-    once), else 0. A gateway with one tenant lets it use every seat; a flooding tenant beside
+    seats when this gateway has keys of more than one tenant (room for one under its share to get
+    in at once while another drains down to a share that just shrank), else 0. A gateway with
+    one tenant lets it use every seat; a flooding tenant beside
     idle ones all but the kept seats; beside quiet ones holding a seat each, all but those and the
     kept; beside k - 1 other floods, 1/k of C. A tenant under its share is never refused for
     another's load, only when every seat is held (and then a tenant over its share drains first:
@@ -53,7 +54,7 @@ DRAIN_PRIOR_S = 1.0        # Retry-After before any seat was ever left
 MIN_SPAN_S = 1.0           # a rate is measured over at least this long (less is noise)
 MIN_WAIT_S = 0.05          # the least wait an estimate says (the header rounds up to 1 s)
 EWMA_WEIGHT = 0.1          # of the mean time a seat is held
-# 1/8 of the seats kept for a tenant holding none: 4 of the default 32, where the noisy-neighbor
+# 1/8 of the seats kept out of the shares: 4 of the default 32, where the noisy-neighbor
 # workload's three quiet tenants (0.5 req/s each, ~1 s a chat) hold ~1.5 at a time
 KEPT_DIVISOR = 8
 STAGE = pb.OverloadStage.Name(pb.S4_REJECT)
@@ -152,8 +153,7 @@ class Door:
 
     def share(self, tenant: str) -> int:
         """The seats `tenant` may hold now (module docstring)."""
-        idle = any(t not in self.held and t != tenant for t in self.known)
-        room = self.limit - (max(1, self.limit // KEPT_DIVISOR) if idle else 0)
+        room = self.limit - (max(1, self.limit // KEPT_DIVISOR) if len(self.known) > 1 else 0)
         return max(1, fair_level(room, [n for t, n in self.held.items() if t != tenant]))
 
     def enter(self, tenant: str) -> Seat:

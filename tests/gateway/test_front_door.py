@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+import grpc
 import httpx
 import pytest
 import yaml
@@ -14,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.door import Door, fair_level
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
 from services.gateway.errors import GatewayError
 from tests.gateway.gateway_helpers import key, metric, openai_error, scrape
 from tests.harness import TEST_TTFT_TARGET_S, running_fleet, sim_args, start_gateway
@@ -77,7 +80,7 @@ def held_streams(gw, tenant: str, n: int):
 def test_a_flooding_tenant_is_refused_at_its_share_while_a_quiet_one_is_served(door_gateway):
     gw = door_gateway
     assert wait_until(lambda: in_progress(gw) == 0, 15.0)
-    # beside four idle tenants, flood's share is the door less the seat kept for them: 3 of 4
+    # flood's share beside idle tenants: the door less the seat kept out of the shares, 3 of 4
     with held_streams(gw, "flood", 3), client(gw, "flood") as c:
         refused = c.post("/v1/completions", json={"model": gw.model, **SHORT})
         error = openai_error(refused, 429)
@@ -105,7 +108,7 @@ def test_a_flooding_tenant_is_refused_at_its_share_while_a_quiet_one_is_served(d
 def test_a_full_gateway_answers_503_to_a_tenant_under_its_share(door_gateway):
     gw = door_gateway
     assert wait_until(lambda: in_progress(gw) == 0, 15.0)
-    # shares as they fill: flood 3 (one seat kept for the idle), quiet 1 ((4 - 1) // 2): every
+    # shares as they fill: flood 3 (one seat kept), quiet 1 (3 // 2 beside flood's 3): every
     # seat held, and third (0 of its share 1) finds none
     with held_streams(gw, "flood", 3), held_streams(gw, "quiet", 1), client(gw, "third") as c:
         full = c.post("/v1/completions", json={"model": gw.model, **SHORT})
@@ -116,6 +119,25 @@ def test_a_full_gateway_answers_503_to_a_tenant_under_its_share(door_gateway):
     assert wait_until(lambda: in_progress(gw) == 0, 15.0)
     with client(gw, "third") as c:
         assert c.post("/v1/completions", json={"model": gw.model, **SHORT}).status_code == 200
+
+
+def test_grpc_refuses_past_the_share_with_retry_after_and_serves_under_it(door_gateway):
+    gw = door_gateway
+    assert wait_until(lambda: in_progress(gw) == 0, 15.0)
+    request = pb.GenerateRequest(model=gw.model, text="hi", params=pb.SamplingParams(max_tokens=2))
+    bearer = lambda t: (("authorization", f"Bearer {KEYS[t]['key']}"),)      # noqa: E731
+    with held_streams(gw, "flood", 3), grpc.insecure_channel(gw.grpc) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request, metadata=bearer("flood")))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "fair share" in refused.value.details()
+        trailing = dict(refused.value.trailing_metadata())
+        assert int(trailing["retry-after"]) >= 1 and trailing["x-kvfleet-stage"] == "S4_REJECT"
+        assert stub.Health(pb.HealthRequest()).status == pb.HealthResponse.SERVING
+        chunks = list(stub.Generate(request, metadata=bearer("quiet")))
+        assert chunks[-1].finished
+    assert wait_until(lambda: in_progress(gw) == 0, 15.0)
 
 
 ENDINGS = ("finished", "streamed", "disconnected", "bad_body", "quota_refused")
@@ -201,7 +223,7 @@ def test_a_share_is_the_max_min_fair_level(room, others):
 
 
 def test_a_flood_beside_quiet_tenants_keeps_what_they_do_not_use():
-    assert fair_level(28, []) == 28               # alone (4 of 32 kept for the idle)
+    assert fair_level(28, []) == 28               # alone (4 of 32 kept out of the shares)
     assert fair_level(28, [1, 1, 1]) == 25        # three quiet tenants hold a seat each
     assert fair_level(28, [28]) == 14             # a second flood: half each
     assert fair_level(28, [2, 20]) == 13          # (28 - 2) / 2
