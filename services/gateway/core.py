@@ -219,7 +219,8 @@ class GatewayCore:
             model.name, quotas.holder, model.quality_version,
             tenants=[k.tenant for k in config.api_keys or (ANONYMOUS_KEY,)])
         self.door = Door(config.max_in_progress, config.tenants, self.telemetry.registry,
-                         self.telemetry.tenants.label)
+                         critical=[t.name for t in config.scheduler.tenants if t.critical],
+                         label=self.telemetry.tenants.label)
 
     def request(self, operation: str, carrier) -> RequestTelemetry:
         """A generation request was received (chat | text_completion); `carrier`: its HTTP

@@ -26,6 +26,8 @@ Policy (GatewayConfig.max_in_progress, 0: no bound, the door only counts):
     kept; beside k - 1 other floods, 1/k of C. A tenant under its share is never refused for
     another's load, only when every seat is held (and then a tenant over its share drains first:
     it gets no seat back until it is under its share again).
+  - a critical tenant (engine config `critical: true`) has no share: it is refused only when
+    every seat is held, and the kept seats are its headroom (DESIGN section 6).
 
 Both refusals carry `Retry-After` from the measured drain rate: the seats left (of the tenant, or
 of the gateway) over the last DRAIN_WINDOW_S, needed / rate, where needed = the leaves that would
@@ -136,11 +138,12 @@ class DoorMetrics:
 
 class Door:
     def __init__(self, max_in_progress: int, tenants: Iterable[str],
-                 registry: CollectorRegistry | None = None,
+                 registry: CollectorRegistry | None = None, critical: Iterable[str] = (),
                  label: Callable[[str], str] = str,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = max_in_progress
         self.known = frozenset(tenants)
+        self.critical = frozenset(critical)       # tenants with no share (only the bound)
         self._clock = clock
         self._label = label                       # a tenant's bounded metric label
         self.metrics = DoorMetrics(registry)
@@ -162,7 +165,7 @@ class Door:
         if self.limit:
             mine = self.held.get(tenant, 0)
             share = self.share(tenant)
-            if mine >= share:
+            if mine >= share and tenant not in self.critical:
                 raise self._over_share(tenant, mine, share, now)
             if self.in_progress >= self.limit:
                 raise self._full(tenant, now)

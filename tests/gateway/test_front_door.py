@@ -229,6 +229,23 @@ def test_a_flood_beside_quiet_tenants_keeps_what_they_do_not_use():
     assert fair_level(28, [2, 20]) == 13          # (28 - 2) / 2
 
 
+def test_a_critical_tenant_has_no_share_only_the_bound():
+    door = Door(LIMIT, ("flood", "ops"), critical=("ops",))
+    seats = [door.enter("flood") for _ in range(3)]          # its share: 4 less 1 kept
+    with pytest.raises(GatewayError) as over:
+        door.enter("flood")
+    assert over.value.status == 429
+    seats.append(door.enter("ops"))                          # the kept seat
+    with pytest.raises(GatewayError) as full:
+        door.enter("ops")
+    assert full.value.status == 503 and full.value.code == "gateway_full"
+    seats.pop().leave()
+    seats.append(door.enter("ops"))
+    for seat in seats:
+        seat.leave()
+    assert door.in_progress == 0
+
+
 def test_retry_after_follows_the_measured_drain_rate():
     clock = Clock()
     door = Door(2, ("a",), clock=clock)
