@@ -13,7 +13,12 @@ this process, not the load generator), the CPU seconds each of the fleet's proce
 load generator spent during the load (OUT/cpu.json: the gateway's CPU per request bounds the rate
 one gateway process can sustain), the gateway's `/metrics` after it (OUT/gateway_metrics.txt:
 refusals by reason and stage), and stops the fleet. The figures come from the report as for a
-simulated run (`python -m loadtests.admission_figures`)."""
+simulated run (`python -m loadtests.admission_figures`); the front's own, per run (statuses, the
+gateway's refusals by reason, its CPU per request, each tenant's TTFT p50 at the client split
+into the part before the gateway's clock and the gateway's own), with
+
+    python -m loadtests.emulated_admission --front OUT [OUT ...]
+"""
 from __future__ import annotations
 
 import json
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -35,6 +41,10 @@ TARGET = ("--sim-model", "llama-3-70b", "--sim-gpu", "h200", "--sim-tp", "4", "-
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--front"] and len(argv) > 1:
+        for out in argv[1:]:
+            print(front(Path(out)))
+        return 0
     if len(argv) != 5:
         print(__doc__, file=sys.stderr)
         return 2
@@ -75,7 +85,36 @@ def run(workload: str, mode: str, duration: str, scale: str, out: Path,
     (out / "probe.json").write_text(json.dumps(probe.summary()) + "\n")
     (out / "load.json").write_text(json.dumps(load) + "\n")
     print(f"load average (1 min): {load}")
+    if (out / "report" / "run.json").exists():
+        print(front(out))
     return done.returncode
+
+
+def front(out: Path) -> str:
+    """One run's front figures (module docstring), as text."""
+    from loadtests.metrics import percentile  # noqa: PLC0415
+    from loadtests.records import RunResult  # noqa: PLC0415
+    records = RunResult.load(out / "report" / "run.json").records
+    load = json.loads((out / "load.json").read_text())
+    cpu = json.loads((out / "cpu.json").read_text())
+    statuses = dict(sorted(Counter(r.status for r in records).items()))
+    refused = {}
+    for line in (out / "gateway_metrics.txt").read_text().splitlines():
+        if line.startswith("kvfleet_rejections_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            refused[reason] = refused.get(reason, 0) + float(line.rsplit(" ", 1)[1])
+    lines = [f"{out}: load {load['before']:.1f} -> {load['after']:.1f}; statuses {statuses}; "
+             f"the gateway's refusals {refused}; its CPU {cpu['gateway'] / len(records) * 1e3:.1f} "
+             f"ms a request (CPU s: {cpu})"]
+    for tenant in sorted({r.tenant for r in records}):
+        ok = [r for r in records if r.tenant == tenant and r.ok and r.timing]
+        if ok:
+            p50 = (lambda xs: percentile(xs, 50) * 1e3)
+            lines.append(f"  {tenant}: TTFT p50 {p50([r.ttft_s for r in ok]):.0f} ms = before the "
+                         f"gateway {p50([r.ttft_s - r.timing['ttft_s'] for r in ok]):.0f} + the "
+                         f"gateway's {p50([r.timing['ttft_s'] for r in ok]):.0f} (queue_s "
+                         f"{p50([r.timing['queue_s'] for r in ok]):.0f}) ms; {len(ok)} served")
+    return "\n".join(lines)
 
 
 SERVICES = ("gateway", "router-0", "prefill-0", "decode-0", "mixed-0")
