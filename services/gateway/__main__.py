@@ -12,7 +12,7 @@ import os
 import sys
 
 from services.gateway.config import (DEFAULT_DOCUMENT_THRESHOLD_TOKENS, DEFAULT_MAX_BODY_BYTES,
-                                     exposure_refusal)
+                                     DEFAULT_MAX_IN_PROGRESS, exposure_refusal)
 
 from services.protocol import env
 from services.protocol import timeouts
@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job-lease-s", type=float, default=10.0,
                    help="a gateway renews its jobs' leases every third of this; the jobs of one "
                         "that died are taken over by another this long after its last renewal")
+    p.add_argument("--max-in-progress", type=int, default=DEFAULT_MAX_IN_PROGRESS,
+                   help="generation requests this gateway holds at once; past it, or past a "
+                        "tenant's fair share of it, requests are refused at once (503 / 429 with "
+                        "Retry-After; services/gateway/door.py). 0: no bound")
     p.add_argument("--quality-version", help="default: the checkpoint's dtype and config hash")
     timeouts.add_args(p)
     return p.parse_args(argv)
@@ -78,7 +82,7 @@ def build_config(args: argparse.Namespace):
         metrics_key=metrics_key(args.metrics_key_file),
         document_threshold_tokens=args.document_threshold_tokens,
         job_deadline_s=args.job_deadline_s, job_ttl_s=args.job_ttl_s,
-        job_lease_s=args.job_lease_s)
+        job_lease_s=args.job_lease_s, max_in_progress=args.max_in_progress)
 
 
 def metrics_key(path: str | None) -> str | None:

@@ -15,7 +15,9 @@
   GET  /openapi.json           the OpenAPI document of these (request bodies with their ranges)
 
 A generation request, in order (through FastAPI's routing and middleware, like every request):
-API key -> body (size limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread
+API key -> the front door (door.py: this gateway's bound on requests in progress and the
+tenant's fair share of it; 429 / 503 at once) ->
+body (size limit, UTF-8) -> strict schema -> model -> tokenize + lengths (in a thread
 when the body is large) -> quotas -> Router.Admit and the plan's worker calls (fleet_run.py) -> first
 chunk (errors before it get a real status) -> JSON body or SSE stream. The client going away at
 any point after admission cancels it
@@ -53,7 +55,9 @@ from services.gateway import openai_schema as schema
 from services.gateway import jobs_api
 from services.gateway.auth import check_metrics_key
 from services.gateway.classes import CLASS_HEADER, choose
+from services.gateway.config import ApiKey
 from services.gateway.core import GatewayCore, Session, build_generation, new_request_id
+from services.gateway.door import Seat
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.jobs import JobRunner
 from services.gateway.openai_responses import Collected, Shaper
@@ -197,13 +201,26 @@ async def _generation(core: GatewayCore, request: Request, model_cls, build, pre
         key = core.authenticate(request.headers.get("authorization"))
         telemetry.named(request_id, key.tenant, key.traffic_class)
         core.quotas.refuse_early(key)          # before the body is read
+        seat = core.door.enter(key.tenant)     # ... and the front door's bounds (door.py)
+    try:
+        return await _seated(core, request, model_cls, build, prefix, telemetry, request_id,
+                             key, seat)
+    except BaseException:
+        seat.leave()         # refused or gone before a session had it (idempotent after one)
+        raise
+
+
+async def _seated(core: GatewayCore, request: Request, model_cls, build, prefix: str,
+                  telemetry: RequestTelemetry, request_id: str, key: ApiKey,
+                  seat: Seat) -> Response:
+    """The request past the front door: its session leaves `seat` when it closes."""
     with telemetry.phase("gateway.validate"):
         body = await read_body(request, core.config.max_body_bytes)
         req = schema.parse(model_cls, body)
         classes = choose(core.config, key, request.headers.get(CLASS_HEADER))
         gen, shape = await build_generation(len(body), build, req, key, classes, core.validator,
                                            request_id)
-    session = await core.open(gen, telemetry, shape.request_id)
+    session = await core.open(gen, telemetry, shape.request_id, seat)
     shaper = Shaper(shape, core.model, gen.prompt_ids)
     headers = {"x-kvfleet-model": core.model.name,
                "x-kvfleet-quality-version": core.model.quality_version, "x-request-id": gen.request_id,

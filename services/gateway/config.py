@@ -37,6 +37,12 @@ ANONYMOUS_CLASS = AUTO_CLASS
 # (1 s) before any queueing: such prompts belong to `document` (10 s).
 DEFAULT_DOCUMENT_THRESHOLD_TOKENS = 2048
 DOCUMENT_CLASS = "document"
+# Generation requests one gateway process holds at once (services/gateway/door.py), by Little's
+# law at the measured knee: on the emulated 70B fleet (docs/benchmarks.md, a11door) `overload-ramp`
+# kept 29 of 32 req/s within target with a chat holding the gateway 0.97 s (~31 in progress) and
+# served none at 47 req/s (~51). A gateway in front of a faster fleet raises it (--max-in-progress):
+# its rate within target times the time a request holds the gateway.
+DEFAULT_MAX_IN_PROGRESS = 32
 OPTIONAL_KEY_FIELDS = ("allowed_classes",)
 
 
@@ -162,6 +168,8 @@ class GatewayConfig:
     job_deadline_s: float = 3600.0       # an asynchronous job not done by then fails
     job_ttl_s: float = 86400.0           # a finished job's record lives this long in Redis
     job_lease_s: float = 10.0            # a dead gateway's jobs are taken over this long after
+    # the front door (door.py): requests in progress in this process, shared fairly by tenant
+    max_in_progress: int = DEFAULT_MAX_IN_PROGRESS
 
     def __post_init__(self) -> None:
         refusal = exposure_refusal(self.host, self.api_keys is not None, self.insecure)
@@ -177,6 +185,10 @@ class GatewayConfig:
                              f"{self.document_threshold_tokens}")
         if min(self.job_deadline_s, self.job_ttl_s, self.job_lease_s) <= 0:
             raise ValueError("job_deadline_s, job_ttl_s and job_lease_s must be > 0")
+        if isinstance(self.max_in_progress, bool) or not isinstance(self.max_in_progress, int) \
+                or self.max_in_progress < 0:
+            raise ValueError(f"max_in_progress must be an integer >= 0 (0: no bound), got "
+                             f"{self.max_in_progress!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -186,6 +198,11 @@ class GatewayConfig:
         on request (who can reach an unauthenticated gateway can be anyone anyway)."""
         tenant = self.scheduler.tenant(ANONYMOUS_TENANT)
         return replace(ANONYMOUS_KEY, allowed_classes=tenant.classes if tenant else ())
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """The tenants this gateway has keys for (the anonymous one's when it has none)."""
+        return tuple(dict.fromkeys(k.tenant for k in self.api_keys or (self.anonymous_key,)))
 
     def traffic_class(self, name: str) -> TrafficClass:
         cls = self.scheduler.traffic_class(name)

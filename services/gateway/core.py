@@ -34,6 +34,7 @@ from services.state.fleet_state import StreamLease
 from services.gateway import errors
 from services.gateway.auth import KeyRing
 from services.gateway.config import ANONYMOUS_KEY, ApiKey, GatewayConfig
+from services.gateway.door import Door, Seat
 from services.gateway.model import ServedModel
 from services.gateway.output_processor import OutputProcessor
 from services.gateway.fleet_run import Channels, FleetRun, Routers
@@ -72,8 +73,9 @@ CLIENT_FINISH_REASONS = ("stop", "length")
 
 class Session:
     def __init__(self, core: GatewayCore, gen: Generation, run: FleetRun,
-                 telemetry: RequestTelemetry) -> None:
+                 telemetry: RequestTelemetry, seat: Seat | None = None) -> None:
         self.core = core
+        self.seat = seat                 # its place inside the front door, left at close
         self.gen = gen
         self.run = run                   # the request's plan, run against the workers
         self.telemetry = telemetry
@@ -216,6 +218,9 @@ class GatewayCore:
         self.telemetry = GatewayTelemetry(
             model.name, quotas.holder, model.quality_version,
             tenants=[k.tenant for k in config.api_keys or (ANONYMOUS_KEY,)])
+        self.door = Door(config.max_in_progress, config.tenants, self.telemetry.registry,
+                         critical=[t.name for t in config.scheduler.tenants if t.critical],
+                         label=self.telemetry.tenants.label)
 
     def request(self, operation: str, carrier) -> RequestTelemetry:
         """A generation request was received (chat | text_completion); `carrier`: its HTTP
@@ -226,7 +231,9 @@ class GatewayCore:
         return self.keys.authenticate(authorization)
 
     async def open(self, gen: Generation, telemetry: RequestTelemetry,
-                   response_id: str | None = None) -> Session:
+                   response_id: str | None = None, seat: Seat | None = None) -> Session:
+        """The session of `gen`, quota admitted; `seat` (the front door's) is left when it
+        closes. A refusal raises, and leaves `seat` to the caller."""
         rid = gen.request_id
         telemetry.identify(rid, response_id or rid, gen.key.tenant, gen.traffic_class,
                            gen.params, len(gen.prompt_ids))
@@ -246,7 +253,7 @@ class GatewayCore:
             self.timeouts, telemetry.context)
         # invariant: a live session's lease is in _leases until _ended gives it back
         self._leases[rid] = lease
-        session = self._live[rid] = Session(self, gen, run, telemetry)
+        session = self._live[rid] = Session(self, gen, run, telemetry, seat)
         telemetry.opened()
         return session
 
@@ -265,6 +272,8 @@ class GatewayCore:
 
     def _ended(self, session: Session) -> None:
         self._live.pop(session.request_id, None)
+        if session.seat is not None:
+            session.seat.leave()
         lease = self._leases.pop(session.request_id, None)
         if lease is not None:
             self._finish_soon(lease, session.sent_tokens)

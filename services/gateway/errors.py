@@ -8,8 +8,10 @@
 | 404    | not_found_error       | NOT_FOUND           | unknown model, unknown route, another tenant's job  |
 | 413    | invalid_request_error | INVALID_ARGUMENT    | body over the configured limit                      |
 | 429    | rate_limit_error      | RESOURCE_EXHAUSTED  | tenant quota, or fleet overload (code overloaded)   |
+|        |                       |                     | or the tenant's share of the gateway (door.py)      |
 | 502    | upstream_error        | INTERNAL            | a worker failed in an unexpected way                |
 | 503    | service_unavailable   | UNAVAILABLE         | no healthy capacity: worker, router or Redis down   |
+|        |                       |                     | or this gateway full (door.py, code gateway_full)   |
 
 `retry_after` (seconds) becomes the `Retry-After` header / `retry-after` trailing metadata. Every
 refusal (429 or 503) carries one, and its message names the reason.

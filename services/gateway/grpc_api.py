@@ -92,6 +92,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     async def Generate(self, request: pb.GenerateRequest | Undecodable, context):
         telemetry = self.core.request("text_completion", context.invocation_metadata())
+        seat = None
         try:
             _check_decoded(request)            # before the key, as for every method
             with telemetry.phase("gateway.auth"):
@@ -99,15 +100,21 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                 rid = internal_request_id(request.request_id, key.tenant) or new_request_id("cmpl")
                 telemetry.named(rid, key.tenant, key.traffic_class)
                 self.core.quotas.refuse_early(key)     # before the prompt is tokenized
+                seat = self.core.door.enter(key.tenant)
             with telemetry.phase("gateway.validate"):
                 gen = await build_generation(request.ByteSize(), self._generation, request, key,
                                              rid)
-            session = await self.core.open(gen, telemetry, request.request_id or gen.request_id)
+            session = await self.core.open(gen, telemetry, request.request_id or gen.request_id,
+                                           seat)
         except errors.GatewayError as e:
+            if seat is not None:
+                seat.leave()
             telemetry.rejected(e)
             e.trace_id = telemetry.trace_id
             await _abort(context, e)
         except BaseException:
+            if seat is not None:
+                seat.leave()
             telemetry.end("cancelled", 0)
             raise
         try:
