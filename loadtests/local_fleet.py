@@ -265,6 +265,7 @@ class FleetSetup:
     env: dict = field(default_factory=dict)      # added to the fleet's environment (a step trace)
     prefill: int = 1                             # workers: prefill (disagg) and decode (disagg)
     decode: int = 1                              # or mixed (colocated)
+    max_in_progress: int | None = None           # the gateway's front door (None: its default)
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,9 @@ def up_options(setup: FleetSetup, engine_yaml: str, keys_yaml: str, redis_url: s
                ) -> tuple[list[str], dict]:
     """`kvfleet up`'s arguments for this setup: (extra flags, kvfleet_up's keywords)."""
     return (["--prefill", str(setup.prefill), "--decode", str(setup.decode), "--host", "127.0.0.1",
-             "--kv-backend", setup.kv_backend],
+             "--kv-backend", setup.kv_backend,
+             *([] if setup.max_in_progress is None
+               else ["--max-in-progress", str(setup.max_in_progress)])],
             dict(mode=setup.mode, redis_url=redis_url, config=engine_yaml, api_keys=keys_yaml,
                  kv_cache_mib=setup.kv_cache_mib, engine=setup.engine, sim_args=setup.sim_args,
                  env=dict(setup.env) or None))

@@ -102,6 +102,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="addresses worker and service records in Redis may name (default "
                         "127.0.0.0/8,::1; $KVFLEET_ALLOWED_NETWORKS)")
     p.add_argument("--api-keys", default=None)
+    p.add_argument("--max-in-progress", type=int, default=None, metavar="N",
+                   help="generation requests the gateway process holds at once, shared fairly "
+                        "by tenant (its front door, docs/operations.md; 0: no bound). Default: "
+                        "the gateway's own")
     p.add_argument("--kv-backend", choices=["nixl", "tcp"], default="tcp")
     p.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -286,6 +290,8 @@ def start_fleet(args: argparse.Namespace, launcher: Launcher, redis_url: str,
         gateway += ["--api-keys", args.api_keys]
     if args.insecure:
         gateway.append("--insecure")
+    if getattr(args, "max_in_progress", None) is not None:
+        gateway += ["--max-in-progress", str(args.max_in_progress)]
     endpoints["gateway"] = launcher.start("gateway", gateway)
     endpoints["gateway-grpc"] = next((line.split()[-1] for line in
                                       launcher.children["gateway"].lines

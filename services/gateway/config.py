@@ -37,12 +37,13 @@ ANONYMOUS_CLASS = AUTO_CLASS
 # (1 s) before any queueing: such prompts belong to `document` (10 s).
 DEFAULT_DOCUMENT_THRESHOLD_TOKENS = 2048
 DOCUMENT_CLASS = "document"
-# Generation requests one gateway process holds at once (services/gateway/door.py), by Little's
-# law at the measured knee: on the emulated 70B fleet (docs/benchmarks.md, a11door) `overload-ramp`
-# kept 29 of 32 req/s within target with a chat holding the gateway 0.97 s (~31 in progress) and
-# served none at 47 req/s (~51). A gateway in front of a faster fleet raises it (--max-in-progress):
-# its rate within target times the time a request holds the gateway.
-DEFAULT_MAX_IN_PROGRESS = 32
+# Generation requests one gateway process holds at once (services/gateway/door.py): a bound on this
+# process's own work, not on the fleet's (the router's admission decides that). By Little's law on
+# the gateway's own cost: ~10 ms of its CPU per served 70B-pace request (docs/benchmarks.md,
+# a11door) is ~100 requests/s on its one core, and a chat holds the gateway ~1 s at that pace, so
+# ~100 in progress fill the process; 128 leaves room for shorter ones. A fleet slower than its
+# gateways sets it lower (the emulated fleet on the 2-core box: 32, its knee), one per process.
+DEFAULT_MAX_IN_PROGRESS = 128
 OPTIONAL_KEY_FIELDS = ("allowed_classes",)
 
 

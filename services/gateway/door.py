@@ -56,7 +56,7 @@ DRAIN_PRIOR_S = 1.0        # Retry-After before any seat was ever left
 MIN_SPAN_S = 1.0           # a rate is measured over at least this long (less is noise)
 MIN_WAIT_S = 0.05          # the least wait an estimate says (the header rounds up to 1 s)
 EWMA_WEIGHT = 0.1          # of the mean time a seat is held
-# 1/8 of the seats kept out of the shares: 4 of the default 32, where the noisy-neighbor
+# 1/8 of the seats kept out of the shares: 4 of the emulated fleet's 32, where the noisy-neighbor
 # workload's three quiet tenants (0.5 req/s each, ~1 s a chat) hold ~1.5 at a time
 KEPT_DIVISOR = 8
 STAGE = pb.OverloadStage.Name(pb.S4_REJECT)
