@@ -110,22 +110,48 @@ def import_gguf(source: GgufSource, out_dir, dtype: str = "float32") -> Path:
 def _one_reader_per_file():
     """transformers parses the GGUF file once for the tokenizer, once for the config and once for
     the weights (`gguf.GGUFReader`, field by field: its 49K-token vocabulary is most of a
-    SmolLM2 make's CPU); inside this block the three share one reader of the read-only file."""
+    SmolLM2 make's CPU); inside this block the three share one reader of the read-only file,
+    which reads the mapped file as a plain ndarray (PlainReader).
+    Its weights map also asks gguf for the tensor name map of the same architecture and depth
+    once per module of the model (397 for SmolLM2, ~8 ms of CPU each, ~3 s in all); inside this
+    block each (architecture, depth) is built once and shared (transformers only reads it)."""
     import gguf as gguf_package  # noqa: PLC0415 - transformers' GGUF dependency
+    import numpy as np  # noqa: PLC0415
 
     real, readers = gguf_package.GGUFReader, {}
+    real_map, maps = gguf_package.get_tensor_name_map, {}
+
+    class PlainReader(real):
+        """The reader over a plain ndarray view of its np.memmap (the same mapped bytes): it
+        slices the file ~4M times while it builds the fields, and each slice of a memmap pays
+        the subclass's __getitem__ and __array_finalize__ in Python."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mapped) -> None:
+            self._plain = mapped.view(np.ndarray)
 
     def reader(path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = real(path, *args, **kwargs)
+            readers[key] = PlainReader(path, *args, **kwargs)
         return readers[key]
 
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = real_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
     gguf_package.GGUFReader = reader
+    gguf_package.get_tensor_name_map = name_map
     try:
         yield
     finally:
         gguf_package.GGUFReader = real
+        gguf_package.get_tensor_name_map = real_map
 
 
 def _config_json(config, dtype: str) -> dict:
