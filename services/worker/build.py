@@ -192,7 +192,7 @@ def _rates(config: WorkerConfig, engine: EngineClient) -> WorkerRates:
     kv_bytes_per_token = engine.kv_cache.bytes_per_block // engine.block_size
     sched = config.engine.scheduler
     prior = _prior(config.engine, config.step_profile, kv_bytes_per_token, sched.token_budget,
-                   engine.warmup)
+                   engine.warmup, config.warmup_margin)
     log.info("worker %s: cost prior %s: %.3g s a step + %.3g s a token + %.3g s a pair",
              config.worker_id, prior.source, prior.step_s, prior.s_per_token, prior.s_per_pair)
     return WorkerRates(prior, token_budget=sched.token_budget, chunk_size=sched.chunk_size,
@@ -200,30 +200,31 @@ def _rates(config: WorkerConfig, engine: EngineClient) -> WorkerRates:
 
 
 def _prior(engine_config: EngineConfig, profile: str | None, kv_bytes_per_token: int,
-           budget: int, warmup=None):
+           budget: int, warmup=None, margin: float = 1.0):
     """What this worker publishes as its costs before it has measured any (rates.py's module
     docstring, the order): --step-profile, else a simulated engine's own step timer (its
     target's cost model, profile or fixed step), else the real engine's warm-up profile
-    (`warmup`, services/engine/warmup.py), else the real CPU engine's default, with a warning
-    saying why the warm-up gave none."""
+    (`warmup`, services/engine/warmup.py), its times x `margin`, else the real CPU engine's
+    default, with a warning saying why the warm-up gave none."""
     if engine_config.sim is not None and not profile:
         from services.engine.sim_engine import step_timer  # noqa: PLC0415
         return prior_from_timer(step_timer(engine_config.sim), "sim engine", budget)
     if profile or warmup is None:
         return prior_for(kv_bytes_per_token, profile=profile, budget=budget)
-    measured = prior_from_steps(warmup.steps, measured_source(warmup))
+    measured = prior_from_steps(warmup.steps, measured_source(warmup, margin))
     if measured is not None and not warmup.error:
-        return measured
+        return measured.scaled(margin)
     fallback = default_prior(kv_bytes_per_token)
     why = warmup.error or f"{len(warmup.steps)} step shapes measured, too few to fit"
     log.warning("the warm-up profile gave no prior (%s): the default, %s", why, fallback.source)
     return replace(fallback, source=f"{fallback.source}; warm-up failed: {why}")
 
 
-def measured_source(warmup) -> str:
-    """The prior's source for a warm-up profile: what it measured, and in how long."""
+def measured_source(warmup, margin: float = 1.0) -> str:
+    """The prior's source for a warm-up profile: what it measured, in how long, and the margin
+    its times are taken with."""
     return (f"measured-at-start: {len(warmup.steps)} step shapes x{REPEATS} in "
-            f"{warmup.elapsed_s:.2f} s")
+            f"{warmup.elapsed_s:.2f} s, times x{margin:g}")
 
 
 def _transport(config: WorkerConfig, engine: EngineClient):

@@ -33,6 +33,9 @@ class WorkerConfig:
     # the real engine's warm-up profile at start (its measured cost prior, rates.py): at most
     # this long before the worker serves; past it the default prior. 0: no warm-up
     warmup_timeout_s: float = 30.0
+    # the measured prior's times x this: a step measured alone at start runs ~2x slower in a
+    # burst on a host whose cores the fleet's own processes share (docs/benchmarks.md, a11warm)
+    warmup_margin: float = 2.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -48,4 +51,6 @@ class WorkerConfig:
                              f"{self.metrics_port}")
         if not self.warmup_timeout_s >= 0:
             raise ValueError(f"warmup_timeout_s must be >= 0, got {self.warmup_timeout_s!r}")
+        if not self.warmup_margin > 0:
+            raise ValueError(f"warmup_margin must be > 0, got {self.warmup_margin!r}")
         self.timeouts.check()

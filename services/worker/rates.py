@@ -37,8 +37,10 @@ Priors (services/worker/build.py `_prior`), in order:
   3. a real engine: the warm-up profile its core measured at start, before the worker serves
      (services/engine/warmup.py: a few prefill steps at chosen sizes and depths and decode
      batches on dummy blocks, within WorkerConfig.warmup_timeout_s), fitted by
-     `prior_from_steps`: source `measured-at-start: ...`. The box's pace now, under whatever
-     load it has, not a constant measured once (docs/benchmarks.md, "a11warm");
+     `prior_from_steps`, its times x WorkerConfig.warmup_margin (2: a burst's steps ran ~2x
+     slower than the same steps alone at start on the 2-core CPU fleet, whose own processes
+     then share the cores): source `measured-at-start: ...`. The box's pace now, under
+     whatever load it has, not a constant measured once (docs/benchmarks.md, "a11warm");
   4. else (no warm-up, or it failed, timed out or measured too little; the worker logs why and
      the source says it) `default_prior` by model size: figures derived from docs/benchmarks.md's
      in-process engine measurements on this 2-core CPU, made ~1.5x slower so that a cold fleet
@@ -70,6 +72,11 @@ class Prior:
 
     def step_time(self, tokens: int, pairs: int) -> float:
         return self.step_s + self.s_per_token * tokens + self.s_per_pair * pairs
+
+    def scaled(self, factor: float) -> Prior:
+        """Every time x factor (a margin), the source unchanged."""
+        return Prior(self.step_s * factor, self.s_per_token * factor, self.s_per_pair * factor,
+                     self.source)
 
     def drain_rate(self, budget: int, chunk: int) -> float:
         """Prefill tokens/s of back-to-back full-budget steps, each of budget / chunk prompts'

@@ -54,7 +54,7 @@ async def one_core(model: str, warm: bool, chats: int) -> dict:
                                       if s.prefill_tokens == CHAT))
         result = dict(start_s=start_s, ttft=ttfts, step=prefill_steps)
         if client.warmup is not None:
-            prior = prior_from_steps(client.warmup.steps, measured_source(client.warmup))
+            prior = prior_from_steps(client.warmup.steps, measured_source(client.warmup))  # no margin: the steps alone
             result.update(warmup_s=client.warmup.elapsed_s, prior=prior,
                           prior_chat_s=prior.step_time(CHAT, attention_pairs(0, CHAT)))
         return result

@@ -46,6 +46,7 @@ def test_a_cold_workers_first_record_carries_the_pace_it_measured_at_start(tiny_
         finally:
             await mixed.close()
         assert first.prior_source.startswith("measured-at-start: ")
+        assert first.prior_source.endswith("times x2")           # WorkerConfig.warmup_margin
         assert first.prefill_fit_steps == 0                       # nothing served yet
         assert min(first.prior_step_s, first.prior_s_per_token, first.prior_s_per_pair) >= 0
         assert first.prior_s_per_token > 0 and first.prior_step_s + first.prior_s_per_pair > 0
