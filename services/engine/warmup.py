@@ -9,10 +9,9 @@ priced at the pace this box has now, not a constant measured once.
 
 Each shape runs once untimed (its first run pays the allocator's growth and oneDNN's primitive
 creation for that shape), then REPEATS times timed; its time is the median. Shapes run cheapest
-first, and a shape whose predicted time (in proportion to its tokens, from the largest step
-measured so far: an over-estimate, the step's fixed cost scaled too) would pass `max_step_s` is
-skipped: a slow model (SmolLM2 on this CPU: ~4 ms a token) measures its small
-shapes only, and the fit extrapolates in tokens.
+first, and a shape whose predicted time (`predicted_s`: the line through the two largest steps
+measured so far) would pass `max_step_s` is skipped: a slow model (SmolLM2 on this CPU: ~4 ms a
+token) measures its small shapes only, and the fit extrapolates in tokens.
 
 What it leaves behind: nothing the engine's state shows. Its blocks are reserved and allocated
 in the engine's pool under owner names no request can have (`OWNER`), and freed before it
@@ -113,11 +112,10 @@ def profile(engine, shapes: list[Shape], timeout_s: float, max_step_s: float = M
     t0 = clock()
     steps: list[MeasuredStep] = []
     skipped = 0
-    per_token = 0.0                  # seconds a token of the largest step measured so far
     for shape in shapes:
         if clock() - t0 > timeout_s:
             return Profile(steps, clock() - t0, skipped, f"timed out after {timeout_s:g} s")
-        if per_token * shape.tokens > max_step_s or not _fits(engine, shape):
+        if predicted_s(steps, shape.tokens) > max_step_s or not _fits(engine, shape):
             skipped += 1
             continue
         try:
@@ -128,9 +126,19 @@ def profile(engine, shapes: list[Shape], timeout_s: float, max_step_s: float = M
             return Profile(steps, clock() - t0, skipped, f"timed out after {timeout_s:g} s")
         steps.append(MeasuredStep(sum(n for n, _ in shape.prefill), len(shape.decodes),
                                   shape.pairs, seconds))
-        largest = max(steps, key=lambda m: m.prefill_tokens + m.decode_tokens)
-        per_token = largest.seconds / (largest.prefill_tokens + largest.decode_tokens)
     return Profile(steps, clock() - t0, skipped)
+
+
+def predicted_s(steps: list[MeasuredStep], tokens: int) -> float:
+    """A step of `tokens` tokens, from the steps measured so far: seconds = a + b x tokens
+    through the two of the most tokens (each term >= 0); 0 (unknown: run it) with fewer than
+    two token counts measured."""
+    by_tokens = {s.prefill_tokens + s.decode_tokens: s.seconds for s in steps}
+    if len(by_tokens) < 2:
+        return 0.0
+    (n0, t0), (n1, t1) = sorted(by_tokens.items())[-2:]
+    b = max(0.0, (t1 - t0) / (n1 - n0))
+    return max(0.0, t1 - b * n1) + b * tokens
 
 
 def _fits(engine, shape: Shape) -> bool:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.engine.engine import LLMEngine, engine_config
 from services.engine.sampling_params import SamplingParams
-from services.engine.warmup import Shape, default_shapes, profile
+from services.engine.warmup import Shape, default_shapes, predicted_s, profile
 
 BLOCK = 16
 
@@ -108,3 +108,25 @@ def test_the_default_shapes_run_cheapest_first_and_pin_each_term(tiny_model_dir)
     assert Shape(prefill=((200, 0),) * 10) in plan                # 2,048 // 200 chats
     assert max(start for s in plan for _, start in s.prefill) == 2048
     assert len({s.tokens for s in plan}) >= 4
+
+
+
+def test_a_shape_predicted_past_the_step_cap_is_skipped_and_the_cheaper_ones_still_run(
+        engine, monkeypatch):
+    """Steps that take 10 ms + 1 ms a token (an injected clock): after a 1-token and a
+    32-token step, a 200-token one is predicted at 210 ms, past a 100 ms cap, and skipped; a
+    40-token one after it still runs."""
+    now, real = [0.0], engine.executor.execute
+
+    def execute(plan, *rest):
+        now[0] += 0.010 + 0.001 * sum(c.num_tokens for c in plan.chunks)
+        return real(plan, *rest)
+
+    monkeypatch.setattr(engine.executor, "execute", execute)
+    shapes = [Shape(decodes=(16,)), Shape(prefill=((32, 0),)), Shape(prefill=((200, 0),)),
+              Shape(prefill=((40, 0),))]
+    result = profile(engine, shapes, timeout_s=1e9, max_step_s=0.1, clock=lambda: now[0])
+    assert [s.prefill_tokens + s.decode_tokens for s in result.steps] == [1, 32, 40]
+    assert result.skipped == 1 and result.error == ""
+    assert predicted_s(result.steps[:2], 200) == pytest.approx(0.210)
+    assert predicted_s(result.steps[:1], 10_000) == 0        # one size measured: unknown
