@@ -7,8 +7,10 @@ through the engine's own executor, on dummy blocks, and their durations are retu
 worker to fit its cost prior from (services/worker/rates.py, `prior_from_steps`): a cold fleet is
 priced at the pace this box has now, not a constant measured once.
 
-Each shape runs once untimed (its first run pays the allocator's growth and oneDNN's primitive
-creation for that shape), then REPEATS times timed; its time is the median. Shapes run cheapest
+Each shape runs once untimed (the first runs pay the allocator's growth and oneDNN's first
+primitives), then REPEATS times timed; its time is the median. A shape predicted past a quarter
+of `max_step_s` runs once, timed (SmolLM2's larger shapes: the warm-up's cost, not its first
+runs', dominates there). Shapes run cheapest
 first, and a shape whose predicted time (`predicted_s`: the line through the two largest steps
 measured so far) would pass `max_step_s` is skipped: a slow model (SmolLM2 on this CPU: ~4 ms a
 token) measures its small shapes only, and the fit extrapolates in tokens.
@@ -118,8 +120,9 @@ def profile(engine, shapes: list[Shape], timeout_s: float, max_step_s: float = M
         if predicted_s(steps, shape.tokens) > max_step_s or not _fits(engine, shape):
             skipped += 1
             continue
+        runs = REPEATS + 1 if predicted_s(steps, shape.tokens) <= max_step_s / 4 else 1
         try:
-            seconds = _measure(engine, shape, t0 + timeout_s, clock)
+            seconds = _measure(engine, shape, t0 + timeout_s, clock, runs)
         except Exception as e:  # noqa: BLE001 - the worker falls back to its default prior
             return Profile(steps, clock() - t0, skipped, f"{type(e).__name__}: {e}")
         if seconds is None:
@@ -151,17 +154,18 @@ def _fits(engine, shape: Shape) -> bool:
             and max(shape.blocks) < engine.max_model_len)
 
 
-def _measure(engine, shape: Shape, deadline: float, clock) -> float | None:
-    """The median of REPEATS timed runs after one untimed; None if the deadline passed first."""
+def _measure(engine, shape: Shape, deadline: float, clock, runs: int) -> float | None:
+    """The median of the timed runs of `runs` (all but the first, or the only one); None if
+    the deadline passed first."""
     plan, drawers, generators = _dummy_step(engine, shape)
     try:
         times = []
-        for i in range(REPEATS + 1):
+        for i in range(runs):
             if clock() > deadline:
                 return None
             start = clock()
             engine.executor.execute(plan, drawers, plan.chunks, generators)
-            if i:
+            if i or runs == 1:
                 times.append(clock() - start)
         return statistics.median(times)
     finally:

@@ -25,7 +25,6 @@ import grpc
 from redis.exceptions import RedisError
 
 from services.engine.config import EngineConfig
-from services.engine.warmup import REPEATS
 from services.protocol import bind, fleet_token
 from services.protocol.fleet_token import FleetAuth
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
@@ -223,8 +222,8 @@ def _prior(engine_config: EngineConfig, profile: str | None, kv_bytes_per_token:
 def measured_source(warmup, margin: float = 1.0) -> str:
     """The prior's source for a warm-up profile: what it measured, in how long, and the margin
     its times are taken with."""
-    return (f"measured-at-start: {len(warmup.steps)} step shapes x{REPEATS} in "
-            f"{warmup.elapsed_s:.2f} s, times x{margin:g}")
+    return (f"measured-at-start: {len(warmup.steps)} step shapes in {warmup.elapsed_s:.2f} s, "
+            f"times x{margin:g}")
 
 
 def _transport(config: WorkerConfig, engine: EngineClient):

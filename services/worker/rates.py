@@ -131,13 +131,16 @@ MIN_MEASURED_STEPS = 3   # warm-up steps, of at least two token counts, a measur
 def prior_from_steps(steps, source: str) -> Prior | None:
     """A prior fitted to steps the engine measured itself (services/engine/warmup.py: each with
     `prefill_tokens`, `decode_tokens`, `pairs` and `seconds`): step seconds on (1, tokens,
-    pairs), the same three terms as `prior_from_timer`, least squares relative to each step's
-    time (a 64-token step's error counts as much as a 2,048-token one's), each coefficient
-    >= 0 (the best fit over the terms kept when a free fit would make one negative). None
-    when the steps cannot tell the terms apart: fewer than MIN_MEASURED_STEPS, or one token
-    count only."""
-    rows = [(1.0, s.prefill_tokens + s.decode_tokens, s.pairs) for s in steps if s.seconds > 0]
-    times = [s.seconds for s in steps if s.seconds > 0]
+    pairs), the same three terms as `prior_from_timer`, over the steps that ran prefill (their
+    decodes counted), as `CostFit` learns: a decode-only step's token costs ~5x a prefill
+    token's on this CPU (tiny and SmolLM2 alike: per-sequence attention), and would price
+    prompts by it. Least squares relative to each step's time (a 64-token step's error counts
+    as much as a 2,048-token one's), each coefficient >= 0 (the best fit over the terms kept
+    when a free fit would make one negative). None when the steps cannot tell the terms
+    apart: fewer than MIN_MEASURED_STEPS, or one token count only."""
+    steps = [s for s in steps if s.seconds > 0 and s.prefill_tokens > 0]
+    rows = [(1.0, s.prefill_tokens + s.decode_tokens, s.pairs) for s in steps]
+    times = [s.seconds for s in steps]
     if len(rows) < MIN_MEASURED_STEPS or len({r[1] for r in rows}) < 2:
         return None
     x = np.array(rows, float) / np.array(times)[:, None]      # relative: each row / its time
