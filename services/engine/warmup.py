@@ -133,10 +133,12 @@ def profile(engine, shapes: list[Shape], timeout_s: float, max_step_s: float = M
 
 
 def predicted_s(steps: list[MeasuredStep], tokens: int) -> float:
-    """A step of `tokens` tokens, from the steps measured so far: seconds = a + b x tokens
-    through the two of the most tokens (each term >= 0); 0 (unknown: run it) with fewer than
-    two token counts measured."""
-    by_tokens = {s.prefill_tokens + s.decode_tokens: s.seconds for s in steps}
+    """A step of `tokens` tokens, from the steps measured so far that ran prefill: seconds =
+    a + b x tokens through the two of the most tokens (each term >= 0); 0 (unknown: run it)
+    with fewer than two token counts measured. Decode-only steps are left out: their tokens
+    cost ~5x a prefill token's on this CPU, and priced SmolLM2's prefill shapes past the cap."""
+    by_tokens = {s.prefill_tokens + s.decode_tokens: s.seconds for s in steps
+                 if s.prefill_tokens > 0}
     if len(by_tokens) < 2:
         return 0.0
     (n0, t0), (n1, t1) = sorted(by_tokens.items())[-2:]

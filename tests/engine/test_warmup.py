@@ -113,9 +113,10 @@ def test_the_default_shapes_run_cheapest_first_and_pin_each_term(tiny_model_dir)
 
 def test_a_shape_predicted_past_the_step_cap_is_skipped_and_the_cheaper_ones_still_run(
         engine, monkeypatch):
-    """Steps that take 10 ms + 1 ms a token (an injected clock): after a 1-token and a
-    32-token step, a 200-token one is predicted at 210 ms, past a 100 ms cap, and skipped; a
-    40-token one after it still runs."""
+    """Steps that take 10 ms + 1 ms a token (an injected clock): after an 8-token and a
+    32-token prefill step, a 200-token one is predicted at 210 ms, past a 100 ms cap, and
+    skipped; a 40-token one after it still runs. The decode-only step before them prices
+    nothing (one prefill size alone: unknown, run)."""
     now, real = [0.0], engine.executor.execute
 
     def execute(plan, *rest):
@@ -123,10 +124,10 @@ def test_a_shape_predicted_past_the_step_cap_is_skipped_and_the_cheaper_ones_sti
         return real(plan, *rest)
 
     monkeypatch.setattr(engine.executor, "execute", execute)
-    shapes = [Shape(decodes=(16,)), Shape(prefill=((32, 0),)), Shape(prefill=((200, 0),)),
-              Shape(prefill=((40, 0),))]
+    shapes = [Shape(decodes=(16,)), Shape(prefill=((8, 0),)), Shape(prefill=((32, 0),)),
+              Shape(prefill=((200, 0),)), Shape(prefill=((40, 0),))]
     result = profile(engine, shapes, timeout_s=1e9, max_step_s=0.1, clock=lambda: now[0])
-    assert [s.prefill_tokens + s.decode_tokens for s in result.steps] == [1, 32, 40]
+    assert [s.prefill_tokens + s.decode_tokens for s in result.steps] == [1, 8, 32, 40]
     assert result.skipped == 1 and result.error == ""
-    assert predicted_s(result.steps[:2], 200) == pytest.approx(0.210)
-    assert predicted_s(result.steps[:1], 10_000) == 0        # one size measured: unknown
+    assert predicted_s(result.steps[:3], 200) == pytest.approx(0.210)
+    assert predicted_s(result.steps[:2], 10_000) == 0        # one prefill size: unknown
