@@ -50,8 +50,8 @@ def test_a_cold_workers_first_record_carries_the_pace_it_measured_at_start(tiny_
         assert first.prefill_fit_steps == 0                       # nothing served yet
         assert min(first.prior_step_s, first.prior_s_per_token, first.prior_s_per_pair) >= 0
         assert first.prior_s_per_token > 0 and first.prior_step_s + first.prior_s_per_pair > 0
-        assert (first.prefill_step_s, first.prefill_s_per_token) == (first.prior_step_s,
-                                                                     first.prior_s_per_token)
+        assert (first.prefill_step_s, first.prefill_s_per_token) == pytest.approx(
+            (first.prior_step_s, first.prior_s_per_token), rel=1e-9)
         predicted = (first.prior_step_s + first.prior_s_per_token * CHAT
                      + first.prior_s_per_pair * attention_pairs(0, CHAT))
         assert later.prefill_fit_steps >= 8
