@@ -1,6 +1,7 @@
 """One worker, assembled: `build_worker(config, role)` -> a Worker to start and stop.
 
-start(): the engine core process (engine_client.py) and the cost prior it publishes (rates.py),
+start(): the engine core process (engine_client.py; a real engine's core measures its warm-up
+profile before it is ready) and the cost prior it publishes (rates.py, fitted to that profile),
 /metrics when config.metrics_port says so, the KV transport when the role moves KV (registered on
 the engine's pool; a simulated core's writes paced to its target's link), the role started with
 those parts (role.py), the gRPC server on config.host:port with the standard health probe, and,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 from redis.exceptions import RedisError
@@ -36,7 +38,8 @@ from services.worker.config import WorkerConfig
 from services.worker.engine_client import EngineClient
 from services.worker.heartbeat import heartbeat_forever
 from services.worker.kv_events import KVEventPublisher, PublisherConfig
-from services.worker.rates import WorkerRates, prior_for, prior_from_timer
+from services.worker.rates import (WorkerRates, default_prior, prior_for, prior_from_steps,
+                                   prior_from_timer)
 from services.worker.role import Role, RoleParts
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
@@ -63,7 +66,8 @@ class Worker:
         self.engine_failed = asyncio.Event()      # the engine core died (engine.failure says why)
         self.engine = EngineClient(config.engine, on_failure=lambda _: self.engine_failed.set(),
                                    on_step=self.telemetry.on_step,
-                                   torch_threads=config.torch_threads)
+                                   torch_threads=config.torch_threads,
+                                   warmup_timeout_s=config.warmup_timeout_s)
         self.transport = None          # the KV transport, for a role that moves KV
         self.capacity = CapacityNotifier(None)    # publishes once there is a Redis
         self.servicer: WorkerServicer | None = None
@@ -186,21 +190,40 @@ def _rates(config: WorkerConfig, engine: EngineClient) -> WorkerRates:
     """The rates this worker publishes, starting from its prior costs (_prior)."""
     kv_bytes_per_token = engine.kv_cache.bytes_per_block // engine.block_size
     sched = config.engine.scheduler
-    return WorkerRates(
-        _prior(config.engine, config.step_profile, kv_bytes_per_token, sched.token_budget),
-        token_budget=sched.token_budget, chunk_size=sched.chunk_size,
-        kv_bytes_per_token=kv_bytes_per_token)
+    prior = _prior(config.engine, config.step_profile, kv_bytes_per_token, sched.token_budget,
+                   engine.warmup, config.warmup_margin)
+    log.info("worker %s: cost prior %s: %.3g s a step + %.3g s a token + %.3g s a pair",
+             config.worker_id, prior.source, prior.step_s, prior.s_per_token, prior.s_per_pair)
+    return WorkerRates(prior, token_budget=sched.token_budget, chunk_size=sched.chunk_size,
+                       kv_bytes_per_token=kv_bytes_per_token)
 
 
 def _prior(engine_config: EngineConfig, profile: str | None, kv_bytes_per_token: int,
-           budget: int):
-    """What this worker publishes as its costs before it has measured any: a simulated engine's
-    own step timer (its target's cost model, profile or fixed step), else --step-profile, else
-    the real CPU engine's default (services/worker/rates.py)."""
+           budget: int, warmup=None, margin: float = 1.0):
+    """What this worker publishes as its costs before it has measured any (rates.py's module
+    docstring, the order): --step-profile, else a simulated engine's own step timer (its
+    target's cost model, profile or fixed step), else the real engine's warm-up profile
+    (`warmup`, services/engine/warmup.py), its times x `margin`, else the real CPU engine's
+    default, with a warning saying why the warm-up gave none."""
     if engine_config.sim is not None and not profile:
         from services.engine.sim_engine import step_timer  # noqa: PLC0415
         return prior_from_timer(step_timer(engine_config.sim), "sim engine", budget)
-    return prior_for(kv_bytes_per_token, profile=profile, budget=budget)
+    if profile or warmup is None:
+        return prior_for(kv_bytes_per_token, profile=profile, budget=budget)
+    measured = prior_from_steps(warmup.steps, measured_source(warmup, margin))
+    if measured is not None and not warmup.error:
+        return measured.scaled(margin)
+    fallback = default_prior(kv_bytes_per_token)
+    why = warmup.error or f"{len(warmup.steps)} step shapes measured, too few to fit"
+    log.warning("the warm-up profile gave no prior (%s): the default, %s", why, fallback.source)
+    return replace(fallback, source=f"{fallback.source}; warm-up failed: {why}")
+
+
+def measured_source(warmup, margin: float = 1.0) -> str:
+    """The prior's source for a warm-up profile: what it measured, in how long, and the margin
+    its times are taken with."""
+    return (f"measured-at-start: {len(warmup.steps)} step shapes in {warmup.elapsed_s:.2f} s, "
+            f"times x{margin:g}")
 
 
 def _transport(config: WorkerConfig, engine: EngineClient):

@@ -30,6 +30,12 @@ class WorkerConfig:
     metrics_port: int = -1             # Prometheus /metrics; 0 picks a free port, -1: none
     step_profile: str | None = None    # a measured step profile: the prefill cost prior (rates.py)
     torch_threads: int = 0             # the engine core's torch intra-op threads (0: torch's)
+    # the real engine's warm-up profile at start (its measured cost prior, rates.py): at most
+    # this long before the worker serves; past it the default prior. 0: no warm-up
+    warmup_timeout_s: float = 30.0
+    # the measured prior's times x this: a step measured alone at start runs ~2x slower in a
+    # burst on a host whose cores the fleet's own processes share (docs/benchmarks.md, a11warm)
+    warmup_margin: float = 2.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -43,4 +49,8 @@ class WorkerConfig:
             raise ValueError(f"ports must be 0..65535 (metrics also -1: none); got port "
                              f"{self.port}, kv_port {self.kv_port}, metrics_port "
                              f"{self.metrics_port}")
+        if not self.warmup_timeout_s >= 0:
+            raise ValueError(f"warmup_timeout_s must be >= 0, got {self.warmup_timeout_s!r}")
+        if not self.warmup_margin > 0:
+            raise ValueError(f"warmup_margin must be > 0, got {self.warmup_margin!r}")
         self.timeouts.check()

@@ -146,8 +146,12 @@ class EngineClient:
     def __init__(self, config: EngineConfig, *,
                  on_failure: Callable[[EngineFailed], None] | None = None,
                  on_step: Callable[[StepStats], None] | None = None,
-                 torch_threads: int = 0, start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 torch_threads: int = 0, start_timeout_s: float = START_TIMEOUT_S,
+                 warmup_timeout_s: float = 0.0) -> None:
+        """warmup_timeout_s: how long the core's warm-up profile may take before Ready
+        (engine_core.warm_up; 0: none runs, `warmup` is None)."""
         self.config = config
+        self._warmup_timeout_s = warmup_timeout_s
         self.failure: EngineFailed | None = None
         self._on_failure = on_failure
         self._on_step = on_step
@@ -188,7 +192,8 @@ class EngineClient:
         self._exited, self._failed = asyncio.Event(), asyncio.Event()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "services.worker.engine_core", self._run_dir,
-             "--threads", str(self._torch_threads)],
+             "--threads", str(self._torch_threads),
+             "--warmup-timeout", str(self._warmup_timeout_s)],
             stdin=subprocess.PIPE, stdout=2, env=_core_env())   # stdout: the server's READY line
         core.write_config(self._proc.stdin, self.config)   # stdin stays open (see above)
         self._pidfd = os.pidfd_open(self._proc.pid)
@@ -269,6 +274,12 @@ class EngineClient:
     @property
     def max_model_len(self) -> int:
         return self._started(self._ready).max_model_len
+
+    @property
+    def warmup(self):
+        """What the core's warm-up measured before Ready (services/engine/warmup.py, Profile),
+        or None (a simulated core, or none asked for)."""
+        return self._started(self._ready).warmup
 
     @property
     def pid(self) -> int | None:

@@ -11,7 +11,9 @@ so a request's acceptance always reaches the server before its first token.
 Lifecycle (`python -m services.worker.engine_core RUN_DIR`, started by EngineClient):
   1. read the EngineConfig (msgpack, length-prefixed) from stdin, connect the sockets, build the
      engine with its KV cache in shared memory (`SharedKV`), install fault injection
-     (services/worker/faults.py), send Ready (where the KV memory is).
+     (services/worker/faults.py), run the real engine's warm-up profile (`warm_up`: a few
+     steps of chosen shapes on dummy blocks, within --warmup-timeout; services/engine/warmup.py),
+     send Ready (where the KV memory is, and what the warm-up measured).
   2. loop: run every queued command (each answered with its typed reply; a command that raises
      is answered with CallFailed and the core goes on), then step() while there is work, sending
      each step's outputs and its StepStats in ONE StepOutputs message (a step that ran the model
@@ -62,6 +64,7 @@ from services.engine.kv_array import ArrayKVCache
 from services.engine.engine import EngineStats, LLMEngine, StepRecord
 from services.engine.outputs import TokenOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.warmup import Profile
 from services.worker import faults, step_trace
 
 if TYPE_CHECKING:   # the model's cache; a simulated core imports no torch
@@ -143,6 +146,7 @@ class Ready(msgspec.Struct, tag=20, array_like=True):
     kv_dtype: str                 # torch dtype name without "torch."
     kv_device: str = "cpu"        # where the cache lives: "cpu" (kv_path) or "cuda:N" (kv_handle)
     kv_handle: bytes = b""        # a device cache's CUDA IPC handle (DeviceKV.export)
+    warmup: Profile | None = None  # the step times measured before Ready (warm_up); None: none ran
 
 
 class StepStats(msgspec.Struct, array_like=True):
@@ -313,7 +317,8 @@ def kv_allocator(config: EngineConfig, shared: SharedKV):
     return shared.alloc if resolve_device(config.device).type == "cpu" else None
 
 
-def ready_message(config: EngineConfig, engine: LLMEngine, shared: SharedKV) -> Ready:
+def ready_message(config: EngineConfig, engine: LLMEngine, shared: SharedKV,
+                  warmup: Profile | None = None) -> Ready:
     # the shared file holds every tensor-parallel rank's part (rank 0's cache is its first part)
     data = shared.data if shared.data is not None else engine.kv_cache.data
     device = "cpu" if isinstance(data, np.ndarray) else str(data.device)
@@ -321,7 +326,22 @@ def ready_message(config: EngineConfig, engine: LLMEngine, shared: SharedKV) -> 
     return Ready(os.getpid(), config.model, engine.pool.block_size, engine.max_model_len,
                  "" if on_device else shared.path, list(data.shape),
                  str(data.dtype).removeprefix("torch."), device,
-                 DeviceKV.export(data) if on_device else b"")
+                 DeviceKV.export(data) if on_device else b"", warmup)
+
+
+def warm_up(config: EngineConfig, engine: LLMEngine, timeout_s: float) -> Profile | None:
+    """The real engine's warm-up profile (services/engine/warmup.py), before Ready: None for a
+    simulated core (its prior is its own step timer) or with no time for it (timeout_s <= 0)."""
+    if config.sim is not None or timeout_s <= 0:
+        return None
+    from services.engine import warmup  # noqa: PLC0415
+    sched = config.scheduler
+    shapes = warmup.default_shapes(sched.token_budget, sched.chunk_size, sched.max_running,
+                                   engine.max_model_len)
+    result = warmup.profile(engine, shapes, timeout_s)
+    log.info("warm-up: %d step shapes measured in %.2f s (%d skipped)%s", len(result.steps),
+             result.elapsed_s, result.skipped, f"; stopped: {result.error}" if result.error else "")
+    return result
 
 
 def attach_kv(ready: Ready):
@@ -520,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the directory whose sockets the server has bound")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads "
                    "(0: the engine config's torch_threads)")
+    p.add_argument("--warmup-timeout", type=float, default=0.0, help="seconds the warm-up "
+                   "profile may take before Ready (0: none runs)")
     args = p.parse_args(argv)
     from services.protocol.aio import setup_logging   # noqa: PLC0415
     setup_logging("engine-core")
@@ -540,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         faults.install(engine)
         step_trace.install(engine)
         core = EngineCore(engine, commands, replies, sys.stdin.fileno())
-        core.send(ready_message(config, engine, kv))
+        core.send(ready_message(config, engine, kv, warm_up(config, engine, args.warmup_timeout)))
         core.run()
     except BaseException as e:  # noqa: BLE001 - a core failure is reported, never silent
         log.critical("the engine core failed", exc_info=e)

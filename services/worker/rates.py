@@ -30,14 +30,26 @@ published in its stats heartbeat (WorkerStats):
 The rates are over a sliding window of recent events (`Window`), so they follow load changes and
 forget an idle spell's last burst no faster than the window.
 
-Priors (`prior_for`), in order: a measured step profile file (`--step-profile`: services/planner
-/profile.py's StepProfile when that module exists), the capacity model's roofline for a simulated
-engine core, else `default_prior` by model size: figures derived from docs/benchmarks.md's
-in-process engine measurements on this 2-core CPU, made ~1.5x slower so that a cold fleet errs
-towards refusing rather than admitting blindly.
+Priors (services/worker/build.py `_prior`), in order:
+  1. a measured step profile file (`--step-profile`: services/planner/profile.py's StepProfile);
+  2. a simulated engine core: its own step timer (the capacity model's roofline for its target,
+     a profile, or a fixed step), which needs no warm-up;
+  3. a real engine: the warm-up profile its core measured at start, before the worker serves
+     (services/engine/warmup.py: a few prefill steps at chosen sizes and depths and decode
+     batches on dummy blocks, within WorkerConfig.warmup_timeout_s), fitted by
+     `prior_from_steps`, its times x WorkerConfig.warmup_margin (2: a burst's steps ran ~2x
+     slower than the same steps alone at start on the 2-core CPU fleet, whose own processes
+     then share the cores): source `measured-at-start: ...`. The box's pace now, under
+     whatever load it has, not a constant measured once (docs/benchmarks.md, "a11warm");
+  4. else (no warm-up, or it failed, timed out or measured too little; the worker logs why and
+     the source says it) `default_prior` by model size: figures derived from docs/benchmarks.md's
+     in-process engine measurements on this 2-core CPU, made ~1.5x slower so that a cold fleet
+     errs towards refusing rather than admitting blindly.
+`prior_for` gives 1, a capacity model's roofline, or 4, for a caller without an engine core.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -60,6 +72,11 @@ class Prior:
 
     def step_time(self, tokens: int, pairs: int) -> float:
         return self.step_s + self.s_per_token * tokens + self.s_per_pair * pairs
+
+    def scaled(self, factor: float) -> Prior:
+        """Every time x factor (a margin), the source unchanged."""
+        return Prior(self.step_s * factor, self.s_per_token * factor, self.s_per_pair * factor,
+                     self.source)
 
     def drain_rate(self, budget: int, chunk: int) -> float:
         """Prefill tokens/s of back-to-back full-budget steps, each of budget / chunk prompts'
@@ -106,6 +123,46 @@ def prior_from_timer(timer, source: str, budget: int = 512) -> Prior:
     coef, *_ = np.linalg.lstsq(np.array(rows, float), np.array(times), rcond=None)
     a, b, c = (max(0.0, float(x)) for x in coef)
     return Prior(a, b, c, source)
+
+
+MIN_MEASURED_STEPS = 3   # warm-up steps, of at least two token counts, a measured prior needs
+
+
+def prior_from_steps(steps, source: str) -> Prior | None:
+    """A prior fitted to steps the engine measured itself (services/engine/warmup.py: each with
+    `prefill_tokens`, `decode_tokens`, `pairs` and `seconds`): step seconds on (1, tokens,
+    pairs), the same three terms as `prior_from_timer`, over the steps that ran prefill (their
+    decodes counted), as `CostFit` learns: a decode-only step's token costs ~5x a prefill
+    token's on this CPU (tiny and SmolLM2 alike: per-sequence attention), and would price
+    prompts by it. Least squares relative to each step's time (a 64-token step's error counts
+    as much as a 2,048-token one's), each coefficient >= 0 (the best fit over the terms kept
+    when a free fit would make one negative). None when the steps cannot tell the terms
+    apart: fewer than MIN_MEASURED_STEPS, or one token count only."""
+    steps = [s for s in steps if s.seconds > 0 and s.prefill_tokens > 0]
+    rows = [(1.0, s.prefill_tokens + s.decode_tokens, s.pairs) for s in steps]
+    times = [s.seconds for s in steps]
+    if len(rows) < MIN_MEASURED_STEPS or len({r[1] for r in rows}) < 2:
+        return None
+    x = np.array(rows, float) / np.array(times)[:, None]      # relative: each row / its time
+    scale = np.array([1.0, 1e-3, 1e-6])                       # terms of similar size
+    a, b, c = (float(v) for v in _nonnegative_lstsq(x / scale, np.ones(len(rows))) / scale)
+    return Prior(a, b, c, source)
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |x theta - y| over theta >= 0, for a few columns: the best of the unconstrained
+    fits over every subset of columns whose fit is >= 0 (the others held at 0)."""
+    best, best_err = np.zeros(x.shape[1]), float(y @ y)
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = np.zeros(x.shape[1]), err
+                best[list(cols)] = coef
+    return best
 
 
 def prior_for(kv_bytes_per_token: int, *, profile: str | None = None, cost_model=None,

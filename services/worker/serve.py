@@ -67,6 +67,14 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
     p.add_argument("--step-profile", default=None, metavar="FILE",
                    help="a measured step profile (kvfleet sim calibrate): the prefill cost prior "
                         "this worker publishes until it has measured its own")
+    p.add_argument("--warmup-timeout", type=float, default=WorkerConfig.warmup_timeout_s,
+                   metavar="S", help="a real engine measures its step times at start, before it "
+                   "serves, for at most S seconds (its cost prior; past S, or if it fails, the "
+                   "default prior); 0: no warm-up")
+    p.add_argument("--warmup-margin", type=float, default=WorkerConfig.warmup_margin,
+                   metavar="X", help="the warm-up's measured step times x X make the prior "
+                   "(default 2: a CPU host whose cores the fleet's processes share runs a "
+                   "burst's steps ~2x slower than one step alone; 1 on a worker's own device)")
     add_engine_args(p)
     add_sim_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -156,7 +164,8 @@ def worker_config_for(args: argparse.Namespace) -> WorkerConfig:
         engine=engine_config, host=args.host, allow_external_bind=args.allow_external_bind,
         port=args.port, kv_port=args.kv_port,
         redis_url=args.redis_url, metrics_port=args.metrics_port,
-        step_profile=args.step_profile, torch_threads=args.threads)
+        step_profile=args.step_profile, torch_threads=args.threads,
+        warmup_timeout_s=args.warmup_timeout, warmup_margin=args.warmup_margin)
 
 
 async def _serve(worker: Worker) -> int:

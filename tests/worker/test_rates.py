@@ -9,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 from services.engine.scheduler import attention_pairs
 from services.planner.capacity import CostModel
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
+from services.engine.warmup import MeasuredStep, default_shapes
 from services.worker.rates import (TINY, CostFit, Prior, WorkerRates, default_prior,
-                                   prior_from_timer)
+                                   prior_from_steps, prior_from_timer)
 
 
 
@@ -275,3 +276,52 @@ def test_the_prior_ratio_gives_way_to_deep_steps(per_token, ratio, seed):
     truth, priced = document_alone_s(law.step_time), document_alone_s(rates.fit.step_time)
     assert priced == pytest.approx(truth, rel=0.1)
     assert abs(chats_only - truth) > 2 * abs(priced - truth)   # the chats alone held the prior
+
+
+@settings(max_examples=30, deadline=None)
+@given(step_s=st.floats(1e-4, 0.1), per_token=st.floats(1e-6, 1e-2),
+       per_pair=st.floats(0.0, 1e-6))
+def test_a_warm_up_profile_is_fitted_to_the_coefficients_its_steps_took(step_s, per_token,
+                                                                         per_pair):
+    """The default warm-up shapes, timed with a known law: the measured prior is that law, the
+    pair cost included when it is 0 (never negative)."""
+    law = Prior(step_s, per_token, per_pair, "law")
+    steps = [MeasuredStep(sum(n for n, _ in s.prefill), len(s.decodes), s.pairs,
+                          law.step_time(s.tokens, s.pairs))
+             for s in default_shapes(2048, 512, 256, 8192)]      # decode-only ones left out
+    fitted = prior_from_steps(steps, "measured-at-start: test")
+    assert fitted.source == "measured-at-start: test"
+    assert min(fitted.step_s, fitted.s_per_token, fitted.s_per_pair) >= 0
+    assert fitted.step_s == pytest.approx(step_s, rel=1e-6, abs=1e-12)
+    assert fitted.s_per_token == pytest.approx(per_token, rel=1e-6, abs=1e-12)
+    assert fitted.s_per_pair == pytest.approx(per_pair, rel=1e-6, abs=1e-15)
+
+
+def test_noisy_steps_that_would_fit_a_negative_cost_fit_it_at_zero():
+    """Steps whose free fit has a negative fixed cost (a small step slower than its share): the
+    fixed cost is 0 and the rest the best fit without it."""
+    steps = [MeasuredStep(n, 0, 0, t) for n, t in ((100, 0.004), (200, 0.010), (300, 0.016),
+                                                   (400, 0.022))]    # 6e-5 s a token - 2 ms
+    fitted = prior_from_steps(steps, "s")
+    assert fitted.step_s == 0 and fitted.s_per_pair == 0
+    assert 4e-5 < fitted.s_per_token < 6e-5
+    for s in steps:
+        assert fitted.step_time(s.prefill_tokens, 0) == pytest.approx(s.seconds, rel=0.25)
+
+
+def test_decode_only_warm_up_steps_do_not_price_prompts():
+    """A decode-only step (its tokens ~5x a prefill token's on this CPU) is left out of the fit,
+    as CostFit leaves it out: the prefill steps alone set the law."""
+    law = Prior(0.004, 1e-4, 1e-7, "law")
+    prefill = [MeasuredStep(n, 0, attention_pairs(0, n), law.step_time(n, attention_pairs(0, n)))
+               for n in (64, 200, 512)]
+    decodes = [MeasuredStep(0, 16, 4096, 0.004 + 16 * 5e-4)]
+    fitted = prior_from_steps(prefill + decodes, "s")
+    assert fitted.s_per_token == pytest.approx(1e-4, rel=1e-6)
+    assert prior_from_steps(decodes * 3, "s") is None
+
+
+def test_too_few_warm_up_steps_give_no_prior():
+    one_size = [MeasuredStep(64, 0, 2080, 0.01)] * 3
+    assert prior_from_steps(one_size, "s") is None
+    assert prior_from_steps(one_size[:1] + [MeasuredStep(128, 0, 8256, 0.02)], "s") is None
