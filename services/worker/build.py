@@ -34,7 +34,7 @@ from services.state.fleet_state import FleetState
 from services.state.wait_queue import WaitQueue
 from services.telemetry import exposition
 from services.worker.capacity import CapacityNotifier
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, warmup_margin
 from services.worker.engine_client import EngineClient
 from services.worker.heartbeat import heartbeat_forever
 from services.worker.kv_events import KVEventPublisher, PublisherConfig
@@ -191,7 +191,7 @@ def _rates(config: WorkerConfig, engine: EngineClient) -> WorkerRates:
     kv_bytes_per_token = engine.kv_cache.bytes_per_block // engine.block_size
     sched = config.engine.scheduler
     prior = _prior(config.engine, config.step_profile, kv_bytes_per_token, sched.token_budget,
-                   engine.warmup, config.warmup_margin)
+                   engine.warmup, warmup_margin(config.warmup_margin, engine.kv_device))
     log.info("worker %s: cost prior %s: %.3g s a step + %.3g s a token + %.3g s a pair",
              config.worker_id, prior.source, prior.step_s, prior.s_per_token, prior.s_per_pair)
     return WorkerRates(prior, token_budget=sched.token_budget, chunk_size=sched.chunk_size,

@@ -9,6 +9,15 @@ from services.protocol.timeouts import Timeouts
 
 ROLES = ("prefill", "decode", "mixed")
 POOLS = ("primary", "fallback")        # the fallback pool serves a smaller or quantized model
+CPU_WARMUP_MARGIN = 2.0                # WorkerConfig.warmup_margin's default on the CPU
+
+
+def warmup_margin(configured: float | None, kv_device: str) -> float:
+    """The measured prior's margin (WorkerConfig.warmup_margin): as configured, else by where the
+    engine computes."""
+    if configured is not None:
+        return configured
+    return CPU_WARMUP_MARGIN if kv_device == "cpu" else 1.0
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,10 @@ class WorkerConfig:
     # the real engine's warm-up profile at start (its measured cost prior, rates.py): at most
     # this long before the worker serves; past it the default prior. 0: no warm-up
     warmup_timeout_s: float = 30.0
-    # the measured prior's times x this: a step measured alone at start runs ~2x slower in a
-    # burst on a host whose cores the fleet's own processes share (docs/benchmarks.md, a11warm)
-    warmup_margin: float = 2.0
+    # the measured prior's times x this. None: CPU_WARMUP_MARGIN when the engine computes on the
+    # CPU (a step measured alone at start ran ~2x slower in a burst on a host whose cores the
+    # fleet's own processes share: docs/benchmarks.md, a11warm), 1 on an accelerator of its own
+    warmup_margin: float | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -51,6 +61,6 @@ class WorkerConfig:
                              f"{self.metrics_port}")
         if not self.warmup_timeout_s >= 0:
             raise ValueError(f"warmup_timeout_s must be >= 0, got {self.warmup_timeout_s!r}")
-        if not self.warmup_margin > 0:
+        if self.warmup_margin is not None and not self.warmup_margin > 0:
             raise ValueError(f"warmup_margin must be > 0, got {self.warmup_margin!r}")
         self.timeouts.check()

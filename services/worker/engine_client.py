@@ -282,6 +282,11 @@ class EngineClient:
         return self._started(self._ready).warmup
 
     @property
+    def kv_device(self) -> str:
+        """Where the core's model and KV cache live: "cpu", or a CUDA device ("cuda:0")."""
+        return self._started(self._ready).kv_device
+
+    @property
     def pid(self) -> int | None:
         """The core process's pid (None before start)."""
         return self._proc.pid if self._proc is not None else None

@@ -37,9 +37,9 @@ Priors (services/worker/build.py `_prior`), in order:
   3. a real engine: the warm-up profile its core measured at start, before the worker serves
      (services/engine/warmup.py: a few prefill steps at chosen sizes and depths and decode
      batches on dummy blocks, within WorkerConfig.warmup_timeout_s), fitted by
-     `prior_from_steps`, its times x WorkerConfig.warmup_margin (2: a burst's steps ran ~2x
+     `prior_from_steps`, its times x WorkerConfig.warmup_margin (on the CPU 2: a burst's steps ran ~2x
      slower than the same steps alone at start on the 2-core CPU fleet, whose own processes
-     then share the cores): source `measured-at-start: ...`. The box's pace now, under
+     then share the cores; 1 on an accelerator): source `measured-at-start: ...`. The box's pace now, under
      whatever load it has, not a constant measured once (docs/benchmarks.md, "a11warm");
   4. else (no warm-up, or it failed, timed out or measured too little; the worker logs why and
      the source says it) `default_prior` by model size: figures derived from docs/benchmarks.md's

@@ -73,8 +73,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str | None = None) -> None
                    "default prior); 0: no warm-up")
     p.add_argument("--warmup-margin", type=float, default=WorkerConfig.warmup_margin,
                    metavar="X", help="the warm-up's measured step times x X make the prior "
-                   "(default 2: a CPU host whose cores the fleet's processes share runs a "
-                   "burst's steps ~2x slower than one step alone; 1 on a worker's own device)")
+                   "(default: 2 on the CPU, where the fleet's processes share the cores and a "
+                   "burst's steps ran ~2x slower than one step alone; 1 on an accelerator)")
     add_engine_args(p)
     add_sim_args(p)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
