@@ -23,7 +23,10 @@ above it expected to arrive during it, when the worker publishes its throughput 
 ends, then all of those arriving during each step (a document's prefill spans hundreds of steps:
 the mean arrival is what they add up to), queued as one more tenant of their class, so they go
 first in every step they wait in and the document keeps only its class's share while they wait
-(its own class's arrivals queue behind it or share its class's turns; they are not counted). It
+(its own class's arrivals queue behind it or share its class's turns; they are not counted),
+as whole prompts of their class's mean length (`prefill_prompts_per_wall_s_by_class`: a chat
+every few steps leaves the steps between to the document, where a trickle of a few tokens in
+every step would cap it in all of them). It
 is stepped for up to LONG_MAX_STEPS steps or `LONG_HORIZON` of its class's target; past them
 the tokens of its class still ahead of it and its own go at the pace its class had over the
 last steps stepped. Without the throughput by class (an older worker), as a chat: the
@@ -200,6 +203,37 @@ def arrival_rates(w: pb.WorkerStats, traffic_class: str,
     return {traffic_class: w.prefill_tokens_per_wall_s}, False
 
 
+def mean_prompt(w: pb.WorkerStats, traffic_class: str) -> int:
+    """A class's mean prompt tokens as `w` prefilled them recently (its tokens over its prompts a
+    second); 0 when it does not say."""
+    prompts = w.prefill_prompts_per_wall_s_by_class.get(traffic_class, 0.0)
+    tokens = w.prefill_tokens_per_wall_s_by_class.get(traffic_class, 0.0)
+    return max(1, round(tokens / prompts)) if prompts > 0 and tokens > 0 else 0
+
+
+class _Arrivals:
+    """The higher classes' prompts expected to arrive, each class at its rate: whole prompts of
+    its mean length, one as soon as that many tokens are due (a class whose mean is unknown:
+    what is due each step, in chunks)."""
+
+    def __init__(self, w: pb.WorkerStats, rates: Mapping[str, float], chunk: int) -> None:
+        self.rates, self.chunk = rates, chunk
+        self.size = {c: mean_prompt(w, c) for c in rates}
+        self.due = dict.fromkeys(rates, 0.0)
+
+    def add(self, queues, seconds: float, factor: float) -> None:
+        for name, rate in self.rates.items():
+            line = queues.setdefault(name, {}).setdefault(ARRIVING, deque())
+            size = self.size[name]
+            if not size:
+                _arrive(queues[name], round(factor * rate * seconds), self.chunk)
+                continue
+            self.due[name] += factor * rate * seconds
+            while self.due[name] >= size:
+                line.append(_Prompt(size))
+                self.due[name] -= size
+
+
 def _steps(w, queues, mine, traffic_class, by_name, weights, in_flight_s, joining, run):
     drr = {c: DeficitRoundRobin(DRR_QUANTUM) for c in by_name}
     chunk = w.chunk_size or w.token_budget
@@ -213,10 +247,13 @@ def _steps(w, queues, mine, traffic_class, by_name, weights, in_flight_s, joinin
     if lower and above:
         most, horizon = LONG_MAX_STEPS, LONG_HORIZON * by_name[traffic_class].ttft_target_s
         run.recent = deque(maxlen=PACE_STEPS)
+    arrivals = _Arrivals(w, rates if above else {}, chunk)
     factor, span, t = joining, max(0.0, in_flight_s), 0.0
     for _ in range(most):
-        for name, rate in rates.items():
-            _arrive(queues.setdefault(name, {}), round(factor * rate * span), chunk)
+        if above:
+            arrivals.add(queues, span, factor)
+        else:
+            _arrive(queues[traffic_class], round(factor * rates[traffic_class] * span), chunk)
         before = _class_left(queues[traffic_class]) if run.recent is not None else 0
         chunks = _step(queues, by_name, drr, weights, shape)
         seconds = _cost(w, sum(n for n, _ in chunks.values()) + decodes,
