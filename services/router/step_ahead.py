@@ -64,6 +64,9 @@ LONG_MAX_STEPS = 2048
 LONG_HORIZON = 1.5
 # The steps whose class progress paces the rest, past the stepped ones.
 PACE_STEPS = 32
+# The wait and prefill of a prompt whose class got nothing in those steps (starved by the
+# classes above it): never, as a number any stepped or paced prediction stays under.
+STARVED_S = 1e9
 ARRIVING = "\x00arriving"     # the tenant the expected arrivals are queued as (no real name)
 
 
@@ -155,8 +158,10 @@ class _Run:
 def _paced(run: _Run, t: float, started: float | None, left: int) -> Ahead:
     """Past a lower class's stepping: what is still ahead of the prompt in its class, then its
     own tokens left, at the pace its class had over the last steps (a class starved by those
-    above it, never)."""
-    pace = max(run.pace(), 1e-3)
+    above it: STARVED_S, never)."""
+    pace = run.pace()
+    if pace <= 0:
+        return Ahead(STARVED_S, STARVED_S)
     if started is None:
         return Ahead(t + run.ahead / pace, left / pace)
     return Ahead(started, t - started + left / pace)

@@ -23,10 +23,12 @@ CLASSES = (INTERACTIVE, DOCUMENT, BATCH)
 NOTHING_AHEAD = {c.name: 0 for c in CLASSES}
 
 
-def at_rest(chats_per_s: float | None = None, documents_per_s: float = 0.0) -> pb.WorkerStats:
+def at_rest(chats_per_s: float | None = None, documents_per_s: float = 0.0,
+            chat_tokens: int = 0) -> pb.WorkerStats:
     """A prefill worker's beat with nothing running or queued, its fitted step cost published;
     its throughput by class when `chats_per_s` is given (else it does not say, as an older
-    build), the total beside it."""
+    build), the total beside it; and its chats' prompts a second when `chat_tokens` (their mean
+    length) is given."""
     w = pb.WorkerStats(worker_id="p0", role="prefill", prefill_step_s=STEP_S,
                        prefill_s_per_token=PER_TOKEN, prefill_s_per_pair=PER_PAIR,
                        token_budget=BUDGET, chunk_size=CHUNK, updated_at_unix_s=100.0,
@@ -36,6 +38,8 @@ def at_rest(chats_per_s: float | None = None, documents_per_s: float = 0.0) -> p
     if chats_per_s is not None:
         w.prefill_tokens_per_wall_s_by_class.update(
             {"interactive": chats_per_s, "document": documents_per_s})
+    if chat_tokens:
+        w.prefill_prompts_per_wall_s_by_class.update({"interactive": chats_per_s / chat_tokens})
     return w
 
 
@@ -51,23 +55,31 @@ def queued_s(p: Prediction) -> float:
     return p.wait_s + p.prefill_s
 
 
-def engine_seconds(queued: list[tuple[str, str, int]], chats_per_s: float) -> float:
+def engine_seconds(queued: list[tuple[str, str, int]], chats_per_s: float,
+                   chat_tokens: int = 0) -> float:
     """(class, tenant, tokens) queued at once on a prefill worker's engine; while the last one
-    prefills, the chats arriving during each step (at `chats_per_s`, prompts of at most a chunk,
-    tenant c) join before the next one. When the last one's last token is computed, every step
-    costing the law the worker fitted."""
+    prefills, the chats arriving during each step (at `chats_per_s`, tenant c) join before the
+    next one: chats of `chat_tokens` each, one as soon as that many tokens are due (0: the
+    tokens due each step, in prompts of at most a chunk). When the last one's last token is
+    computed, every step costing the law the worker fitted."""
     sched, _ = make_scheduler(num_blocks=16384, block_size=16, prefix_caching=False,
                               token_budget=BUDGET, chunk_size=CHUNK, max_running=BUDGET,
                               role="prefill", max_model_len=1 << 16,
                               tenants=(Tenant("a"), Tenant("b"), Tenant("c")))
     reqs = [add(sched, n, tenant=t, cls=c, max_tokens=1) for c, t, n in queued]
-    last, t = reqs[-1], 0.0
+    last, t, due = reqs[-1], 0.0, 0.0
     while last.num_computed_tokens < last.num_prompt_tokens:
         out = step(sched)
         seconds = STEP_S + sum(PER_TOKEN * c.num_tokens
                                + PER_PAIR * attention_pairs(c.start_pos, c.num_tokens)
                                for c in out.prefills)
         t += seconds
+        if chat_tokens:
+            due += chats_per_s * seconds
+            while due >= chat_tokens:
+                add(sched, chat_tokens, tenant="c", max_tokens=1)
+                due -= chat_tokens
+            continue
         arriving = round(chats_per_s * seconds)
         while arriving > 0:
             add(sched, min(arriving, CHUNK), tenant="c", max_tokens=1)
@@ -75,16 +87,18 @@ def engine_seconds(queued: list[tuple[str, str, int]], chats_per_s: float) -> fl
     return t
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.integers(200, 3000), st.sampled_from((0.0, 2_000.0, 6_000.0, 12_000.0)))
+@settings(max_examples=30, deadline=None)
+@given(st.integers(200, 3000), st.sampled_from((0.0, 2_000.0, 6_000.0, 12_000.0)),
+       st.sampled_from((0, 20, 64)))
 def test_a_document_is_predicted_as_the_engine_runs_it_while_chats_arrive_at_the_measured_rate(
-        tokens, chats_per_s):
-    """An idle prefill worker that measured chats prefilled at `chats_per_s`; a document
-    arrives and chats keep arriving at that rate, each going first in the step after it arrives
-    (the document gets its class's share of the steps they wait in). Its predicted time is the
-    engine's, however many steps it takes (past the 64 a chat is stepped)."""
-    truth = engine_seconds([("document", "a", tokens)], chats_per_s)
-    p = predicted(at_rest(chats_per_s), [], "document", "a", tokens)
+        tokens, chats_per_s, chat_tokens):
+    """An idle prefill worker that measured chats prefilled at `chats_per_s` (and, when
+    `chat_tokens`, their mean length); a document arrives and chats keep arriving at that rate,
+    each going first in the step after it arrives (the document gets its class's share of the
+    steps they wait in, the whole of the others). Its predicted time is the engine's, however
+    many steps it takes (past the 64 a chat is stepped)."""
+    truth = engine_seconds([("document", "a", tokens)], chats_per_s, chat_tokens)
+    p = predicted(at_rest(chats_per_s, chat_tokens=chat_tokens), [], "document", "a", tokens)
     assert abs(queued_s(p) - truth) <= 1e-9 * truth
 
 
@@ -116,15 +130,16 @@ prompt = st.tuples(st.sampled_from(("interactive", "document")), st.sampled_from
                    st.integers(1, 1500))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(prompt, max_size=6), st.sampled_from("ab"), st.integers(1, 5000),
-       st.floats(0.0, 20_000.0), st.floats(0.0, 20_000.0))
+       st.floats(0.0, 20_000.0), st.floats(0.0, 20_000.0), st.sampled_from((0, 50, 400)))
 def test_a_documents_prediction_never_falls_as_the_chats_arrival_rate_rises(
-        placed, tenant, tokens, rate, more):
-    """More chats arriving a second never makes a document's predicted TTFT earlier, whatever
-    is queued on the worker."""
-    low = predicted(at_rest(rate), placed, "document", tenant, tokens)
-    high = predicted(at_rest(rate + more), placed, "document", tenant, tokens)
+        placed, tenant, tokens, rate, more, chat_tokens):
+    """More chats arriving a second (of the same mean length, when the worker says it) never
+    makes a document's predicted TTFT earlier, whatever is queued on the worker."""
+    low = predicted(at_rest(rate, chat_tokens=chat_tokens), placed, "document", tenant, tokens)
+    high = predicted(at_rest(rate + more, chat_tokens=chat_tokens), placed, "document", tenant,
+                     tokens)
     assert high.total_s >= low.total_s
 
 
