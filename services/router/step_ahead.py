@@ -26,11 +26,10 @@ first in every step they wait in and the document keeps only its class's share w
 (its own class's arrivals queue behind it or share its class's turns; they are not counted),
 as whole prompts of their class's mean length (`prefill_prompts_per_wall_s_by_class`: a chat
 every few steps leaves the steps between to the document, where a trickle of a few tokens in
-every step would cap it in all of them). It
-is stepped for up to LONG_MAX_STEPS steps or `LONG_HORIZON` of its class's target; past them
-the tokens of its class still ahead of it and its own go at the pace its class had over the
-last steps stepped. Without the throughput by class (an older worker), as a chat: the
-expected arrivals join as its own class.
+every step would cap it in all of them). It is stepped for up to LONG_MAX_STEPS steps or
+`LONG_HORIZON` of its class's target; past them the tokens of its class still ahead of it and
+its own go at the pace its class had over the last steps stepped. Without the throughput by
+class (an older worker), as a chat: the expected arrivals join as its own class.
 
 On a co-located (mixed) replica every step first decodes its batch (`num_decoding` sequences
 over `decode_context_tokens`, taken as published: the sequences that finish or join meanwhile
@@ -145,7 +144,7 @@ class _Run:
     and seconds over the last PACE_STEPS steps, and its tokens still queued ahead of the prompt."""
 
     paced: bool = False
-    recent: deque = None            # (class tokens, seconds) of the last steps
+    recent: deque | None = None     # (class tokens, seconds) of the last steps
     ahead: int = 0                  # its class's tokens still ahead of the new prompt
 
     def pace(self) -> float:
