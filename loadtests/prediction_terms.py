@@ -182,6 +182,33 @@ def report(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def outcome(sim: Simulation, run) -> str:
+    """What the router's admission did, by class: admitted (served), refused by the router, met
+    the class's TTFT target of those served, and goodput (requests that met their SLO, per second
+    of the planned duration)."""
+    from loadtests.metrics import is_rejected, meets_slo, meets_ttft  # noqa: PLC0415
+    from loadtests.records import ClassSLO  # noqa: PLC0415
+    refused = {f"sim-{i}" for i in run.meta.get("router_refused", ())}
+    rows, met_all = [], 0
+    by_class = defaultdict(list)
+    for rid, track in sim.tracks.items():
+        by_class[track.record.traffic_class].append((rid, track.record))
+    for c, recs in sorted(by_class.items()):
+        slo = run.classes.get(c, ClassSLO(c, None, None))
+        served = [r for _, r in recs if r.ok]
+        met = sum(meets_ttft(r, slo) for r in served)
+        met_all += sum(meets_slo(r, slo) for r in served)
+        ttfts = sorted(r.ttft_s for r in served)
+        worst = f", TTFT max {ttfts[-1]:.1f} s" if ttfts else ""
+        rows.append(f"class {c:12s} sent {len(recs):5d}  served {len(served):5d}  refused by "
+                    f"router {sum(rid in refused for rid, _ in recs):5d}  other refusals "
+                    f"{sum(is_rejected(r) for rid, r in recs if rid not in refused):4d}  met TTFT "
+                    f"{met:5d} of served ({met / max(1, len(served)):6.1%}){worst}")
+    span = run.meta.get("planned_duration_s") or sim.end_s
+    rows.append(f"goodput {met_all / span:.1f} req/s ({met_all} met their SLO over {span:.0f} s)")
+    return "\n".join(rows)
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     from loadtests.workload import load_workload  # noqa: PLC0415
     from services.cli.sim_cmd import admission_of  # noqa: PLC0415
@@ -193,7 +220,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     cfg = SimRunConfig(fleet=Fleet.parse(args.fleet), sim=sim, engine=EngineConfig(),
                        admission=admission_of("on", spec, sim.network_gbps))
     with Tracer().attached() as tracer:
-        simulate(spec, cfg)
+        out = simulate(spec, cfg)
+    args.outcome = outcome(tracer.sims[-1], out.run)
     return rows_of(tracer.sims[-1], tracer)
 
 
@@ -206,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     print(report(run(args)))
+    print()
+    print(args.outcome)
     return 0
 
 

@@ -289,7 +289,21 @@ class SimAdmission:
             self._step[w.worker_id] = (self.now, fit.step_time(s.prefill_tokens + s.decode_tokens,
                                                                s.attention_pairs))
             self.rates[w.worker_id].on_step(s.prefill_tokens, s.decode_tokens, s.attention_pairs,
-                                            s.duration_s, s.gap_s)
+                                            s.duration_s, s.gap_s,
+                                            **self._by_class(s.prefill_chunks))
+
+    def _by_class(self, chunks) -> dict[str, Counter[str]]:
+        """A step's prefill tokens by the class of their prompts, and the prompts they were (each
+        as the part of it the step prefilled)."""
+        tokens: Counter[str] = Counter()
+        prompts: Counter[str] = Counter()
+        tracks = self.sim.tracks
+        for rid, n in chunks:
+            track = tracks.get(rid)
+            if track is not None:
+                tokens[track.planned.traffic_class] += n
+                prompts[track.planned.traffic_class] += n / max(1, len(track.prompt))
+        return {"prefill_by_class": tokens, "prompts_by_class": prompts}
 
     def kv_written(self, w, nbytes: int, seconds: float) -> None:
         self._changes += 1
@@ -533,7 +547,10 @@ class SimAdmission:
         for tenant, seqs, kv in es.tenants:
             s.tenants.add(tenant=tenant, sequences=seqs, kv_blocks=kv)
         for k, v in self.rates[w.worker_id].fields().items():
-            setattr(s, k, v)
+            if isinstance(v, dict):
+                getattr(s, k).update(v)
+            else:
+                setattr(s, k, v)
         s.step_started_unix_s, s.step_predicted_s = self._step.get(w.worker_id, (0.0, 0.0))
         return s
 

@@ -59,7 +59,10 @@ runs, `step_current`):
             prompt at most its chunk a step, the arrivals as above), from the end of the step in
             flight to the step that takes the prompt's last token, each step through the fitted cost;
             on a co-located replica each step with its decode batch first (the prompts share what
-            it leaves of the budget, within the attention cap while it decodes) and in its cost
+            it leaves of the budget, within the attention cap while it decodes) and in its cost;
+            a document (a class below the top one) with the higher classes' prompts expected to
+            arrive during it, at their measured rate (`prefill_tokens_per_wall_s_by_class`),
+            going first in every step they wait in, stepped to its last token or its horizon
 The same stepping on a worker at rest at its beat (`at_rest`: nothing running or queued there,
 so it publishes no step): what is queued there now is only what routers placed since; the step
 in flight is the one it began on the first of them (`rested_in_flight_s`; none while nothing is

@@ -17,6 +17,20 @@ share), and during each later step all of them, as one more tenant of the new pr
 What it cannot know: the DRR ring's position and deficits (taken as fresh, in the published
 order), the classes' aging.
 
+A prompt of a class below the top one (a document) is stepped with the prompts of the classes
+above it expected to arrive during it, when the worker publishes its throughput by class
+(`prefill_tokens_per_wall_s_by_class`): `joining` of those arriving while the step in flight
+ends, then all of those arriving during each step (a document's prefill spans hundreds of steps:
+the mean arrival is what they add up to), queued as one more tenant of their class, so they go
+first in every step they wait in and the document keeps only its class's share while they wait
+(its own class's arrivals queue behind it or share its class's turns; they are not counted),
+as whole prompts of their class's mean length (`prefill_prompts_per_wall_s_by_class`: a chat
+every few steps leaves the steps between to the document, where a trickle of a few tokens in
+every step would cap it in all of them). It is stepped for up to LONG_MAX_STEPS steps or
+`LONG_HORIZON` of its class's target; past them the tokens of its class still ahead of it and
+its own go at the pace its class had over the last steps stepped. Without the throughput by
+class (an older worker), as a chat: the expected arrivals join as its own class.
+
 On a co-located (mixed) replica every step first decodes its batch (`num_decoding` sequences
 over `decode_context_tokens`, taken as published: the sequences that finish or join meanwhile
 are not stepped): the prompts share what the batch leaves of the budget, their chunks attend over
@@ -42,6 +56,16 @@ DRR_QUANTUM = SchedulerConfig().drr_quantum
 # Steps stepped one by one; past them the new prompt's remaining tokens go at the last step's pace
 # (a long document's hundreds of steps alike).
 MAX_STEPS = 64
+# A lower class (a document) is stepped further: its prefill spans hundreds of steps, and so
+# may the documents ahead of it. At most this many steps, or this many of its class's TTFT
+# target of stepped time (past it the prediction only has to say it misses).
+LONG_MAX_STEPS = 2048
+LONG_HORIZON = 1.5
+# The steps whose class progress paces the rest, past the stepped ones.
+PACE_STEPS = 32
+# The wait and prefill of a prompt whose class got nothing in those steps (starved by the
+# classes above it): never, as a number any stepped or paced prediction stays under.
+STARVED_S = 1e9
 ARRIVING = "\x00arriving"     # the tenant the expected arrivals are queued as (no real name)
 
 
@@ -84,10 +108,12 @@ def step_ahead(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, 
     """Step `w`'s scheduler forward with a new prompt of `tokens` uncached tokens (after
     `cached`) queued last in `tenant`'s queue of `traffic_class`, from the end of the step in
     flight (`in_flight_s` from now); `joining` of the prompt tokens expected to arrive (at
-    `prefill_tokens_per_wall_s`) join each step: those arriving while the step before it runs.
+    `prefill_tokens_per_wall_s`) join each step: those arriving while the step before it runs
+    (for a lower class, the higher classes' arrivals: the module docstring).
     None when `w` cannot be stepped (no prompts published, no token budget, an unknown class)."""
+    run = _Run()
     steps = stepped(w, tokens, cached, traffic_class, tenant, weights, in_flight_s, joining,
-                    classes)
+                    classes, run)
     if steps is None:
         return None
     t, started, own, seconds = 0.0, None, 0, 0.0
@@ -97,6 +123,8 @@ def step_ahead(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, 
         t += seconds
         if left <= 0:
             return Ahead(started, t - started)
+    if run.paced:
+        return _paced(run, t, started, left)
     # past MAX_STEPS: the rest in steps like the last one (a full one if it has not started),
     # the others' part of it alike in each, its own chunks each at their depth (a long
     # document's later chunks attend over more: priced at the last one's, it came out short)
@@ -110,6 +138,34 @@ def step_ahead(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, 
     return Ahead(started, t - started + -(-left // own) * others + _own_s(w, done, left))
 
 
+@dataclass(slots=True)
+class _Run:
+    """What a lower class's stepping leaves for the rest past its last step: its class's tokens
+    and seconds over the last PACE_STEPS steps, and its tokens still queued ahead of the prompt."""
+
+    paced: bool = False
+    recent: deque | None = None     # (class tokens, seconds) of the last steps
+    ahead: int = 0                  # its class's tokens still ahead of the new prompt
+
+    def pace(self) -> float:
+        """Tokens of the class a second over the recent steps (0 when it got none)."""
+        tokens = sum(n for n, _ in self.recent)
+        seconds = sum(s for _, s in self.recent)
+        return tokens / seconds if seconds > 0 else 0.0
+
+
+def _paced(run: _Run, t: float, started: float | None, left: int) -> Ahead:
+    """Past a lower class's stepping: what is still ahead of the prompt in its class, then its
+    own tokens left, at the pace its class had over the last steps (a class starved by those
+    above it: STARVED_S, never)."""
+    pace = run.pace()
+    if pace <= 0:
+        return Ahead(STARVED_S, STARVED_S)
+    if started is None:
+        return Ahead(t + run.ahead / pace, left / pace)
+    return Ahead(started, t - started + left / pace)
+
+
 def _own_s(w: pb.WorkerStats, start: int, tokens: int) -> float:
     """The part of steps' cost that `tokens` of one prompt from position `start` make."""
     return w.prefill_s_per_token * tokens + w.prefill_s_per_pair * attention_pairs(start, tokens)
@@ -117,9 +173,11 @@ def _own_s(w: pb.WorkerStats, start: int, tokens: int) -> float:
 
 def stepped(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, tenant: str,
             weights: Mapping[str, float], in_flight_s: float, joining: float,
-            classes: Sequence[TrafficClass] = CLASSES) -> Iterator[tuple[int, float, int]] | None:
-    """The steps `step_ahead` takes, at most MAX_STEPS, each as (the new prompt's tokens in it,
-    the step's seconds, the new prompt's tokens left after it), up to the one that ends it; None
+            classes: Sequence[TrafficClass] = CLASSES,
+            run: _Run | None = None) -> Iterator[tuple[int, float, int]] | None:
+    """The steps `step_ahead` takes, at most MAX_STEPS (a lower class's: LONG_MAX_STEPS or its
+    horizon, noting in `run` what paces the rest), each as (the new prompt's tokens in it, the
+    step's seconds, the new prompt's tokens left after it), up to the one that ends it; None
     when `w` cannot be stepped."""
     by_name = {c.name: c for c in classes}
     queues = published_queues(w)
@@ -132,26 +190,107 @@ def stepped(w: pb.WorkerStats, tokens: int, cached: int, traffic_class: str, ten
     mine = _Prompt(tokens, cached)
     queues.setdefault(traffic_class, {}).setdefault(tenant, deque()).append(mine)
     return _steps(w, queues, mine, traffic_class, by_name, {**weights, ARRIVING: 1.0},
-                  in_flight_s, joining)
+                  in_flight_s, joining, run if run is not None else _Run())
 
 
-def _steps(w, queues, mine, traffic_class, by_name, weights, in_flight_s, joining):
+def arrival_rates(w: pb.WorkerStats, traffic_class: str,
+                  by_name: Mapping[str, TrafficClass]) -> tuple[dict[str, float], bool]:
+    """The prompt tokens a second expected to arrive on `w` that a new prompt of
+    `traffic_class` meets, by the class they join, and whether they are the higher classes'
+    (a lower class's prompt on a worker that publishes its throughput by class): else all of
+    them, as its own class."""
+    by_class = w.prefill_tokens_per_wall_s_by_class
+    mine = by_name[traffic_class]
+    if by_class and any(c.priority > mine.priority for c in by_name.values()):
+        return {c: r for c, r in by_class.items()
+                if c in by_name and by_name[c].priority > mine.priority and r > 0}, True
+    return {traffic_class: w.prefill_tokens_per_wall_s}, False
+
+
+def mean_prompt(w: pb.WorkerStats, traffic_class: str) -> int:
+    """A class's mean prompt tokens as `w` prefilled them recently (its tokens over its prompts a
+    second); 0 when it does not say."""
+    prompts = w.prefill_prompts_per_wall_s_by_class.get(traffic_class, 0.0)
+    tokens = w.prefill_tokens_per_wall_s_by_class.get(traffic_class, 0.0)
+    return max(1, round(tokens / prompts)) if prompts > 0 and tokens > 0 else 0
+
+
+class _Arrivals:
+    """The higher classes' prompts expected to arrive, each class at its rate: whole prompts of
+    its mean length, one as soon as that many tokens are due (a class whose mean is unknown:
+    what is due each step, in chunks)."""
+
+    def __init__(self, w: pb.WorkerStats, rates: Mapping[str, float], chunk: int) -> None:
+        self.rates, self.chunk = rates, chunk
+        self.size = {c: mean_prompt(w, c) for c in rates}
+        self.due = dict.fromkeys(rates, 0.0)
+
+    def add(self, queues, seconds: float, factor: float) -> None:
+        for name, rate in self.rates.items():
+            line = queues.setdefault(name, {}).setdefault(ARRIVING, deque())
+            size = self.size[name]
+            if not size:
+                _arrive(queues[name], round(factor * rate * seconds), self.chunk)
+                continue
+            self.due[name] += factor * rate * seconds
+            while self.due[name] >= size:
+                line.append(_Prompt(size))
+                self.due[name] -= size
+
+
+def _steps(w, queues, mine, traffic_class, by_name, weights, in_flight_s, joining, run):
     drr = {c: DeficitRoundRobin(DRR_QUANTUM) for c in by_name}
-    rate, chunk = w.prefill_tokens_per_wall_s, w.chunk_size or w.token_budget
+    chunk = w.chunk_size or w.token_budget
+    rates, above = arrival_rates(w, traffic_class, by_name)
     decodes, context = decode_batch(w)
     shape = _Shape(w.token_budget - decodes, chunk,
                    capped_base(w.role, w.token_budget, chunk),
                    w.max_prefill_attention if decodes else 0)
-    arriving = round(joining * rate * max(0.0, in_flight_s))
-    for _ in range(MAX_STEPS):
-        _arrive(queues[traffic_class], arriving, chunk)
+    lower = any(c.priority > by_name[traffic_class].priority for c in by_name.values())
+    most, horizon = MAX_STEPS, math.inf
+    if lower and above:
+        most, horizon = LONG_MAX_STEPS, LONG_HORIZON * by_name[traffic_class].ttft_target_s
+        run.recent = deque(maxlen=PACE_STEPS)
+    arrivals = _Arrivals(w, rates if above else {}, chunk)
+    factor, span, t = joining, max(0.0, in_flight_s), 0.0
+    for _ in range(most):
+        if above:
+            arrivals.add(queues, span, factor)
+        else:
+            _arrive(queues[traffic_class], round(factor * rates[traffic_class] * span), chunk)
+        before = _class_left(queues[traffic_class]) if run.recent is not None else 0
         chunks = _step(queues, by_name, drr, weights, shape)
         seconds = _cost(w, sum(n for n, _ in chunks.values()) + decodes,
                         sum(p for _, p in chunks.values()) + context)
         yield chunks.get(id(mine), (0, 0))[0], seconds, mine.left
         if mine.left <= 0:
             return
-        arriving = round(joining * rate * seconds)
+        t += seconds
+        if run.recent is not None:
+            run.recent.append((before - _class_left(queues[traffic_class]), seconds))
+            if t > horizon:
+                break
+        factor, span = (1.0 if above else joining), seconds
+    if run.recent is not None:
+        run.paced = True
+        run.ahead = _ahead_of(queues[traffic_class], mine)
+
+
+def _class_left(tenants: Mapping[str, deque[_Prompt]]) -> int:
+    """Tokens not yet computed of a class's queued prompts."""
+    return sum(p.left for q in tenants.values() for p in q)
+
+
+def _ahead_of(tenants: Mapping[str, deque[_Prompt]], mine: _Prompt) -> int:
+    """A class's tokens the scheduler serves before `mine` has begun: those ahead of it in its
+    tenant's queue, and the other tenants' (their DRR turns interleave; taken whole)."""
+    out = 0
+    for q in tenants.values():
+        for p in q:
+            if p is mine:
+                break
+            out += p.left
+    return out
 
 
 def decode_batch(w: pb.WorkerStats) -> tuple[int, int]:

@@ -25,7 +25,9 @@ published in its stats heartbeat (WorkerStats):
   step in flight  when the last step ended and its length: the next began as it ended while work
                   waits (none is published while the engine is idle)
   throughput      prompt tokens prefilled per wall second over THROUGHPUT_SPAN_S: under a steady
-                  load the rate they arrive, so the router expects some to join the next step
+                  load the rate they arrive, so the router expects some to join the next step;
+                  and by class, when the caller of `on_step` says (a long prompt is priced with
+                  the higher classes' arrivals during its prefill)
 
 The rates are over a sliding window of recent events (`Window`), so they follow load changes and
 forget an idle spell's last burst no faster than the window.
@@ -53,7 +55,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,19 +313,32 @@ class WorkerRates:
         self._freed = Window(clock=clock)
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self._prefilled = Window(span_s=THROUGHPUT_SPAN_S, clock=clock)
+        self._prefilled_by_class: dict[str, Window] = {}     # the same by the prompts' class
+        self._prompts_by_class: dict[str, Window] = {}       # prompts (parts of) by class
+        self._clock = clock
         self._wall = wall
         self._step: tuple[float, float] = (0.0, 0.0)      # (when the last step ended, its length)
 
     def on_step(self, prefill_tokens: int, decode_tokens: int, pairs: int, duration_s: float,
-                gap_s: float, shallow_pairs: int | None = None) -> None:
+                gap_s: float, shallow_pairs: int | None = None,
+                prefill_by_class: Mapping[str, int] | None = None,
+                prompts_by_class: Mapping[str, float] | None = None) -> None:
         """One engine step, just ended; only steps that ran prefill feed the fit, the drain rate
         and the recent step, those two at depth 0 (module docstring) when `shallow_pairs` (the
-        step's `fresh_pairs`) says what its pairs would have been there."""
+        step's `fresh_pairs`) says what its pairs would have been there. `prefill_by_class`:
+        its prefill tokens by the class of their prompts, when the caller knows them, and
+        `prompts_by_class` the prompts they were, each as the part of it the step prefilled."""
         if duration_s > 0:
             self._step = (self._wall(), duration_s)
         if prefill_tokens <= 0 or duration_s <= 0:
             return
         self._prefilled.add(prefill_tokens)
+        for name, n in (prefill_by_class or {}).items():
+            self._prefilled_by_class.setdefault(
+                name, Window(span_s=THROUGHPUT_SPAN_S, clock=self._clock)).add(n)
+        for name, n in (prompts_by_class or {}).items():
+            self._prompts_by_class.setdefault(
+                name, Window(span_s=THROUGHPUT_SPAN_S, clock=self._clock)).add(n)
         tokens = prefill_tokens + decode_tokens
         self.fit.observe(tokens, pairs, duration_s)
         shallow_s = duration_s * self._depth_factor(tokens, pairs, shallow_pairs)
@@ -369,6 +384,10 @@ class WorkerRates:
                     kv_blocks_freed_per_s=self._freed.per_wall_s(),
                     sequences_finished_per_s=self._finished.per_wall_s(),
                     prefill_tokens_per_wall_s=self._prefilled.per_wall_s(),
+                    prefill_tokens_per_wall_s_by_class={
+                        c: w.per_wall_s() for c, w in self._prefilled_by_class.items()},
+                    prefill_prompts_per_wall_s_by_class={
+                        c: w.per_wall_s() for c, w in self._prompts_by_class.items()},
                     # the step after the last began as it ended (back to back while work
                     # waits), as long as it: the router reads it only while that lasts
                     step_started_unix_s=self._step[0] if busy else 0.0,

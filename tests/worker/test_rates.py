@@ -138,6 +138,24 @@ def test_the_step_in_flight_is_the_one_that_began_as_the_last_ended_while_the_en
     assert (idle["step_started_unix_s"], idle["step_predicted_s"]) == (0.0, 0.0)
 
 
+def test_the_prefill_throughput_is_published_by_class_when_the_steps_say_it():
+    """Steps that say their prefill tokens by class publish the throughput of each over the
+    same window as the total; steps that do not say publish none by class."""
+    clock = FakeClock()
+    rates = WorkerRates(TINY, clock=clock, wall=clock)
+    rates.on_step(prefill_tokens=300, decode_tokens=0, pairs=0, duration_s=0.04, gap_s=0.0)
+    assert rates.fields()["prefill_tokens_per_wall_s_by_class"] == {}
+    clock.t = 5.5                                    # that step is out of the window at the end
+    for _ in range(10):
+        clock.t += 0.5
+        rates.on_step(prefill_tokens=300, decode_tokens=0, pairs=0, duration_s=0.04, gap_s=0.0,
+                      prefill_by_class={"interactive": 100, "document": 200})
+    f = rates.fields()
+    assert f["prefill_tokens_per_wall_s_by_class"] == pytest.approx(
+        {"interactive": 100 * 10 / 5.0, "document": 200 * 10 / 5.0})
+    assert f["prefill_tokens_per_wall_s"] == pytest.approx(300 * 10 / 5.0)
+
+
 BUDGET, CHUNK = 2048, 512          # `kvfleet up --model tiny`'s prefill worker
 
 

@@ -635,7 +635,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held", "prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prefill_fit_steps", "prior_step_s", "prior_s_per_token", "prior_s_per_pair", "prior_source", "prefill_drain_tokens_per_s", "token_budget", "chunk_size", "prefill_recent_step_s", "kv_bytes_per_token", "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s", "queued_prefill_tokens_ahead", "pool", "quality_version", "prefill_queues", "num_decoding", "decode_context_tokens", "max_running", "max_prefill_attention", "prefill_step_tokens_ahead", "step_started_unix_s", "step_predicted_s", "prefill_tokens_per_wall_s")
+    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_reserved", "kv_blocks_cached", "num_running", "num_queued", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "block_size", "kv_writes_in_flight", "grpc_address", "kv_backend", "model", "max_model_len", "updated_at_unix_s", "metrics_url", "tenants", "kv_blocks_held", "prefill_step_s", "prefill_s_per_token", "prefill_s_per_pair", "prefill_fit_steps", "prior_step_s", "prior_s_per_token", "prior_s_per_pair", "prior_source", "prefill_drain_tokens_per_s", "token_budget", "chunk_size", "prefill_recent_step_s", "kv_bytes_per_token", "kv_transfer_bytes_per_s", "kv_blocks_freed_per_s", "sequences_finished_per_s", "queued_prefill_tokens_ahead", "pool", "quality_version", "prefill_queues", "num_decoding", "decode_context_tokens", "max_running", "max_prefill_attention", "prefill_step_tokens_ahead", "step_started_unix_s", "step_predicted_s", "prefill_tokens_per_wall_s", "prefill_tokens_per_wall_s_by_class", "prefill_prompts_per_wall_s_by_class")
     class QueuedPrefillTokensAheadEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -650,6 +650,20 @@ class WorkerStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PrefillTokensPerWallSByClassEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PrefillPromptsPerWallSByClassEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -700,6 +714,8 @@ class WorkerStats(_message.Message):
     STEP_STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     STEP_PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_WALL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_WALL_S_BY_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PROMPTS_PER_WALL_S_BY_CLASS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     kv_blocks_total: int
@@ -750,7 +766,9 @@ class WorkerStats(_message.Message):
     step_started_unix_s: float
     step_predicted_s: float
     prefill_tokens_per_wall_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ..., prefill_step_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_s_per_pair: _Optional[float] = ..., prefill_fit_steps: _Optional[int] = ..., prior_step_s: _Optional[float] = ..., prior_s_per_token: _Optional[float] = ..., prior_s_per_pair: _Optional[float] = ..., prior_source: _Optional[str] = ..., prefill_drain_tokens_per_s: _Optional[float] = ..., token_budget: _Optional[int] = ..., chunk_size: _Optional[int] = ..., prefill_recent_step_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_blocks_freed_per_s: _Optional[float] = ..., sequences_finished_per_s: _Optional[float] = ..., queued_prefill_tokens_ahead: _Optional[_Mapping[str, int]] = ..., pool: _Optional[str] = ..., quality_version: _Optional[str] = ..., prefill_queues: _Optional[_Iterable[_Union[TenantQueue, _Mapping]]] = ..., num_decoding: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_prefill_attention: _Optional[int] = ..., prefill_step_tokens_ahead: _Optional[_Mapping[str, int]] = ..., step_started_unix_s: _Optional[float] = ..., step_predicted_s: _Optional[float] = ..., prefill_tokens_per_wall_s: _Optional[float] = ...) -> None: ...
+    prefill_tokens_per_wall_s_by_class: _containers.ScalarMap[str, float]
+    prefill_prompts_per_wall_s_by_class: _containers.ScalarMap[str, float]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_writes_in_flight: _Optional[int] = ..., grpc_address: _Optional[str] = ..., kv_backend: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_s: _Optional[float] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ..., kv_blocks_held: _Optional[int] = ..., prefill_step_s: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_s_per_pair: _Optional[float] = ..., prefill_fit_steps: _Optional[int] = ..., prior_step_s: _Optional[float] = ..., prior_s_per_token: _Optional[float] = ..., prior_s_per_pair: _Optional[float] = ..., prior_source: _Optional[str] = ..., prefill_drain_tokens_per_s: _Optional[float] = ..., token_budget: _Optional[int] = ..., chunk_size: _Optional[int] = ..., prefill_recent_step_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_blocks_freed_per_s: _Optional[float] = ..., sequences_finished_per_s: _Optional[float] = ..., queued_prefill_tokens_ahead: _Optional[_Mapping[str, int]] = ..., pool: _Optional[str] = ..., quality_version: _Optional[str] = ..., prefill_queues: _Optional[_Iterable[_Union[TenantQueue, _Mapping]]] = ..., num_decoding: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., max_prefill_attention: _Optional[int] = ..., prefill_step_tokens_ahead: _Optional[_Mapping[str, int]] = ..., step_started_unix_s: _Optional[float] = ..., step_predicted_s: _Optional[float] = ..., prefill_tokens_per_wall_s: _Optional[float] = ..., prefill_tokens_per_wall_s_by_class: _Optional[_Mapping[str, float]] = ..., prefill_prompts_per_wall_s_by_class: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TenantShare(_message.Message):
     __slots__ = ("tenant", "sequences", "kv_blocks")
