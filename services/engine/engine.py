@@ -92,6 +92,22 @@ class StepRecord:
     preemptions: int
     prefill_chunks: list[tuple[str, int]]   # (request id, tokens) per prefill chunk
     attention_pairs: int = 0      # (query, key) pairs: prefill chunks' and decodes' (contexts)
+    # the prefill tokens by their prompts' traffic class, and the prompts they were (each chunk
+    # as its share of its prompt): what the worker's arrival rates by class count (rates.py)
+    prefill_by_class: dict[str, int] = field(default_factory=dict)
+    prompts_by_class: dict[str, float] = field(default_factory=dict)
+
+
+def _by_class(prefills) -> dict[str, dict]:
+    """A step's prefill chunks summed by their prompts' class: tokens, and prompts (each chunk as
+    the part of its prompt it prefilled), StepRecord's prefill_by_class / prompts_by_class."""
+    tokens: dict[str, int] = {}
+    prompts: dict[str, float] = {}
+    for c in prefills:
+        name = c.request.traffic_class.name
+        tokens[name] = tokens.get(name, 0) + c.num_tokens
+        prompts[name] = prompts.get(name, 0.0) + c.num_tokens / max(1, c.request.num_prompt_tokens)
+    return {"prefill_by_class": tokens, "prompts_by_class": prompts}
 
 
 def resolve_model_dir(model: str) -> str:
@@ -446,6 +462,7 @@ class LLMEngine:
             prefill_chunks=[(c.request.request_id, c.num_tokens) for c in plan.prefills],
             attention_pairs=sum(attention_pairs(c.start_pos, c.num_tokens) for c in plan.prefills)
             + sum(c.start_pos + 1 for c in plan.decodes),
+            **_by_class(plan.prefills),
         ) if ran else None
         if not self.has_unfinished():
             self._ready_since = None

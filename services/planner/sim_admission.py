@@ -290,20 +290,8 @@ class SimAdmission:
                                                                s.attention_pairs))
             self.rates[w.worker_id].on_step(s.prefill_tokens, s.decode_tokens, s.attention_pairs,
                                             s.duration_s, s.gap_s,
-                                            **self._by_class(s.prefill_chunks))
-
-    def _by_class(self, chunks) -> dict[str, Counter[str]]:
-        """A step's prefill tokens by the class of their prompts, and the prompts they were (each
-        as the part of it the step prefilled)."""
-        tokens: Counter[str] = Counter()
-        prompts: Counter[str] = Counter()
-        tracks = self.sim.tracks
-        for rid, n in chunks:
-            track = tracks.get(rid)
-            if track is not None:
-                tokens[track.planned.traffic_class] += n
-                prompts[track.planned.traffic_class] += n / max(1, len(track.prompt))
-        return {"prefill_by_class": tokens, "prompts_by_class": prompts}
+                                            prefill_by_class=s.prefill_by_class,
+                                            prompts_by_class=s.prompts_by_class)
 
     def kv_written(self, w, nbytes: int, seconds: float) -> None:
         self._changes += 1

@@ -164,12 +164,15 @@ class StepStats(msgspec.Struct, array_like=True):
     preemptions: int
     prefill_chunks: list[tuple[str, int]] = []   # (request id, tokens) per prefill chunk
     attention_pairs: int = 0      # (query, key) pairs of the step's prefill chunks and decodes
+    prefill_by_class: dict[str, int] = {}      # prefill tokens by their prompts' class
+    prompts_by_class: dict[str, float] = {}    # ... and the prompts they were (chunk / prompt)
 
     @classmethod
     def of(cls, r: StepRecord) -> StepStats:
         return cls(r.prefill_tokens, r.decode_tokens, r.num_prefill_seqs, r.num_decode_seqs,
                    r.duration_s, r.gap_s, r.kv_read_bytes, r.prefix_queries, r.prefix_hits,
-                   r.preemptions, r.prefill_chunks, r.attention_pairs)
+                   r.preemptions, r.prefill_chunks, r.attention_pairs, r.prefill_by_class,
+                   r.prompts_by_class)
 
 
 class StepOutputs(msgspec.Struct, tag=21, array_like=True):

@@ -149,7 +149,8 @@ class WorkerTelemetry:
         p, d = step.prefill_tokens, step.decode_tokens
         if self.rates is not None:
             self.rates.on_step(p, d, step.attention_pairs, step.duration_s, step.gap_s,
-                               self._shallow_pairs(step))
+                               self._shallow_pairs(step), prefill_by_class=step.prefill_by_class,
+                               prompts_by_class=step.prompts_by_class)
         if p:
             self._iteration["prefill"].observe(p)
             self._tokens["prefill"].inc(p)

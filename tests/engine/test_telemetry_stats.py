@@ -176,3 +176,19 @@ def test_a_reservation_counts_in_its_tenants_share(tiny_model_dir):
     (tenant, sequences, kv_blocks), = engine.stats().tenants
     assert (tenant, sequences) == ("default", 1)
     assert kv_blocks == engine.pool.held("d1") + engine.pool.reserved("d1") >= len(blocks)
+
+
+def test_a_steps_prefill_is_counted_by_its_prompts_class(tiny_model_dir):
+    """A chat and a document prefilled in one step: the record sums each class's tokens and the
+    prompts they were (each chunk as its part of its prompt), what the worker's arrival rates by
+    class count; the totals agree with the step's."""
+    engine = make_engine(tiny_model_dir, token_budget=64, chunk_size=32,
+                         enable_prefix_caching=False)
+    engine.add_request(prompt(20), params(2), traffic_class="interactive")
+    engine.add_request(prompt(80, base=20), params(2), traffic_class="document")
+    engine.step()
+    record = engine.last_step
+
+    assert record.prefill_by_class == {"interactive": 20, "document": 32}
+    assert record.prompts_by_class == pytest.approx({"interactive": 1.0, "document": 32 / 80})
+    assert sum(record.prefill_by_class.values()) == record.prefill_tokens

@@ -24,9 +24,11 @@ import time
 
 import grpc
 import httpx
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.engine.engine import StepRecord
 from services.engine.scheduler import attention_pairs
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2 as pb
 from services.protocol.pb.kvfleet.v1 import kvfleet_pb2_grpc as pb_grpc
@@ -286,3 +288,25 @@ def test_a_step_deep_in_a_prompt_reaches_the_published_rates_timed_at_depth_0():
                                 attention_pairs=deep))
     assert telemetry.rates.fields()["prefill_recent_step_s"] == pytest.approx(
         TINY.step_time(513, shallow), rel=0.01)
+
+
+def test_a_core_steps_classes_reach_the_published_arrival_rates_by_class():
+    """The core's step record on the wire (StepStats.of) carries its prefill tokens by class; the
+    telemetry hands them to the rates, which publish each class's tokens and prompts per second."""
+    telemetry = WorkerTelemetry("mixed", "m-classes")
+    telemetry.rates = WorkerRates(TINY, kv_bytes_per_token=2048)
+    record = StepRecord(prefill_tokens=96, decode_tokens=0, num_prefill_seqs=2, num_decode_seqs=0,
+                        duration_s=0.05, gap_s=0.0, kv_read_bytes=0, prefix_queries=0,
+                        prefix_hits=0, preemptions=0, prefill_chunks=[("c", 64), ("d", 32)],
+                        attention_pairs=attention_pairs(0, 64) + attention_pairs(0, 32),
+                        prefill_by_class={"interactive": 64, "document": 32},
+                        prompts_by_class={"interactive": 1.0, "document": 0.25})
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(StepStats.of(record)), type=StepStats)
+    telemetry.on_step(wire)
+
+    fields = telemetry.rates.fields()
+    tokens = fields["prefill_tokens_per_wall_s_by_class"]
+    prompts = fields["prefill_prompts_per_wall_s_by_class"]
+    assert set(tokens) == set(prompts) == {"interactive", "document"}
+    assert tokens["interactive"] == pytest.approx(2 * tokens["document"])
+    assert prompts["interactive"] == pytest.approx(4 * prompts["document"])
