@@ -11,7 +11,9 @@ the simulated fleet would publish.
     worker's fitted cost of its batch: what a worker could say as a step begins);
   * one decision (`services/router/service.py`, `_try`): the stage rule (`admission.stage_rule`),
     the prediction (`predict.predict`, with `decode_wait_s`), the best case
-    (`admission.best_case_s`; its wait term in the engine's tenant-fair order), the queue-first
+    (`admission.best_case_s`; its wait term in the engine's tenant-fair order), the probe of an
+    idle worker whose best case breaks the target only as priced by its prior
+    (`admission.probe`, one in flight per worker: `admission.Probes`), the queue-first
     rule for newcomers (queued behind the waiters the fair order puts ahead), the protected headroom
     (`admission.fits_outside_headroom`), then the simulator's placement;
   * the wait (`_admit`): a miss whose best case still makes the target waits until
@@ -200,6 +202,7 @@ class Decided:
     term: str = ""               # a refusal's reason
     by_stage: bool = False
     wait_bound_s: float | None = None   # how long it could wait (from arrival), once it missed
+    probe: bool = False          # admitted as a probe (admission.probe)
 
 
 @dataclass
@@ -267,6 +270,8 @@ class SimAdmission:
         self._changes = 0
         self._cached: tuple | None = None
         self._step: dict[str, tuple[float, float]] = {}   # worker id -> (began, predicted length)
+        self.probes = admission.Probes(self.policy.probe_hold_s, clock=lambda: self.now)
+        self._probed: set[str] = set()                    # request ids admitted as probes
 
     @property
     def now(self) -> float:
@@ -347,7 +352,8 @@ class SimAdmission:
         if isinstance(outcome, Prediction):
             self._decided(rid, error=False, record=Decided(
                 rid, True, now - waiter.began, outcome.total_s, admission.best_case_s(outcome),
-                cls.ttft_target_s, self.stage, wait_bound_s=self._bound(waiter)))
+                cls.ttft_target_s, self.stage, wait_bound_s=self._bound(waiter),
+                probe=rid in self._probed))
             return
         if waiter.until is None:
             waiter.until = (now + self.cfg.queue_s if outcome.by_stage else admission.wait_until(
@@ -410,17 +416,33 @@ class SimAdmission:
             return Miss(rule.note, p, blocks, final=True, by_stage=True)
         if rule.hold:
             return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
-        if admission.best_case_s(p) > target:
+        probing = admission.probe(pol, self.probes, prefill, p, target)
+        missed = self._try_placed(rid, first, probing, p, blocks, protected, ranked, rule)
+        if probing and missed is not None:
+            self.probes.give_back(prefill.worker_id)
+        if probing and missed is None:
+            self._probed.add(rid)
+        return p if missed is None else missed
+
+    def _try_placed(self, rid: str, first: bool, probing: bool, p: Prediction, blocks: int,
+                    protected: bool, ranked, rule) -> Miss | None:
+        """The rest of `_try` once predicted: None once placed, else why not."""
+        pol, sim = self.policy, self.sim
+        track = sim.tracks[rid]
+        cls = pol.traffic_class(track.planned.traffic_class)
+        tenant = pol.tenant(track.planned.tenant)
+        target = cls.ttft_target_s
+        if admission.best_case_s(p) > target and not probing:
             return Miss("prefill", p, blocks, final=True)
         if p.transfer_s > admission.kv_write_limit_s(self.cfg.timeouts, target, p):
             return Miss(admission.KV_TRANSFER, p, blocks, final=True)
         budget = target - (self.now - self.waiters[rid].began)   # what waiting left of it
-        if admission.best_case_s(p) > budget:
+        if admission.best_case_s(p) > budget and not probing:
             return Miss("queue", p, blocks, final=True)
-        if p.total_s > budget:
+        if p.total_s > budget and not probing:
             return Miss(p.dominant(), p, blocks, from_stats=True, protected=protected)
         contended = not first                # it waited: its tenant is charged a turn
-        if first and not protected and self.line.waiting(cls.name):
+        if first and not protected and not probing and self.line.waiting(cls.name):
             contended = True
             deadline = self.now + min(budget - admission.best_case_s(p), self.cfg.queue_s)
             if self.line.ahead(cls.name, tenant.name, deadline):
@@ -441,7 +463,7 @@ class SimAdmission:
         self.predicted[rid] = waited + p.total_s - PATH_S
         self.terms[rid] = p
         self.waited[rid] = waited
-        return p
+        return None
 
     # ------------------------------------------------------------ outcomes
     def _decided(self, rid: str, error: bool, record: Decided) -> None:

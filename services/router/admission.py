@@ -17,6 +17,19 @@ For each request, in order:
                                              Admit call's own bound);
        best case > target                    refuse now, naming the term and the seconds.
      The best case is the prediction without the terms that drain (queue wait, decode slot).
+     A best case priced by a worker's *prior* (its fit has measured no step yet, or still prices
+     the steps it measured more than `probe_ratio` x slower than they ran: `prefill_fit_ratio`)
+     is not a measured refusal: an idle such worker (nothing queued, running or placed since its
+     beat) takes the request anyway as a *probe*, one at a time per worker and router (`Probes`),
+     so that it measures its steps and the next decisions use them. Without it a prior too
+     pessimistic for the target refused every request, the worker never ran a step, and the
+     fleet stayed cold forever. The bound is safe: a probe may miss its target, but it is one
+     request on an otherwise idle worker (nothing else waits behind it there), and what refused
+     it was a guess, not a measurement; and while the fit prices slower than the steps ran, the
+     probe's own prefill is likely faster than priced. A worker whose fit prices its measured
+     steps within `probe_ratio` is never probed (the policy is the measured one), nor a
+     request whose best case misses by more than `probe_slack` x its target (a prior that far
+     off is not what refused it: the prompt is too long for the class).
      The KV transfer is not part of the TTFT (the first token leaves before the KV moves), but
      the KV must land while the decode reservation holds: a prompt whose transfer takes longer
      than `kv_write_limit_s` is refused now ("kv transfer").
@@ -24,7 +37,8 @@ For each request, in order:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.engine.config import BATCH, DOCUMENT, INTERACTIVE, Tenant, TrafficClass
@@ -50,6 +64,17 @@ class AdmissionConfig:
     retry_s: float = 2.0                # the safety net: a waiter retries this often without one
     keeper_every_s: float = 0.5         # the stage keeper's period
     ttft_window_s: float = 10.0         # predictions that make the ttft_pressure signal
+    # a worker whose fit prices its recent measured steps more than this x slower than they ran
+    # still prices by its prior (the worker's CostFit forgets its prior only by 0.98 a step, and
+    # steps of one size teach it only their own direction: a SmolLM2 prior on a fast worker still
+    # priced a chat 1.25 s after 8 steps of 16 ms); such a worker, idle, takes a probe
+    probe_ratio: float = 1.5
+    probe_hold_s: float = 10.0          # a probe whose step is not measured by then frees its slot
+    # a probe's best case is at most this x its target: a prior that far off is a guess to test
+    # (the CPU defaults are x1.5 and warm-up profiles x2 of what was measured), one further off
+    # is a prompt that cannot make it (a 131K-token document against a 10-s target). 1: no
+    # probes (the policy before them)
+    probe_slack: float = 4.0
     prior: Prior = field(default_factory=Prior)
     stages: StageConfig = field(default_factory=StageConfig)
 
@@ -58,6 +83,8 @@ class AdmissionConfig:
             raise ValueError("headroom fractions must be in [0, 1)")
         if self.s2_output_cap < 1 or self.wake_width < 1 or self.max_running < 1:
             raise ValueError("s2_output_cap, wake_width and max_running must be >= 1")
+        if not self.probe_ratio >= 1 or not self.probe_hold_s > 0 or not self.probe_slack >= 1:
+            raise ValueError("probe_ratio and probe_slack must be >= 1, probe_hold_s > 0")
         if not self.retry_s > 0 or not self.keeper_every_s > 0 or not self.ttft_window_s > 0:
             raise ValueError("retry_s, keeper_every_s and ttft_window_s must be > 0")
         bad = [t.name for t in self.tenants if not t.weight > 0]
@@ -150,3 +177,57 @@ def wait_until(now: float, target_s: float, p: Prediction, bound_s: float) -> fl
 def explain(term: str, predicted_s: float, target_s: float, stage_name: str) -> str:
     return (f"{term}: predicted TTFT {predicted_s:.3g} s vs target {target_s:.3g} s "
             f"(stage {stage_name})")
+
+
+def unmeasured(cfg: AdmissionConfig, w: pb.WorkerStats) -> bool:
+    """Whether `w`'s published costs are still its prior's: its fit has measured no prefill step,
+    or prices the ones it measured more than `probe_ratio` x slower than they ran."""
+    return w.prefill_fit_steps == 0 or w.prefill_fit_ratio > cfg.probe_ratio
+
+
+def idle(w: pb.WorkerStats) -> bool:
+    """Nothing queued or running on `w` (as published, with what routers placed since its beat
+    counted in: placements.PlacedPrompts.onto)."""
+    return not (w.num_running or w.num_queued or w.queued_prefill_tokens)
+
+
+class Probes:
+    """The probe in flight on each worker (at most one): taken when a probe is admitted there,
+    free again once the worker publishes more measured steps than it had then (the probe's
+    prefill was measured), or `hold_s` after it was taken (the probe went nowhere), or given
+    back at once when its plan was not made."""
+
+    def __init__(self, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.hold_s, self.clock = hold_s, clock
+        self._held: dict[str, tuple[int, float]] = {}    # worker id -> (its fit steps, taken at)
+
+    def busy(self, w: pb.WorkerStats) -> bool:
+        held = self._held.get(w.worker_id)
+        if held is None:
+            return False
+        steps, at = held
+        if w.prefill_fit_steps > steps or self.clock() - at >= self.hold_s:
+            del self._held[w.worker_id]
+            return False
+        return True
+
+    def take(self, w: pb.WorkerStats) -> bool:
+        """Hold `w`'s probe slot; False when a probe is already in flight there."""
+        if self.busy(w):
+            return False
+        self._held[w.worker_id] = (w.prefill_fit_steps, self.clock())
+        return True
+
+    def give_back(self, worker_id: str) -> None:
+        self._held.pop(worker_id, None)
+
+    def in_flight(self) -> int:
+        return len(self._held)
+
+
+def probe(cfg: AdmissionConfig, probes: Probes, w: pb.WorkerStats, p: Prediction,
+          target_s: float) -> bool:
+    """Whether a request whose best case `p` breaks `target_s` (by at most `probe_slack` x) on
+    prefill worker `w` goes as a probe (module docstring), taking `w`'s probe slot if so."""
+    return (target_s < best_case_s(p) <= cfg.probe_slack * target_s and unmeasured(cfg, w)
+            and idle(w) and probes.take(w))

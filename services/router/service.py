@@ -10,7 +10,8 @@ answered. Admit(WorkRequest) -> Plan, in order (docs/architecture.md, "The route
   3. the predicted TTFT of the best placement (services/router/predict.py) against the class's
      target: admit, wait in the Redis wait queue (tenant-fair within a class:
      services/router/fair_order.py; woken by `{ns}capacity` notifications, or by a timer), or
-     refuse when even the best case misses;
+     refuse when even the best case misses (unless that best case is priced by an idle worker's
+     prior: then one probe at a time goes there, so that it measures: admission.py);
   4. disaggregated: Reserve on the best decode replica that accepts (its reservations are
      authoritative; one that does not answer within `reserve_s` is skipped; the ranking counts what
      routers placed since each worker's beat: services/router/placements.py), the prefill
@@ -98,6 +99,7 @@ CLASS_LABELS = 16               # distinct traffic-class label values kept (the 
 WORKER_ATTR = "kvfleet.worker_id"           # router.reserve: the decode worker asked
 ACCEPTED_ATTR = "kvfleet.reserve.accepted"
 KV_BLOCKS_ATTR = "kvfleet.kv_blocks_needed"  # router.admit: the reservation's KV pages (n-aware)
+PROBE_ATTR = "kvfleet.admission.probe"       # router.admit: admitted as a probe (admission.py)
 
 
 class StageRefusal(status.CallFailed):
@@ -159,6 +161,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                                   on_stage=self.metrics.stage.set)
         self._background: list[asyncio.Task] = []
         self.placed_prompts = PlacedPrompts()   # on each prefill worker since its beat
+        self.probes = admission.Probes(self.policy.probe_hold_s)   # one in flight per worker
 
     def start(self, keeper: bool = True) -> None:
         """The capacity subscription and (unless `keeper` is False) the stage keeper, once."""
@@ -450,14 +453,15 @@ class RouterServicer(pb_grpc.RouterServicer):
                                     request.params.max_tokens, fallback_pool=pool != "primary")
         hit = cached.get(prefill[0].worker_id, 0)
         mine = PlacedPrompt(cls.name, tenant.name, prompt - hit, hit)
-        p = predict(self.placed_prompts.onto(prefill[0], self.policy.classes), prompt,
+        seen = self.placed_prompts.onto(prefill[0], self.policy.classes)
+        p = predict(seen, prompt,
                     traffic_class=cls.name, cached_tokens=hit,
                     kv_bytes=0 if path == "colocated" else kv_bytes_of(prefill[0], prompt),
                     decode_wait_s=decode_wait_s(ranked[0], blocks), prior=self.policy.prior,
                     tenant=tenant.name, weights=self._weights, classes=self.policy.classes)
         # counted before any await: a burst's concurrent admissions see it ahead of them
         self.placed_prompts.add(prefill[0], mine)
-        kept = False
+        kept = probing = False
         try:
             if first and admission.best_case_s(p) <= cls.ttft_target_s:
                 # load, not a hopeless prompt: a request whose own prefill breaks its target says
@@ -469,17 +473,18 @@ class RouterServicer(pb_grpc.RouterServicer):
                     retry_after_s=retry_after_s(blocks, self.wakeups.drain.blocks_per_s(), 0, 0)))
             if rule.hold:
                 return Miss(rule.note, p, blocks, by_stage=True, protected=protected)
-            if admission.best_case_s(p) > cls.ttft_target_s:
+            probing = admission.probe(self.policy, self.probes, seen, p, cls.ttft_target_s)
+            if admission.best_case_s(p) > cls.ttft_target_s and not probing:
                 return Miss("prefill", p, blocks, final=True)
             if p.transfer_s > admission.kv_write_limit_s(self.timeouts, cls.ttft_target_s, p):
                 return Miss(admission.KV_TRANSFER, p, blocks, final=True)
             budget_s = cls.ttft_target_s - waited_s
-            if admission.best_case_s(p) > budget_s:   # it could have, but has waited too long now
+            if admission.best_case_s(p) > budget_s and not probing:   # it has waited too long
                 return Miss("queue", p, blocks, final=True)
-            if p.total_s > budget_s:
+            if p.total_s > budget_s and not probing:
                 return Miss(p.dominant(), p, blocks, from_stats=True, protected=protected)
             contended = not first      # it waited: charge its tenant a turn of the fair order
-            if first and not protected:
+            if first and not protected and not probing:
                 deadline = time.time() + min(budget_s - admission.best_case_s(p),
                                              self.timeouts.queue_s)
                 ahead, contended = await self._ahead(cls.name, tenant.name, deadline, waiting)
@@ -516,11 +521,17 @@ class RouterServicer(pb_grpc.RouterServicer):
                 await self._charge(cls.name, tenant)
             if rule.note and span.is_recording():
                 span.set_attribute("kvfleet.stage_rule", rule.note)
+            if probing:
+                self.metrics.probes.labels(cls.name).inc()
+                if span.is_recording():
+                    span.set_attribute(PROBE_ATTR, True)
             kept = True
             return plan
         finally:
             if not kept:
                 self.placed_prompts.take_back(prefill[0], mine)
+                if probing:
+                    self.probes.give_back(prefill[0].worker_id)
 
     async def _ahead(self, cls: str, tenant: str, deadline_unix_s: float,
                      waiting: int) -> tuple[int, bool]:

@@ -159,6 +159,10 @@ class RouterMetrics(_Metrics):
         self.admit_seconds = Histogram(
             "kvfleet_admission_seconds", "Time to decide one Admit (worker list, Reserve, plan)",
             ["traffic_class"], buckets=PHASE_BUCKETS, registry=r)
+        self.probes = Counter(
+            "kvfleet_admission_probes", "Requests admitted as a probe: their best case broke the "
+            "target only as priced by an idle worker's prior (services/router/admission.py)",
+            ["traffic_class"], registry=r)
         self.predicted_ttft = Histogram(
             "kvfleet_predicted_ttft_seconds", "The router's TTFT prediction for admitted requests",
             ["traffic_class"], buckets=TTFT_BUCKETS, registry=r)

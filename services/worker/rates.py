@@ -22,6 +22,9 @@ published in its stats heartbeat (WorkerStats):
                   fit, where it knows it
   KV bandwidth    prefill: bytes / seconds of its recent KV writes
   decode drain    decode / mixed: sequences finished per second and the KV blocks they freed
+  fit ratio       the fit's price of each of its last RECENT_STEPS prefill steps (before it
+                  learnt from it) over its measured time, their mean: far above 1 while the fit
+                  still prices as a pessimistic prior (the router probes such a worker)
   step in flight  when the last step ended and its length: the next began as it ended while work
                   waits (none is published while the engine is idle)
   throughput      prompt tokens prefilled per wall second over THROUGHPUT_SPAN_S: under a steady
@@ -312,6 +315,7 @@ class WorkerRates:
         self._finished = Window(clock=clock)
         self._freed = Window(clock=clock)
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._ratios: deque[float] = deque(maxlen=RECENT_STEPS)   # fit's price / measured
         self._prefilled = Window(span_s=THROUGHPUT_SPAN_S, clock=clock)
         self._prefilled_by_class: dict[str, Window] = {}     # the same by the prompts' class
         self._prompts_by_class: dict[str, Window] = {}       # prompts (parts of) by class
@@ -340,6 +344,7 @@ class WorkerRates:
             self._prompts_by_class.setdefault(
                 name, Window(span_s=THROUGHPUT_SPAN_S, clock=self._clock)).add(n)
         tokens = prefill_tokens + decode_tokens
+        self._ratios.append(self.fit.step_time(tokens, pairs) / duration_s)
         self.fit.observe(tokens, pairs, duration_s)
         shallow_s = duration_s * self._depth_factor(tokens, pairs, shallow_pairs)
         self._drain.add(prefill_tokens, shallow_s + max(0.0, gap_s))
@@ -374,6 +379,8 @@ class WorkerRates:
         p = self.prior
         return dict(prefill_step_s=a, prefill_s_per_token=b, prefill_s_per_pair=c,
                     prefill_fit_steps=self.fit.steps, prior_step_s=p.step_s,
+                    prefill_fit_ratio=(sum(self._ratios) / len(self._ratios)
+                                       if self._ratios else 0.0),
                     prior_s_per_token=p.s_per_token, prior_s_per_pair=p.s_per_pair,
                     prior_source=p.source, prefill_drain_tokens_per_s=self.drain_rate(),
                     prefill_recent_step_s=(sum(self._recent) / len(self._recent)
