@@ -187,8 +187,8 @@ class CostFit:
     """Weighted least squares of step seconds on x = (1, tokens, pairs), with forgetting factor
     `forget` (the weight of a step `k` steps old is forget**k), started from `prior` with
     confidence `prior_weight` (in steps' worth of evidence, forgotten like a step). The features
-    are scaled so that the three coefficients are of similar size. Coefficients are published
-    clipped at 0 (a time only adds up).
+    are scaled so that the three coefficients are of similar size. The coefficients are the best
+    non-negative ones (`nonnegative_solve`: a time only adds up).
 
     The attention term also has a prior that is never forgotten, of weight `ratio_weight`: that a
     pair costs the prior's pairs-to-token ratio of a token (s_per_pair / s_per_token). Steps of
@@ -234,7 +234,7 @@ class CostFit:
         # a direction no step has excited lately has no information left: the ridge keeps the
         # solve defined there without weighing on the rest
         info = self._info + self._ratio_info + 1e-9 * np.eye(3)
-        self._theta = np.linalg.solve(info, self._moment + self._ratio_moment)
+        self._theta = nonnegative_solve(info, self._moment + self._ratio_moment)
         self.steps += 1
 
     @property
@@ -246,6 +246,27 @@ class CostFit:
     def step_time(self, tokens: int, pairs: int) -> float:
         a, b, c = self.coefficients
         return a + b * tokens + c * pairs
+
+
+def nonnegative_solve(info: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """argmin over theta >= 0 of theta' info theta - 2 moment' theta (least squares from its
+    normal equations, every coefficient a time that only adds up): each set of free coefficients
+    solved with the others held at 0, the best feasible one kept (3 coefficients: 7 sets). The
+    unconstrained solve clipped at 0 is not this: steps all of one size solve to a negative fixed
+    cost and a per-token cost that makes up for it, and clipping the first kept the second, so the
+    fit priced every step above what it took (a cold worker stayed at its prior)."""
+    n = len(moment)
+    best, best_value = np.zeros(n), 0.0
+    for mask in range(1, 1 << n):
+        free = [i for i in range(n) if mask >> i & 1]
+        theta = np.zeros(n)
+        theta[free] = np.linalg.solve(info[np.ix_(free, free)], moment[free])
+        if (theta < 0).any():
+            continue
+        value = -float(moment[free] @ theta[free])      # the objective at this set's optimum
+        if value < best_value:
+            best, best_value = theta, value
+    return best
 
 
 def fresh_pairs(chunks: Iterable[int], decode_context: int = 0) -> int:
