@@ -312,7 +312,8 @@ def table(rows: list[Comparison]) -> str:
 
 def add_validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="FILE",
-                   help="a step profile (kvfleet sim calibrate); default: calibrate in a fleet first")
+                   help="a step profile (kvfleet sim calibrate); default: calibrate in a fleet "
+                        "first")
     p.add_argument("--overhead", default=None, metavar="FILE",
                    help="the fleet's overhead (kvfleet sim calibrate --in-fleet); none: the "
                         "engines alone")
@@ -326,7 +327,8 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="sim-validation",
                    help="folder for each run's reports, the profile, table.md and rows.json")
     p.add_argument("--reuse-real", action="store_true",
-                   help="take the real runs an earlier call saved under --out (new profile, same runs)")
+                   help="take the real runs an earlier call saved under --out (new profile, "
+                        "same runs)")
 
 
 def run_validate(args: argparse.Namespace) -> int:
