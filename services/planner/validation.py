@@ -113,18 +113,25 @@ class Contention:
     fitted_s: tuple[float, ...]
     window_s: float = CONTENTION_WINDOW_S
 
+    def __post_init__(self) -> None:
+        # the arrays factor() reads: the starts, and both costs' running sums (0 first)
+        object.__setattr__(self, "_starts", np.asarray(self.starts_s, dtype=float))
+        for name, costs in (("_measured", self.measured_s), ("_fitted", self.fitted_s)):
+            object.__setattr__(self, name, np.concatenate(([0.0], np.cumsum(costs))))
+
     def factor(self, t: float) -> float:
         """Measured over fitted, summed over the real steps started within window_s/2 of t (none
         there: the nearest one's)."""
-        starts = self.starts_s
-        i0, i1 = np.searchsorted(starts, (t - self.window_s / 2, t + self.window_s / 2))
+        starts = self._starts
+        i0, i1 = (int(i) for i in np.searchsorted(starts, (t - self.window_s / 2,
+                                                            t + self.window_s / 2)))
         if i1 <= i0:
             j = int(np.searchsorted(starts, t))
             if j == len(starts) or (j > 0 and t - starts[j - 1] < starts[j] - t):
                 j -= 1
             i0, i1 = j, j + 1
-        fitted = sum(self.fitted_s[i0:i1])
-        return sum(self.measured_s[i0:i1]) / fitted if fitted > 0 else 1.0
+        fitted = self._fitted[i1] - self._fitted[i0]
+        return (self._measured[i1] - self._measured[i0]) / fitted if fitted > 0 else 1.0
 
 
 class ContendedSteps:

@@ -16,8 +16,13 @@ step shapes and the delivery of tokens.
 """
 from __future__ import annotations
 
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from loadtests.workload import load_workload
-from services.planner.validation import guard_errors, real_runs, replay_run
+from services.planner.validation import Contention, guard_errors, real_runs, replay_run
 
 TOLERANCE = 0.20
 
@@ -37,3 +42,22 @@ def test_the_simulator_replays_a_real_fleets_run_within_twenty_percent():
         assert abs(error) <= TOLERANCE, (
             f"simulated mean {metric} {got:.4f}s vs real {want:.4f}s ({error:+.0%}; load "
             f"average {load:.1f})")
+
+
+@given(st.lists(st.tuples(st.floats(0, 20), st.floats(1e-4, 1.0)), min_size=1, max_size=60),
+       st.floats(0.1, 10), st.floats(0.5, 4), st.floats(-5, 25))
+def test_steps_that_all_ran_k_times_their_fit_slow_every_simulated_moment_k_times(
+        steps, k, burst, t):
+    steps.sort()
+    calm = Contention(starts_s=tuple(s for s, _ in steps),
+                      measured_s=tuple(k * f for _, f in steps),
+                      fitted_s=tuple(f for _, f in steps))
+    assert math.isclose(calm.factor(t), k, rel_tol=1e-9)
+    # a burst: the steps of the run's second half ran `burst` times slower still; a moment there,
+    # a window away from the first half, reads it
+    half = len(steps) // 2
+    bursty = Contention(starts_s=calm.starts_s, fitted_s=calm.fitted_s, measured_s=tuple(
+        m * (burst if i >= half else 1.0) for i, m in enumerate(calm.measured_s)))
+    last = steps[-1][0]
+    if half and last - steps[half - 1][0] > bursty.window_s / 2:
+        assert math.isclose(bursty.factor(last), k * burst, rel_tol=1e-9)
