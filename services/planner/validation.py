@@ -12,6 +12,24 @@ Each real run's engine core traces its steps; a second simulation per run ("repl
 profile and overhead fitted on that run itself. The replay says what the model can do with the
 step times of that very minute; the prediction (the calibration's profile) adds the drift of a
 shared machine's load between the calibration and the run.
+
+The replay takes from the real run what the simulated fleet cannot know, and nothing it is meant
+to reproduce (`replay_run`):
+
+  * the moments: each request arrives when the load generator really sent it (its lateness on a
+    loaded box is the real run's, and its TTFT counts from its real send, as the client's does);
+    a request the real fleet refused before any token is not sent at all;
+  * the box's contention at each moment (`Contention`): a simulated step starting at t lasts the
+    profile's time for its own shape times the ratio of the real steps' measured to fitted
+    cost around t. One profile fitted over a loaded minute gives every step the minute's mean
+    slowdown, while the real steps were slow in bursts (another process took the core), and the
+    requests that arrived in a burst waited far longer than the mean slowdown says;
+
+and compares like with like (`guard_latencies`): requests both sides served, the mean TTFT, and
+the mean gap per token (a client's gap that carries two tokens, the gateway having sent them in
+one event, counts as two gaps of half its length: the simulated client sees one event a token).
+The shapes, the queueing, the scheduler's chunking, the block pool and the delivery are the
+simulator's own.
 """
 from __future__ import annotations
 
@@ -22,16 +40,22 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import numpy as np
 
 from loadtests.metrics import latency_stats
 from loadtests.records import RunResult
 from loadtests.workload import WorkloadSpec, load_workload
-from services.engine.config import SimConfig
+from services.engine.config import EngineConfig, SimConfig
 from services.planner.overhead import FleetOverhead, fit_overhead
 from services.planner.profile import ProfileError, StepProfile
-from services.planner.simulator import Fleet, SimRunConfig, simulate
+from services.planner.simulator import (
+    Fleet, SimRunConfig, Simulation, served_kv_tokens, simulate, timing_of)
+from services.planner.step_time import BatchShape, StepTimer
+
+CONTENTION_WINDOW_S = 0.25   # the real steps a simulated step's slowdown is read from: +-half
 
 
 @dataclass(frozen=True)
@@ -61,10 +85,74 @@ def latencies(run: RunResult) -> dict:
             "itl_s": latency_stats([g for r in ok for g in r.itl_s])}
 
 
+def guard_latencies(run: RunResult, indices: set[int]) -> dict[str, float]:
+    """The requests `indices` of the run (ok ones): the mean TTFT, and the mean gap per token
+    (the gaps' sum over the token intervals: a gap carrying k tokens counts k times)."""
+    ok = [r for r in run.records if r.ok and r.index in indices]
+    intervals = sum(max(0, r.output_tokens - 1) for r in ok)
+    return {"ttft_s": float(np.mean([r.ttft_s for r in ok])) if ok else float("nan"),
+            "itl_s": sum(sum(r.itl_s) for r in ok) / intervals if intervals else float("nan")}
+
+
+def guard_errors(real: RunResult, sim: RunResult) -> dict[str, tuple[float, float, float]]:
+    """Per metric of `guard_latencies` over the requests both runs served:
+    (real, simulated, (simulated - real) / real)."""
+    both = {r.index for r in real.records if r.ok} & {r.index for r in sim.records if r.ok}
+    want, got = guard_latencies(real, both), guard_latencies(sim, both)
+    return {m: (want[m], got[m], (got[m] - want[m]) / want[m]) for m in want}
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How much slower than the profile the real steps ran, moment by moment: per real step (in
+    start order) its start on the load generator's clock (the zero its sends count from), its
+    measured cost and the profile's time for its shape."""
+
+    starts_s: tuple[float, ...]
+    measured_s: tuple[float, ...]
+    fitted_s: tuple[float, ...]
+    window_s: float = CONTENTION_WINDOW_S
+
+    def __post_init__(self) -> None:
+        # the arrays factor() reads: the starts, and both costs' running sums (0 first)
+        object.__setattr__(self, "_starts", np.asarray(self.starts_s, dtype=float))
+        for name, costs in (("_measured", self.measured_s), ("_fitted", self.fitted_s)):
+            object.__setattr__(self, name, np.concatenate(([0.0], np.cumsum(costs))))
+
+    def factor(self, t: float) -> float:
+        """Measured over fitted, summed over the real steps started within window_s/2 of t (none
+        there: the nearest one's)."""
+        starts = self._starts
+        i0, i1 = (int(i) for i in np.searchsorted(starts, (t - self.window_s / 2,
+                                                            t + self.window_s / 2)))
+        if i1 <= i0:
+            j = int(np.searchsorted(starts, t))
+            if j == len(starts) or (j > 0 and t - starts[j - 1] < starts[j] - t):
+                j -= 1
+            i0, i1 = j, j + 1
+        fitted = self._fitted[i1] - self._fitted[i0]
+        return (self._measured[i1] - self._measured[i0]) / fitted if fitted > 0 else 1.0
+
+
+class ContendedSteps:
+    """A StepTimer: the profile's time for the batch times the real run's contention at the
+    simulated moment. `clock` is the simulation's (set once it exists: its engines are made with
+    this timer)."""
+
+    def __init__(self, timer: StepTimer, contention: Contention) -> None:
+        self.timer, self.contention = timer, contention
+        self.clock = lambda: 0.0
+
+    def step_s(self, batch: BatchShape) -> float:
+        base = self.timer.step_s(batch)
+        return base if batch.is_empty else base * self.contention.factor(self.clock())
+
+
 @dataclass(frozen=True)
 class RealRun:
     run: RunResult
     replay: tuple[StepProfile, FleetOverhead] | None   # fitted on the run itself
+    contention: Contention | None = None               # the run's own steps against that fit
 
 
 def real_runs(specs: list[WorkloadSpec], keep_trace: Path | None = None) -> list[RealRun]:
@@ -91,7 +179,7 @@ def real_runs(specs: list[WorkloadSpec], keep_trace: Path | None = None) -> list
         cores = read_trace(trace)
         if keep_trace is not None:
             shutil.copytree(trace, keep_trace, dirs_exist_ok=True)
-    return [RealRun(run, _replay_fit(run, cores, window)) for run, window in zip(out, windows)]
+    return [_replay_fit(run, cores, window) for run, window in zip(out, windows)]
 
 
 def _saved_real(run: RunResult, steps: Path) -> RealRun:
@@ -100,18 +188,38 @@ def _saved_real(run: RunResult, steps: Path) -> RealRun:
     window = run.meta.get("trace_window")
     if not window or not steps.is_dir():
         return RealRun(run, None)
-    return RealRun(run, _replay_fit(run, read_trace(steps), tuple(window)))
+    return _replay_fit(run, read_trace(steps), tuple(window))
 
 
-def _replay_fit(run: RunResult, cores, window) -> tuple[StepProfile, FleetOverhead] | None:
+def _replay_fit(run: RunResult, cores, window) -> RealRun:
     from services.planner.in_fleet import fit_in_fleet, step_costs  # noqa: PLC0415
     t0, t1 = window
     inside = [[s for s in steps if t0 <= s.started <= t1] for steps in cores]
+    samples = step_costs(inside)
     try:
-        return (fit_in_fleet(step_costs(inside), notes="replay: the run's own steps"),
-                fit_overhead([run], source="replay: the run's own path"))
+        profile = fit_in_fleet(samples, notes="replay: the run's own steps")
+        overhead = fit_overhead([run], source="replay: the run's own path")
     except (ProfileError, ValueError):
-        return None
+        return RealRun(run, None)
+    starts = [s.started for steps in inside for s in steps]   # step_costs' order
+    order = np.argsort(starts, kind="stable")
+    zero = _generator_zero(run, min(starts))
+    return RealRun(run, (profile, overhead), Contention(
+        starts_s=tuple(float(starts[i] - zero) for i in order),
+        measured_s=tuple(float(samples[i][1]) for i in order),
+        fitted_s=tuple(float(profile.step_s(samples[i][0])) for i in order)))
+
+
+def _generator_zero(run: RunResult, first_step: float) -> float:
+    """The load generator's zero on the trace's clock, estimated: its first request reached the
+    idle engine (the first traced step's start) after its send and the way in, taken as half
+    the median of the requests' path (client TTFT less the server's queue and prefill: the way
+    in and the first token's way out). A few ms off, well inside CONTENTION_WINDOW_S."""
+    from services.planner.overhead import path_samples  # noqa: PLC0415
+    paths = path_samples(run)
+    way_in = float(np.median(paths)) / 2 if paths else 0.0
+    first_send = min(r.send_s for r in run.records if r.send_s is not None)
+    return first_step - first_send - way_in
 
 
 def sim_run(spec: WorkloadSpec, profile: str | StepProfile,
@@ -123,6 +231,32 @@ def sim_run(spec: WorkloadSpec, profile: str | StepProfile,
             return sim_run(spec, str(Path(d) / "profile.json"), overhead)
     return simulate(spec, SimRunConfig(fleet=Fleet.parse("colocated:1"),
                                        sim=SimConfig(profile=profile), overhead=overhead)).run
+
+
+def replay_run(spec: WorkloadSpec, real: RealRun,
+               engine: EngineConfig | None = None) -> RunResult:
+    """The real run again in the simulator (module docstring): the run's own profile, path and
+    contention, its requests at their real send times, those it refused before a token left
+    out. `engine`: the simulated workers' scheduler and KV settings (default: the workers')."""
+    if real.replay is None:
+        raise ValueError("the real run has no fit to replay (too few traced steps)")
+    profile, overhead = real.replay
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "profile.json")
+        profile.save(path)
+        cfg = SimRunConfig(fleet=Fleet.parse("colocated:1"), sim=SimConfig(profile=path),
+                           engine=engine or EngineConfig(), overhead=overhead)
+        timer, transfer_s = timing_of(cfg)
+        contended = ContendedSteps(timer, real.contention) if real.contention else None
+        timer, transfer_s = overhead.applied(contended or timer, transfer_s)
+        cfg = replace(cfg, sim=replace(cfg.sim, kv_tokens=served_kv_tokens(cfg)))
+        sim = Simulation(spec, cfg, timer, transfer_s)
+        if contended is not None:
+            contended.clock = sim.clock
+        sent = {r.index: r.send_s for r in real.run.records
+                if r.send_s is not None and r.ttft_s is not None}
+        sim.planned = [replace(p, at_s=sent[p.index]) for p in sim.planned if p.index in sent]
+        return sim.run()
 
 
 def compare(workload: str, rates: list[float], duration_s: float, profile: str,
@@ -142,7 +276,7 @@ def compare(workload: str, rates: list[float], duration_s: float, profile: str,
     rows = []
     for rate, spec, real in zip(rates, specs, reals):
         sim = sim_run(spec, profile, overhead)
-        replay = sim_run(spec, *real.replay) if real.replay else None
+        replay = replay_run(spec, real) if real.replay else None
         if out is not None:
             from loadtests.report import write_report  # noqa: PLC0415
             folder = out / f"{workload}-{rate:g}"
@@ -185,7 +319,8 @@ def table(rows: list[Comparison]) -> str:
 
 def add_validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="FILE",
-                   help="a step profile (kvfleet sim calibrate); default: calibrate in a fleet first")
+                   help="a step profile (kvfleet sim calibrate); default: calibrate in a fleet "
+                        "first")
     p.add_argument("--overhead", default=None, metavar="FILE",
                    help="the fleet's overhead (kvfleet sim calibrate --in-fleet); none: the "
                         "engines alone")
@@ -199,7 +334,8 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="sim-validation",
                    help="folder for each run's reports, the profile, table.md and rows.json")
     p.add_argument("--reuse-real", action="store_true",
-                   help="take the real runs an earlier call saved under --out (new profile, same runs)")
+                   help="take the real runs an earlier call saved under --out (new profile, "
+                        "same runs)")
 
 
 def run_validate(args: argparse.Namespace) -> int:
