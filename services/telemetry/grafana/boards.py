@@ -115,6 +115,11 @@ OVERVIEW = Row("Overview: latency, goodput, errors", (
     Panel("Router decisions", "Admit decisions of the routers by decision and reason.",
           ((f"sum by (decision, reason) ({rate('kvfleet_admissions_total', CLS)})",
             "{{decision}} {{reason}}"),), "reqps", stack=True),
+    Panel("Admission probes", "Requests admitted as a probe of a cold worker: their best case "
+          "missed the target only by the worker's unmeasured prior, on an idle worker, one at a "
+          "time (docs/architecture.md, the router's decision).",
+          ((f"sum by (traffic_class) ({rate('kvfleet_admission_probes_total', CLS)})",
+            "{{traffic_class}}"),), "reqps", stack=True),
     Panel("Where request time goes", "Mean seconds per finished request in each phase: queue "
           "(quota, admission, engine queue), prefill, transfer (KV), decode.",
           ((mean(PHASE, "phase", CLS), "{{phase}}"),), "s", stack=True),
