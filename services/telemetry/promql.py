@@ -162,11 +162,17 @@ def metric_names(expr: str) -> set[str]:
 def exported_names() -> set[str]:
     """Every series name the services export, as Prometheus stores them: counters with
     `_total`, histograms with `_bucket`, `_sum`, `_count`, gauges as they are."""
+    from prometheus_client import CollectorRegistry
+
+    from services.gateway.door import DoorMetrics      # the front door registers its own
     from services.telemetry.metrics import GatewayMetrics, RouterMetrics, WorkerMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    door = CollectorRegistry()
+    DoorMetrics(door)
     names = set()
-    for metrics in (GatewayMetrics(), RouterMetrics(), WorkerMetrics("prefill", "w")):
-        for family in metrics.registry.collect():
+    for registry in (GatewayMetrics().registry, RouterMetrics().registry,
+                     WorkerMetrics("prefill", "w").registry, door):
+        for family in registry.collect():
             names.update(family.name + s for s in suffixes[family.type])
     return names

@@ -118,8 +118,18 @@ OVERVIEW = Row("Overview: latency, goodput, errors", (
     Panel("Admission probes", "Requests admitted as a probe of a cold worker: their best case "
           "missed the target only by the worker's unmeasured prior, on an idle worker, one at a "
           "time (docs/architecture.md, the router's decision).",
-          ((f"sum by (traffic_class) ({rate('kvfleet_admission_probes_total', CLS)})",
+          ((f"sum by (traffic_class) ({rate('kvfleet_admission_probes_total', CLS)}) or "
+            f"sum by (traffic_class) ({rate('kvfleet_admissions_total', CLS)}) * 0",
             "{{traffic_class}}"),), "reqps", stack=True),
+    Panel("Gateway front door: refused", "Requests the gateways' front doors refused before "
+          "reading the body, by reason: a tenant past its fair share (429) or every seat held "
+          "(503) (docs/operations.md, the gateway's front door).",
+          (("sum by (reason) (rate(kvfleet_gateway_shed_total[$__rate_interval])) or "
+            "sum(kvfleet_gateway_in_progress) * 0", "{{reason}}"),), "reqps", stack=True),
+    Panel("Gateway front door: in progress", "Generation requests the gateways hold now, by "
+          "tenant (each process bounded by --max-in-progress).",
+          (("sum by (tenant) (kvfleet_gateway_in_progress)", "{{tenant}}"),), "short",
+          stack=True),
     Panel("Where request time goes", "Mean seconds per finished request in each phase: queue "
           "(quota, admission, engine queue), prefill, transfer (KV), decode.",
           ((mean(PHASE, "phase", CLS), "{{phase}}"),), "s", stack=True),
