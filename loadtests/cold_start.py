@@ -18,7 +18,6 @@ from loadtests.local_fleet import kvfleet_up
 PROMPT = " ".join(["Tell me about the history of the harbour town and its boats."] * 16)
 
 
-
 def main(label: str) -> None:
     rows = []
     with kvfleet_up("smollm2", mode="disagg", ready_s=600) as fleet:
