@@ -54,7 +54,6 @@ Priors (services/worker/build.py `_prior`), in order:
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import deque
@@ -150,24 +149,9 @@ def prior_from_steps(steps, source: str) -> Prior | None:
         return None
     x = np.array(rows, float) / np.array(times)[:, None]      # relative: each row / its time
     scale = np.array([1.0, 1e-3, 1e-6])                       # terms of similar size
-    a, b, c = (float(v) for v in _nonnegative_lstsq(x / scale, np.ones(len(rows))) / scale)
+    x, y = x / scale, np.ones(len(rows))
+    a, b, c = (float(v) for v in nonnegative_solve(x.T @ x, x.T @ y) / scale)
     return Prior(a, b, c, source)
-
-
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin |x theta - y| over theta >= 0, for a few columns: the best of the unconstrained
-    fits over every subset of columns whose fit is >= 0 (the others held at 0)."""
-    best, best_err = np.zeros(x.shape[1]), float(y @ y)
-    for k in range(1, x.shape[1] + 1):
-        for cols in itertools.combinations(range(x.shape[1]), k):
-            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-            if (coef < 0).any():
-                continue
-            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
-            if err < best_err:
-                best, best_err = np.zeros(x.shape[1]), err
-                best[list(cols)] = coef
-    return best
 
 
 def prior_for(kv_bytes_per_token: int, *, profile: str | None = None, cost_model=None,
@@ -251,7 +235,8 @@ class CostFit:
 def nonnegative_solve(info: np.ndarray, moment: np.ndarray) -> np.ndarray:
     """argmin over theta >= 0 of theta' info theta - 2 moment' theta (least squares from its
     normal equations, every coefficient a time that only adds up): each set of free coefficients
-    solved with the others held at 0, the best feasible one kept (3 coefficients: 7 sets). The
+    solved with the others held at 0, the best feasible one kept (3 coefficients: 7 sets). Used
+    online by `CostFit` and once by `prior_from_steps`. The
     unconstrained solve clipped at 0 is not this: steps all of one size solve to a negative fixed
     cost and a per-token cost that makes up for it, and clipping the first kept the second, so the
     fit priced every step above what it took (a cold worker stayed at its prior)."""
@@ -260,7 +245,11 @@ def nonnegative_solve(info: np.ndarray, moment: np.ndarray) -> np.ndarray:
     for mask in range(1, 1 << n):
         free = [i for i in range(n) if mask >> i & 1]
         theta = np.zeros(n)
-        theta[free] = np.linalg.solve(info[np.ix_(free, free)], moment[free])
+        sub = info[np.ix_(free, free)]
+        try:
+            theta[free] = np.linalg.solve(sub, moment[free])
+        except np.linalg.LinAlgError:      # a term no step has (pairs of decode-free chunks: 0)
+            theta[free] = np.linalg.lstsq(sub, moment[free], rcond=None)[0]
         if (theta < 0).any():
             continue
         value = -float(moment[free] @ theta[free])      # the objective at this set's optimum
